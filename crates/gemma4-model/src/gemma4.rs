@@ -1,0 +1,467 @@
+//! The Gemma 4 text decoder, mirroring the Hugging Face reference
+//! (`Gemma4TextModel.forward`) step by step. Gemma 3 runs through the same
+//! code with its conventions switched (see [`Conventions`]).
+//!
+//! Per layer: input norm → attention (q/k/v norms, RoPE, sliding or full mask,
+//! shared or own K/V) → post-attention norm + residual → MLP (plus the expert
+//! branch on MoE models) → post-FFN norm + residual → per-layer-embedding
+//! branch (E2B/E4B) → `layer_scalar`.
+
+use candle_core::{Device, Tensor, D};
+
+use crate::cache::KvCache;
+use crate::config::{AttentionKind, KvSource, LayerSpec, MoeSpec, TextConfig};
+use crate::error::{ModelError, Result};
+use crate::layers::{gated_gelu, ids_tensor, softcap, softmax_last_dim, Linear, RmsNorm, Rotary};
+use crate::source::WeightSource;
+
+/// Which positions need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitsFor {
+    /// Every input position (`[n, vocab]`).
+    All,
+    /// Only the last input position (`[1, vocab]`).
+    Last,
+}
+
+/// Intermediate values recorded during a forward pass, for diagnosing a
+/// mismatch against the reference.
+#[derive(Debug, Default)]
+pub struct ForwardTrace {
+    /// `[n, hidden]` per entry: the scaled embedding, each layer's output,
+    /// then the final norm's output (the reference's `hidden_states` layout).
+    pub hidden: Vec<Tensor>,
+    /// MoE only: per layer, per token, the chosen experts in rank order.
+    pub routing: Vec<Vec<Vec<usize>>>,
+}
+
+/// The text model with its weights.
+pub struct Gemma4 {
+    cfg: TextConfig,
+    embed: Tensor,
+    embed_scale: f64,
+    ple: Option<PerLayerEmbeddings>,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    device: Device,
+}
+
+struct PerLayerEmbeddings {
+    /// `[vocab, layers · dim]`.
+    table: Tensor,
+    projection: Linear,
+    norm: RmsNorm,
+    dim: usize,
+}
+
+struct DecoderLayer {
+    index: usize,
+    spec: LayerSpec,
+    input_norm: RmsNorm,
+    post_attention_norm: RmsNorm,
+    pre_ffn_norm: RmsNorm,
+    post_ffn_norm: RmsNorm,
+    attn: Attention,
+    mlp: Mlp,
+    moe: Option<MoeBlock>,
+    ple: Option<LayerPle>,
+    layer_scalar: Option<f64>,
+    rotary: Rotary,
+}
+
+struct Attention {
+    q_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    /// `None` on KV-shared layers, which read a producer's cache instead.
+    own_kv: Option<KvProjection>,
+    num_heads: usize,
+    scale: f64,
+    sliding_window: usize,
+}
+
+struct KvProjection {
+    k_proj: Linear,
+    /// `None` when V is the raw K projection (`attention_k_eq_v`).
+    v_proj: Option<Linear>,
+    k_norm: RmsNorm,
+    v_norm: Option<RmsNorm>,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+struct MoeBlock {
+    spec: MoeSpec,
+    router_norm: RmsNorm,
+    router_scale: Tensor,
+    router_proj: Linear,
+    per_expert_scale: Vec<f32>,
+    /// `[experts, 2 · moe_intermediate, hidden]`: gate rows, then up rows.
+    gate_up: Tensor,
+    /// `[experts, hidden, moe_intermediate]`.
+    down: Tensor,
+    pre_ffn_norm_2: RmsNorm,
+    post_ffn_norm_1: RmsNorm,
+    post_ffn_norm_2: RmsNorm,
+}
+
+struct LayerPle {
+    gate: Linear,
+    projection: Linear,
+    post_norm: RmsNorm,
+}
+
+impl Gemma4 {
+    /// Builds the model from a configuration and a weight source.
+    pub fn load(cfg: TextConfig, src: &dyn WeightSource) -> Result<Self> {
+        let device = Device::Cpu;
+        let h = cfg.hidden_size;
+        let eps = cfg.rms_norm_eps;
+        let gemma3_offset = cfg.is_gemma3() && !src.norms_include_gemma3_offset();
+        let norm = |name: &str, dim: usize| -> Result<RmsNorm> {
+            let mut w = src.tensor(name, &[dim])?;
+            if gemma3_offset {
+                w = (w + 1.0)?;
+            }
+            Ok(RmsNorm::new(Some(w), eps))
+        };
+        let embed = src.tensor("embed_tokens.weight", &[cfg.vocab_size, h])?;
+        // The reference multiplies by sqrt(H) cast to the compute dtype (f32 here).
+        let embed_scale = f64::from((h as f32).sqrt());
+        let n_layers = cfg.num_layers();
+        let ple = if cfg.ple_dim > 0 {
+            let d = cfg.ple_dim;
+            Some(PerLayerEmbeddings {
+                table: src.tensor("embed_tokens_per_layer.weight", &[cfg.vocab_size, n_layers * d])?,
+                projection: src.linear("per_layer_model_projection.weight", n_layers * d, h)?,
+                norm: norm("per_layer_projection_norm.weight", d)?,
+                dim: d,
+            })
+        } else {
+            None
+        };
+        let mut layers = Vec::with_capacity(n_layers);
+        for (i, spec) in cfg.layers.iter().enumerate() {
+            let p = format!("layers.{i}.");
+            let nh = cfg.num_attention_heads;
+            let hd = spec.head_dim;
+            let kvd = spec.num_kv_heads * hd;
+            let own_kv = match spec.kv {
+                KvSource::Own => Some(KvProjection {
+                    k_proj: src.linear(&format!("{p}self_attn.k_proj.weight"), kvd, h)?,
+                    v_proj: if spec.v_is_k {
+                        None
+                    } else {
+                        Some(src.linear(&format!("{p}self_attn.v_proj.weight"), kvd, h)?)
+                    },
+                    k_norm: norm(&format!("{p}self_attn.k_norm.weight"), hd)?,
+                    v_norm: cfg.conventions.v_norm.then(|| RmsNorm::new(None, eps)),
+                }),
+                // k_proj / v_proj / k_norm may be stored on shared layers; they are never used.
+                KvSource::SharedFrom(_) => None,
+            };
+            let attn = Attention {
+                q_proj: src.linear(&format!("{p}self_attn.q_proj.weight"), nh * hd, h)?,
+                o_proj: src.linear(&format!("{p}self_attn.o_proj.weight"), h, nh * hd)?,
+                q_norm: norm(&format!("{p}self_attn.q_norm.weight"), hd)?,
+                own_kv,
+                num_heads: nh,
+                scale: cfg.conventions.attention_scale,
+                sliding_window: cfg.sliding_window,
+            };
+            let inter = spec.intermediate_size;
+            let mlp = Mlp {
+                gate: src.linear(&format!("{p}mlp.gate_proj.weight"), inter, h)?,
+                up: src.linear(&format!("{p}mlp.up_proj.weight"), inter, h)?,
+                down: src.linear(&format!("{p}mlp.down_proj.weight"), h, inter)?,
+            };
+            let moe = match cfg.moe {
+                Some(m) => Some(load_moe(src, &p, m, h, eps, &norm)?),
+                None => None,
+            };
+            let ple = match &ple {
+                Some(t) => Some(LayerPle {
+                    gate: src.linear(&format!("{p}per_layer_input_gate.weight"), t.dim, h)?,
+                    projection: src.linear(&format!("{p}per_layer_projection.weight"), h, t.dim)?,
+                    post_norm: norm(&format!("{p}post_per_layer_input_norm.weight"), h)?,
+                }),
+                None => None,
+            };
+            let layer_scalar = if cfg.conventions.layer_scalar {
+                let s = src.tensor(&format!("{p}layer_scalar"), &[1])?;
+                Some(f64::from(s.to_vec1::<f32>()?[0]))
+            } else {
+                None
+            };
+            layers.push(DecoderLayer {
+                index: i,
+                spec: spec.clone(),
+                input_norm: norm(&format!("{p}input_layernorm.weight"), h)?,
+                post_attention_norm: norm(&format!("{p}post_attention_layernorm.weight"), h)?,
+                pre_ffn_norm: norm(&format!("{p}pre_feedforward_layernorm.weight"), h)?,
+                post_ffn_norm: norm(&format!("{p}post_feedforward_layernorm.weight"), h)?,
+                attn,
+                mlp,
+                moe,
+                ple,
+                layer_scalar,
+                rotary: Rotary::new(&spec.rope),
+            });
+        }
+        let norm = norm("norm.weight", h)?;
+        Ok(Self { cfg, embed, embed_scale, ple, layers, norm, device })
+    }
+
+    pub fn config(&self) -> &TextConfig {
+        &self.cfg
+    }
+
+    /// A cache sized for this model's layers.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.cfg.num_layers())
+    }
+
+    /// Runs `ids` at positions `cache.len()..`, appends their K/V to the
+    /// cache, and returns softcapped logits for the requested positions.
+    pub fn forward(
+        &self,
+        ids: &[u32],
+        cache: &mut KvCache,
+        want: LogitsFor,
+        mut trace: Option<&mut ForwardTrace>,
+    ) -> Result<Tensor> {
+        if ids.is_empty() {
+            return Err(ModelError::Input("cannot run the model on zero tokens".into()));
+        }
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::Input(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.cfg.vocab_size
+            )));
+        }
+        let start = cache.len();
+        let positions: Vec<usize> = (start..start + ids.len()).collect();
+        let idx = ids_tensor(ids, &self.device)?;
+        let mut h = (self.embed.index_select(&idx, 0)? * self.embed_scale)?;
+        let ple = match &self.ple {
+            Some(p) => Some(self.per_layer_inputs(p, &idx, &h)?),
+            None => None,
+        };
+        if let Some(t) = trace.as_deref_mut() {
+            t.hidden.push(h.clone());
+        }
+        for layer in &self.layers {
+            let ple_i = match &ple {
+                Some(p) => Some(p.narrow(1, layer.index, 1)?.squeeze(1)?),
+                None => None,
+            };
+            h = layer.forward(&h, &positions, cache, ple_i.as_ref(), trace.as_deref_mut())?;
+            if let Some(t) = trace.as_deref_mut() {
+                t.hidden.push(h.clone());
+            }
+        }
+        cache.advance(ids.len());
+        let h = match want {
+            LogitsFor::All => h,
+            LogitsFor::Last => h.narrow(0, ids.len() - 1, 1)?,
+        };
+        let h = self.norm.forward(&h)?;
+        if let Some(t) = trace.as_deref_mut() {
+            t.hidden.push(h.clone());
+        }
+        let logits = h.matmul(&self.embed.t()?)?;
+        match self.cfg.final_logit_softcapping {
+            Some(cap) => softcap(&logits, cap),
+            None => Ok(logits),
+        }
+    }
+
+    /// `(RMSNorm(proj(h0) · H^-½) + table[ids] · √d) · 2^-½`, as `[n, layers, d]`.
+    fn per_layer_inputs(&self, p: &PerLayerEmbeddings, idx: &Tensor, h0: &Tensor) -> Result<Tensor> {
+        let n = h0.dim(0)?;
+        let layers = self.cfg.num_layers();
+        let token = (p.table.index_select(idx, 0)? * f64::from((p.dim as f32).sqrt()))?;
+        let token = token.reshape((n, layers, p.dim))?;
+        let context = (p.projection.forward(h0)? * (self.cfg.hidden_size as f64).powf(-0.5))?;
+        let context = p.norm.forward(&context.reshape((n, layers, p.dim))?)?;
+        Ok(((context + token)? * std::f64::consts::FRAC_1_SQRT_2)?)
+    }
+}
+
+fn load_moe(
+    src: &dyn WeightSource,
+    p: &str,
+    m: MoeSpec,
+    h: usize,
+    eps: f64,
+    norm: &dyn Fn(&str, usize) -> Result<RmsNorm>,
+) -> Result<MoeBlock> {
+    let e = m.num_experts;
+    let i = m.intermediate_size;
+    Ok(MoeBlock {
+        spec: m,
+        router_norm: RmsNorm::new(None, eps),
+        router_scale: src.tensor(&format!("{p}router.scale"), &[h])?,
+        router_proj: src.linear(&format!("{p}router.proj.weight"), e, h)?,
+        per_expert_scale: src.tensor(&format!("{p}router.per_expert_scale"), &[e])?.to_vec1()?,
+        gate_up: src.tensor(&format!("{p}experts.gate_up_proj"), &[e, 2 * i, h])?,
+        down: src.tensor(&format!("{p}experts.down_proj"), &[e, h, i])?,
+        pre_ffn_norm_2: norm(&format!("{p}pre_feedforward_layernorm_2.weight"), h)?,
+        post_ffn_norm_1: norm(&format!("{p}post_feedforward_layernorm_1.weight"), h)?,
+        post_ffn_norm_2: norm(&format!("{p}post_feedforward_layernorm_2.weight"), h)?,
+    })
+}
+
+impl DecoderLayer {
+    fn forward(
+        &self,
+        h: &Tensor,
+        positions: &[usize],
+        cache: &mut KvCache,
+        ple: Option<&Tensor>,
+        trace: Option<&mut ForwardTrace>,
+    ) -> Result<Tensor> {
+        let residual = h;
+        let a = self.attention(&self.input_norm.forward(h)?, positions, cache)?;
+        let h = (residual + self.post_attention_norm.forward(&a)?)?;
+        let residual = &h;
+        let mut m = self.mlp.forward(&self.pre_ffn_norm.forward(&h)?)?;
+        if let Some(moe) = &self.moe {
+            let m1 = moe.post_ffn_norm_1.forward(&m)?;
+            let (experts, routing) = moe.forward(residual)?;
+            if let Some(t) = trace {
+                t.routing.push(routing);
+            }
+            m = (m1 + moe.post_ffn_norm_2.forward(&experts)?)?;
+        }
+        let mut h = (residual + self.post_ffn_norm.forward(&m)?)?;
+        if let (Some(lp), Some(ple)) = (&self.ple, ple) {
+            let g = gated_gelu(&lp.gate.forward(&h)?, ple)?;
+            h = (&h + lp.post_norm.forward(&lp.projection.forward(&g)?)?)?;
+        }
+        if let Some(s) = self.layer_scalar {
+            h = (h * s)?;
+        }
+        Ok(h)
+    }
+
+    fn attention(&self, x: &Tensor, positions: &[usize], cache: &mut KvCache) -> Result<Tensor> {
+        let at = &self.attn;
+        let n = x.dim(0)?;
+        let hd = self.spec.head_dim;
+        let kvh = self.spec.num_kv_heads;
+        let (cos, sin) = self.rotary.cos_sin(positions, x.device())?;
+        let q = at.q_proj.forward(x)?.reshape((n, at.num_heads, hd))?;
+        let q = Rotary::apply(&at.q_norm.forward(&q)?, &cos, &sin)?;
+        if let Some(kv) = &at.own_kv {
+            let raw_k = kv.k_proj.forward(x)?.reshape((n, kvh, hd))?;
+            let v = match &kv.v_proj {
+                Some(vp) => vp.forward(x)?.reshape((n, kvh, hd))?,
+                None => raw_k.clone(),
+            };
+            let k = Rotary::apply(&kv.k_norm.forward(&raw_k)?, &cos, &sin)?;
+            let v = match &kv.v_norm {
+                Some(vn) => vn.forward(&v)?,
+                None => v,
+            };
+            cache.append(self.index, &k, &v)?;
+        }
+        let source = match self.spec.kv {
+            KvSource::Own => self.index,
+            KvSource::SharedFrom(j) => j,
+        };
+        // [kv_heads, T, hd]
+        let (k, v) = cache.get(source).ok_or_else(|| {
+            ModelError::Input(format!("layer {} found no K/V from layer {source}", self.index))
+        })?;
+        let total = k.dim(1)?;
+        let group = at.num_heads / kvh;
+        // Group query heads by their KV head: [kv, group · n, hd].
+        let q = q.transpose(0, 1)?.reshape((kvh, group * n, hd))?.contiguous()?;
+        let mut scores = q.matmul(&k.t()?)?;
+        if at.scale != 1.0 {
+            scores = (scores * at.scale)?;
+        }
+        let mask = self.mask(positions, total, x.device())?;
+        let scores = scores.reshape((kvh, group, n, total))?.broadcast_add(&mask)?;
+        let probs = softmax_last_dim(&scores)?.reshape((kvh, group * n, total))?;
+        let out = probs.matmul(v)?; // [kv, group · n, hd]
+        let out = out.reshape((at.num_heads, n, hd))?.transpose(0, 1)?.reshape((n, at.num_heads * hd))?;
+        at.o_proj.forward(&out)
+    }
+
+    /// Additive mask `[n, total]`: query at position p sees key j iff j ≤ p
+    /// and, on sliding layers, j > p − window.
+    fn mask(&self, positions: &[usize], total: usize, device: &Device) -> Result<Tensor> {
+        let window = self.attn.sliding_window;
+        let sliding = self.spec.kind == AttentionKind::Sliding;
+        let mut m = Vec::with_capacity(positions.len() * total);
+        for &p in positions {
+            for j in 0..total {
+                let visible = j <= p && (!sliding || j + window > p);
+                m.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
+            }
+        }
+        Ok(Tensor::from_vec(m, (positions.len(), total), device)?)
+    }
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.down.forward(&gated_gelu(&self.gate.forward(x)?, &self.up.forward(x)?)?)
+    }
+}
+
+impl MoeBlock {
+    /// Routes each token of the residual stream `r` to its top-k experts and
+    /// returns the weighted expert output plus the chosen experts per token.
+    /// Only the chosen experts are computed.
+    fn forward(&self, r: &Tensor) -> Result<(Tensor, Vec<Vec<usize>>)> {
+        let (n, h) = r.dims2()?;
+        let x = self.router_norm.forward(r)?.broadcast_mul(&self.router_scale)?;
+        let x = (x * (h as f64).powf(-0.5))?;
+        let probs = softmax_last_dim(&self.router_proj.forward(&x)?)?.to_vec2::<f32>()?;
+        let x2 = self.pre_ffn_norm_2.forward(r)?;
+        let k = self.spec.top_k;
+        let mut routing = Vec::with_capacity(n);
+        // Per expert: the tokens routed to it and their weights.
+        let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.spec.num_experts];
+        for (t, p) in probs.iter().enumerate() {
+            let mut order: Vec<usize> = (0..p.len()).collect();
+            order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
+            order.truncate(k);
+            let sum: f32 = order.iter().map(|&e| p[e]).sum();
+            for &e in &order {
+                by_expert[e].0.push(t as u32);
+                by_expert[e].1.push(p[e] / sum * self.per_expert_scale[e]);
+            }
+            routing.push(order);
+        }
+        let inter = self.spec.intermediate_size;
+        let mut out = Tensor::zeros((n, h), r.dtype(), r.device())?;
+        for (e, (tokens, weights)) in by_expert.iter().enumerate() {
+            if tokens.is_empty() {
+                continue;
+            }
+            let idx = ids_tensor(tokens, r.device())?;
+            let xs = x2.index_select(&idx, 0)?;
+            let gu = xs.matmul(&self.gate_up.get(e)?.t()?)?;
+            let act = gated_gelu(&gu.narrow(D::Minus1, 0, inter)?, &gu.narrow(D::Minus1, inter, inter)?)?;
+            let y = act.matmul(&self.down.get(e)?.t()?)?;
+            let w = Tensor::from_slice(weights, (weights.len(), 1), r.device())?;
+            out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
+        }
+        Ok((out, routing))
+    }
+}
+
+impl std::fmt::Debug for Gemma4 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gemma4").field("config", &self.cfg).finish_non_exhaustive()
+    }
+}
+

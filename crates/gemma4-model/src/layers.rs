@@ -1,0 +1,147 @@
+//! Building blocks shared by the decoder: linear layers over any weight
+//! storage, RMSNorm, rotary embeddings and the numerically careful softmax.
+
+use candle_core::quantized::QMatMul;
+use candle_core::{DType, Device, Module, Tensor, D};
+
+use crate::error::Result;
+
+/// Storage behind a weight matrix `[out, in]`. The model only calls
+/// [`Linear::forward`], so a storage type's kernel can change without
+/// touching the model code.
+#[derive(Debug, Clone)]
+pub enum LinearWeight {
+    /// f32 in memory, exact against the reference.
+    Dense(Tensor),
+    /// GGUF k-quant (or other ggml) blocks through candle's quantized matmul.
+    Quantized(std::sync::Arc<QMatMul>),
+}
+
+/// `y = x · Wᵀ`, no bias (Gemma has none).
+#[derive(Debug, Clone)]
+pub struct Linear {
+    weight: LinearWeight,
+    out_features: usize,
+}
+
+impl Linear {
+    pub fn new(weight: LinearWeight, out_features: usize) -> Self {
+        Self { weight, out_features }
+    }
+
+    pub fn dense(w: Tensor) -> Result<Self> {
+        let out = w.dim(0)?;
+        Ok(Self::new(LinearWeight::Dense(w), out))
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// `x`: `[n, in]` → `[n, out]`.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(match &self.weight {
+            LinearWeight::Dense(w) => x.matmul(&w.t()?)?,
+            LinearWeight::Quantized(q) => q.forward(x)?,
+        })
+    }
+}
+
+/// RMSNorm over the last dimension, computed in f32:
+/// `x · (mean(x²) + eps)^-½ · w`. `weight = None` is the scale-less variant
+/// (Gemma 4's `v_norm` and router norm).
+#[derive(Debug, Clone)]
+pub struct RmsNorm {
+    weight: Option<Tensor>,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn new(weight: Option<Tensor>, eps: f64) -> Self {
+        Self { weight, eps }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
+        let inv = (ms + self.eps)?.sqrt()?.recip()?;
+        let y = x.broadcast_mul(&inv)?;
+        Ok(match &self.weight {
+            Some(w) => y.broadcast_mul(w)?,
+            None => y,
+        })
+    }
+}
+
+/// Softmax over the last dimension, max-subtracted, in f32.
+pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?;
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    Ok(e.broadcast_div(&sum)?)
+}
+
+/// `cap · tanh(x / cap)`.
+pub fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    Ok(((x / cap)?.tanh()? * cap)?)
+}
+
+/// Rotary embedding for one layer shape, in the rotate-half layout.
+#[derive(Debug, Clone)]
+pub struct Rotary {
+    /// `[head_dim / 2]`; zeros for pairs that are not rotated.
+    inv_freq: Vec<f32>,
+    position_scale: f32,
+}
+
+impl Rotary {
+    pub fn new(spec: &crate::config::RopeSpec) -> Self {
+        let half = spec.head_dim / 2;
+        let inv_freq = (0..half)
+            .map(|i| {
+                if i < spec.rotated_pairs {
+                    // Matches the reference's f32 evaluation of 1 / theta^(2i/d).
+                    let exponent = (2 * i) as f32 / spec.head_dim as f32;
+                    1.0f32 / (spec.theta as f32).powf(exponent)
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        Self { inv_freq, position_scale: spec.position_scale as f32 }
+    }
+
+    /// `(cos, sin)` for the given positions, each `[n, head_dim]`.
+    pub fn cos_sin(&self, positions: &[usize], device: &Device) -> Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let mut freqs = Vec::with_capacity(positions.len() * half * 2);
+        for &p in positions {
+            let pos = p as f32 / self.position_scale;
+            let row: Vec<f32> = self.inv_freq.iter().map(|f| pos * f).collect();
+            freqs.extend_from_slice(&row);
+            freqs.extend_from_slice(&row);
+        }
+        let emb = Tensor::from_vec(freqs, (positions.len(), half * 2), device)?;
+        Ok((emb.cos()?, emb.sin()?))
+    }
+
+    /// `x`: `[n, heads, head_dim]`; cos/sin: `[n, head_dim]`.
+    pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let d = x.dim(D::Minus1)?;
+        let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+        let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+        let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+        let cos = cos.unsqueeze(1)?;
+        let sin = sin.unsqueeze(1)?;
+        Ok((x.broadcast_mul(&cos)? + rotated.broadcast_mul(&sin)?)?)
+    }
+}
+
+/// `gelu_pytorch_tanh(gate) · up`.
+pub fn gated_gelu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    Ok((gate.gelu()? * up)?)
+}
+
+/// Ids as an index tensor.
+pub fn ids_tensor(ids: &[u32], device: &Device) -> Result<Tensor> {
+    Ok(Tensor::from_slice(ids, ids.len(), device)?.to_dtype(DType::U32)?)
+}

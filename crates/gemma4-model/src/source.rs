@@ -1,0 +1,96 @@
+//! Where weights come from. The model asks for tensors by their Hugging Face
+//! names relative to the text model (`layers.3.self_attn.q_proj.weight`);
+//! each source maps those names onto its own layout.
+
+use std::path::Path;
+
+use candle_core::Tensor;
+
+use crate::error::{Result, WeightError};
+use crate::layers::Linear;
+use crate::safetensors_store::SafetensorsStore;
+
+/// A provider of the text model's tensors.
+pub trait WeightSource {
+    /// A tensor of the given shape, as f32.
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
+    /// A weight matrix `[out, in]` in whatever storage the source keeps it.
+    fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear> {
+        Linear::dense(self.tensor(name, &[out, inp])?)
+    }
+    /// Whether the tensor exists.
+    fn contains(&self, name: &str) -> bool;
+    /// Whether norm weights already include Gemma 3's `+1` (llama.cpp's GGUF export does).
+    fn norms_include_gemma3_offset(&self) -> bool {
+        false
+    }
+    /// Tensors present but never requested (tower weights excluded), for `doctor`.
+    fn unused(&self) -> Vec<String> {
+        Vec::new()
+    }
+}
+
+/// Prefixes under which Hugging Face checkpoints keep the text decoder,
+/// most specific first.
+const PREFIXES: &[&str] = &["model.language_model.", "language_model.model.", "model.", ""];
+
+/// Tensors that belong to the vision and audio towers; a text model ignores them.
+const TOWER_PREFIXES: &[&str] = &[
+    "model.vision_tower.",
+    "model.audio_tower.",
+    "model.embed_vision.",
+    "model.embed_audio.",
+    "model.vision_embedder.",
+    "vision_tower.",
+    "audio_tower.",
+    "multi_modal_projector.",
+];
+
+/// A Hugging Face safetensors checkpoint directory.
+pub struct HfSafetensors {
+    store: SafetensorsStore,
+    prefix: &'static str,
+}
+
+impl HfSafetensors {
+    pub fn open(dir: &Path) -> Result<Self> {
+        let store = SafetensorsStore::open_dir(dir)?;
+        let prefix = PREFIXES
+            .iter()
+            .copied()
+            .find(|p| store.contains(&format!("{p}embed_tokens.weight")))
+            .ok_or_else(|| WeightError::Missing {
+                name: "model.language_model.embed_tokens.weight (or model.embed_tokens.weight)".into(),
+            })?;
+        Ok(Self { store, prefix })
+    }
+
+    /// The key prefix of the text decoder in this checkpoint.
+    pub fn prefix(&self) -> &str {
+        self.prefix
+    }
+
+    pub fn store(&self) -> &SafetensorsStore {
+        &self.store
+    }
+}
+
+impl WeightSource for HfSafetensors {
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        Ok(self.store.get(&format!("{}{name}", self.prefix), shape)?)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.store.contains(&format!("{}{name}", self.prefix))
+    }
+
+    fn unused(&self) -> Vec<String> {
+        self.store
+            .unused()
+            .into_iter()
+            .filter(|n| !TOWER_PREFIXES.iter().any(|p| n.starts_with(p)))
+            // Tied head: an explicit copy of the embedding is redundant.
+            .filter(|n| n != "lm_head.weight")
+            .collect()
+    }
+}
