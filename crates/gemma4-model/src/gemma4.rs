@@ -40,6 +40,7 @@ pub struct Gemma4 {
     cfg: TextConfig,
     embed: Tensor,
     embed_scale: f64,
+    head: Linear,
     ple: Option<PerLayerEmbeddings>,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -213,7 +214,8 @@ impl Gemma4 {
             });
         }
         let norm = norm("norm.weight", h)?;
-        Ok(Self { cfg, embed, embed_scale, ple, layers, norm, device })
+        let head = src.tied_head(&embed)?;
+        Ok(Self { cfg, embed, embed_scale, head, ple, layers, norm, device })
     }
 
     pub fn config(&self) -> &TextConfig {
@@ -273,7 +275,7 @@ impl Gemma4 {
         if let Some(t) = trace.as_deref_mut() {
             t.hidden.push(h.clone());
         }
-        let logits = h.matmul(&self.embed.t()?)?;
+        let logits = self.head.forward(&h)?;
         match self.cfg.final_logit_softcapping {
             Some(cap) => softcap(&logits, cap),
             None => Ok(logits),

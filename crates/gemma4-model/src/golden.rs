@@ -24,6 +24,38 @@ pub const HIDDEN_RELATIVE_TOLERANCE: f32 = 1e-4;
 #[derive(Debug, Clone, Deserialize)]
 pub struct Golden {
     pub prompts: Vec<GoldenPrompt>,
+    /// Prompts whose reference continuation must also make sense as language.
+    #[serde(default)]
+    pub coherence: Option<Coherence>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+pub struct Coherence {
+    pub prompts: Vec<CoherencePrompt>,
+}
+
+/// A prompt, its reference greedy ids and the decoded reference text.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CoherencePrompt {
+    pub text: String,
+    pub input_ids: Vec<u32>,
+    pub generated_ids: Vec<u32>,
+    pub generated_text: String,
+}
+
+/// Greedy decoding of `prompt` for `steps` tokens (no early stop).
+pub fn greedy(model: &Gemma4, prompt: &[u32], steps: usize) -> Result<Vec<u32>> {
+    let mut cache = model.new_cache();
+    let mut row = model.forward(prompt, &mut cache, LogitsFor::Last, None)?;
+    let mut out = Vec::with_capacity(steps);
+    for step in 0..steps {
+        let (next, _) = argmax(&row.squeeze(0)?.to_vec1::<f32>()?);
+        out.push(next);
+        if step + 1 < steps {
+            row = model.forward(&[next], &mut cache, LogitsFor::Last, None)?;
+        }
+    }
+    Ok(out)
 }
 
 #[derive(Debug, Clone, Deserialize)]

@@ -7,6 +7,7 @@ pub mod cache;
 pub mod config;
 pub mod error;
 pub mod gemma4;
+pub mod gguf_source;
 pub mod golden;
 pub mod layers;
 pub mod safetensors_store;
@@ -16,9 +17,48 @@ pub use cache::KvCache;
 pub use config::TextConfig;
 pub use error::{ConfigError, ModelError, Result, WeightError};
 pub use gemma4::{ForwardTrace, Gemma4, LogitsFor};
+pub use gguf_source::{GgufMode, GgufSource};
 pub use source::{HfSafetensors, WeightSource};
 
 use std::path::Path;
+
+/// Loads a model from a Hugging Face checkpoint directory or a GGUF file
+/// (or a directory holding exactly one `.gguf` and no `config.json`).
+pub fn load(path: &Path, gguf_mode: GgufMode) -> Result<Gemma4> {
+    match gguf_file(path)? {
+        Some(file) => {
+            let src = GgufSource::open(&file, gguf_mode)?;
+            Gemma4::load(src.config()?, &src)
+        }
+        None => load_hf_dir(path),
+    }
+}
+
+/// The GGUF file `path` designates, if it designates one.
+pub fn gguf_file(path: &Path) -> Result<Option<std::path::PathBuf>> {
+    if path.is_file() {
+        return Ok(Some(path.to_path_buf()));
+    }
+    if !path.is_dir() {
+        return Err(ModelError::Input(format!("model path {} does not exist", path.display())));
+    }
+    if path.join("config.json").is_file() {
+        return Ok(None);
+    }
+    let ggufs: Vec<_> = std::fs::read_dir(path)
+        .map_err(|e| ModelError::Input(format!("cannot list {}: {e}", path.display())))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "gguf"))
+        .collect();
+    match ggufs.len() {
+        0 => Ok(None),
+        1 => Ok(ggufs.into_iter().next()),
+        _ => Err(ModelError::Input(format!(
+            "{} holds several .gguf files; pass the one to load",
+            path.display()
+        ))),
+    }
+}
 
 /// Loads a Hugging Face checkpoint directory (config + safetensors).
 pub fn load_hf_dir(dir: &Path) -> Result<Gemma4> {

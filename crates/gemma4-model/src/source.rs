@@ -18,6 +18,10 @@ pub trait WeightSource {
     fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear> {
         Linear::dense(self.tensor(name, &[out, inp])?)
     }
+    /// The output head, tied to the (unscaled) embedding table.
+    fn tied_head(&self, embed: &Tensor) -> Result<Linear> {
+        Linear::dense(embed.clone())
+    }
     /// Whether the tensor exists.
     fn contains(&self, name: &str) -> bool;
     /// Whether norm weights already include Gemma 3's `+1` (llama.cpp's GGUF export does).
