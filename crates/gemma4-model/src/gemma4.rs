@@ -9,7 +9,7 @@
 
 use candle_core::{Device, Tensor, D};
 
-use crate::cache::KvCache;
+use crate::cache::{KvCache, KvStore};
 use crate::config::{AttentionKind, KvSource, LayerSpec, MoeSpec, TextConfig};
 use crate::error::{ModelError, Result};
 use crate::layers::{gated_gelu, ids_tensor, softcap, softmax_last_dim, Linear, RmsNorm, Rotary};
@@ -22,6 +22,26 @@ pub enum LogitsFor {
     All,
     /// Only the last input position (`[1, vocab]`).
     Last,
+}
+
+/// One sequence's share of a batched step.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchSeq<'a> {
+    /// The tokens to run (a prompt chunk, or one decode token).
+    pub ids: &'a [u32],
+    /// Position of the first token (tokens already in the sequence's cache).
+    pub start: usize,
+    /// Which logits this sequence needs, if any.
+    pub logits: Option<LogitsFor>,
+}
+
+/// Where a sequence's tokens sit in the flat batch.
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    seq: usize,
+    offset: usize,
+    len: usize,
+    start: usize,
 }
 
 /// Intermediate values recorded during a forward pass, for diagnosing a
@@ -234,10 +254,34 @@ impl Gemma4 {
         ids: &[u32],
         cache: &mut KvCache,
         want: LogitsFor,
-        mut trace: Option<&mut ForwardTrace>,
+        trace: Option<&mut ForwardTrace>,
     ) -> Result<Tensor> {
-        if ids.is_empty() {
-            return Err(ModelError::Input("cannot run the model on zero tokens".into()));
+        let seq = BatchSeq { ids, start: cache.len(), logits: Some(want) };
+        let mut out = self.forward_batch(&[seq], cache, trace)?;
+        cache.advance(ids.len());
+        out.pop().flatten().ok_or_else(|| ModelError::Input("no logits were produced".into()))
+    }
+
+    /// One model step over a flat batch: the tokens of several sequences
+    /// (prompt chunks or single decode tokens) go through every dense layer
+    /// together; attention runs per sequence against its own K/V in `kv`.
+    /// Returns, per sequence, the logits it asked for.
+    pub fn forward_batch(
+        &self,
+        seqs: &[BatchSeq<'_>],
+        kv: &mut dyn KvStore,
+        mut trace: Option<&mut ForwardTrace>,
+    ) -> Result<Vec<Option<Tensor>>> {
+        let mut ids = Vec::new();
+        let mut positions = Vec::new();
+        let mut spans = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            if s.ids.is_empty() {
+                return Err(ModelError::Input("cannot run the model on zero tokens".into()));
+            }
+            spans.push(Span { seq: spans.len(), offset: ids.len(), len: s.ids.len(), start: s.start });
+            ids.extend_from_slice(s.ids);
+            positions.extend(s.start..s.start + s.ids.len());
         }
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
             return Err(ModelError::Input(format!(
@@ -245,9 +289,7 @@ impl Gemma4 {
                 self.cfg.vocab_size
             )));
         }
-        let start = cache.len();
-        let positions: Vec<usize> = (start..start + ids.len()).collect();
-        let idx = ids_tensor(ids, &self.device)?;
+        let idx = ids_tensor(&ids, &self.device)?;
         let mut h = (self.embed.index_select(&idx, 0)? * self.embed_scale)?;
         let ple = match &self.ple {
             Some(p) => Some(self.per_layer_inputs(p, &idx, &h)?),
@@ -261,25 +303,43 @@ impl Gemma4 {
                 Some(p) => Some(p.narrow(1, layer.index, 1)?.squeeze(1)?),
                 None => None,
             };
-            h = layer.forward(&h, &positions, cache, ple_i.as_ref(), trace.as_deref_mut())?;
+            h = layer.forward(&h, &positions, &spans, kv, ple_i.as_ref(), trace.as_deref_mut())?;
             if let Some(t) = trace.as_deref_mut() {
                 t.hidden.push(h.clone());
             }
         }
-        cache.advance(ids.len());
-        let h = match want {
-            LogitsFor::All => h,
-            LogitsFor::Last => h.narrow(0, ids.len() - 1, 1)?,
-        };
+        // Rows that need logits, then the final norm and head on those only.
+        let mut rows = Vec::new();
+        let mut row_of = Vec::with_capacity(seqs.len());
+        for (s, span) in seqs.iter().zip(&spans) {
+            match s.logits {
+                Some(LogitsFor::All) => {
+                    row_of.push(Some((rows.len(), span.len)));
+                    rows.extend((span.offset..span.offset + span.len).map(|r| r as u32));
+                }
+                Some(LogitsFor::Last) => {
+                    row_of.push(Some((rows.len(), 1)));
+                    rows.push((span.offset + span.len - 1) as u32);
+                }
+                None => row_of.push(None),
+            }
+        }
+        if rows.is_empty() {
+            return Ok(vec![None; seqs.len()]);
+        }
+        let h = h.index_select(&ids_tensor(&rows, &self.device)?, 0)?;
         let h = self.norm.forward(&h)?;
         if let Some(t) = trace.as_deref_mut() {
             t.hidden.push(h.clone());
         }
-        let logits = self.head.forward(&h)?;
-        match self.cfg.final_logit_softcapping {
-            Some(cap) => softcap(&logits, cap),
-            None => Ok(logits),
+        let mut logits = self.head.forward(&h)?;
+        if let Some(cap) = self.cfg.final_logit_softcapping {
+            logits = softcap(&logits, cap)?;
         }
+        row_of
+            .into_iter()
+            .map(|r| r.map(|(first, n)| logits.narrow(0, first, n)).transpose().map_err(ModelError::from))
+            .collect()
     }
 
     /// `(RMSNorm(proj(h0) · H^-½) + table[ids] · √d) · 2^-½`, as `[n, layers, d]`.
@@ -323,12 +383,13 @@ impl DecoderLayer {
         &self,
         h: &Tensor,
         positions: &[usize],
-        cache: &mut KvCache,
+        spans: &[Span],
+        kv: &mut dyn KvStore,
         ple: Option<&Tensor>,
         trace: Option<&mut ForwardTrace>,
     ) -> Result<Tensor> {
         let residual = h;
-        let a = self.attention(&self.input_norm.forward(h)?, positions, cache)?;
+        let a = self.attention(&self.input_norm.forward(h)?, positions, spans, kv)?;
         let h = (residual + self.post_attention_norm.forward(&a)?)?;
         let residual = &h;
         let mut m = self.mlp.forward(&self.pre_ffn_norm.forward(&h)?)?;
@@ -351,7 +412,7 @@ impl DecoderLayer {
         Ok(h)
     }
 
-    fn attention(&self, x: &Tensor, positions: &[usize], cache: &mut KvCache) -> Result<Tensor> {
+    fn attention(&self, x: &Tensor, positions: &[usize], spans: &[Span], kv: &mut dyn KvStore) -> Result<Tensor> {
         let at = &self.attn;
         let n = x.dim(0)?;
         let hd = self.spec.head_dim;
@@ -359,51 +420,56 @@ impl DecoderLayer {
         let (cos, sin) = self.rotary.cos_sin(positions, x.device())?;
         let q = at.q_proj.forward(x)?.reshape((n, at.num_heads, hd))?;
         let q = Rotary::apply(&at.q_norm.forward(&q)?, &cos, &sin)?;
-        if let Some(kv) = &at.own_kv {
-            let raw_k = kv.k_proj.forward(x)?.reshape((n, kvh, hd))?;
-            let v = match &kv.v_proj {
+        if let Some(p) = &at.own_kv {
+            let raw_k = p.k_proj.forward(x)?.reshape((n, kvh, hd))?;
+            let v = match &p.v_proj {
                 Some(vp) => vp.forward(x)?.reshape((n, kvh, hd))?,
                 None => raw_k.clone(),
             };
-            let k = Rotary::apply(&kv.k_norm.forward(&raw_k)?, &cos, &sin)?;
-            let v = match &kv.v_norm {
+            let k = Rotary::apply(&p.k_norm.forward(&raw_k)?, &cos, &sin)?;
+            let v = match &p.v_norm {
                 Some(vn) => vn.forward(&v)?,
                 None => v,
             };
-            cache.append(self.index, &k, &v)?;
+            for sp in spans {
+                kv.write(self.index, sp.seq, sp.start, &k.narrow(0, sp.offset, sp.len)?, &v.narrow(0, sp.offset, sp.len)?)?;
+            }
         }
         let source = match self.spec.kv {
             KvSource::Own => self.index,
             KvSource::SharedFrom(j) => j,
         };
-        // [kv_heads, T, hd]
-        let (k, v) = cache.get(source).ok_or_else(|| {
-            ModelError::Input(format!("layer {} found no K/V from layer {source}", self.index))
-        })?;
-        let total = k.dim(1)?;
         let group = at.num_heads / kvh;
-        // Group query heads by their KV head: [kv, group · n, hd].
-        let q = q.transpose(0, 1)?.reshape((kvh, group * n, hd))?.contiguous()?;
-        let mut scores = q.matmul(&k.t()?)?;
-        if at.scale != 1.0 {
-            scores = (scores * at.scale)?;
+        let mut outs = Vec::with_capacity(spans.len());
+        for sp in spans {
+            // [kv_heads, T, hd], keys at absolute positions first..first+T.
+            let (k, v, first) = kv.read(source, sp.seq)?;
+            let total = k.dim(1)?;
+            let n = sp.len;
+            // Group query heads by their KV head: [kv, group · n, hd].
+            let q = q.narrow(0, sp.offset, n)?.transpose(0, 1)?.reshape((kvh, group * n, hd))?.contiguous()?;
+            let mut scores = q.matmul(&k.t()?)?;
+            if at.scale != 1.0 {
+                scores = (scores * at.scale)?;
+            }
+            let mask = self.mask(&positions[sp.offset..sp.offset + n], first, total, x.device())?;
+            let scores = scores.reshape((kvh, group, n, total))?.broadcast_add(&mask)?;
+            let probs = softmax_last_dim(&scores)?.reshape((kvh, group * n, total))?;
+            let out = probs.matmul(&v)?; // [kv, group · n, hd]
+            outs.push(out.reshape((at.num_heads, n, hd))?.transpose(0, 1)?.reshape((n, at.num_heads * hd))?);
         }
-        let mask = self.mask(positions, total, x.device())?;
-        let scores = scores.reshape((kvh, group, n, total))?.broadcast_add(&mask)?;
-        let probs = softmax_last_dim(&scores)?.reshape((kvh, group * n, total))?;
-        let out = probs.matmul(v)?; // [kv, group · n, hd]
-        let out = out.reshape((at.num_heads, n, hd))?.transpose(0, 1)?.reshape((n, at.num_heads * hd))?;
+        let out = if outs.len() == 1 { outs.pop().ok_or_else(|| ModelError::Input("empty batch".into()))? } else { Tensor::cat(&outs, 0)? };
         at.o_proj.forward(&out)
     }
 
-    /// Additive mask `[n, total]`: query at position p sees key j iff j ≤ p
-    /// and, on sliding layers, j > p − window.
-    fn mask(&self, positions: &[usize], total: usize, device: &Device) -> Result<Tensor> {
+    /// Additive mask `[n, total]` for keys at positions `first..first + total`:
+    /// a query at position p sees key j iff j ≤ p and, on sliding layers, j > p − window.
+    fn mask(&self, positions: &[usize], first: usize, total: usize, device: &Device) -> Result<Tensor> {
         let window = self.attn.sliding_window;
         let sliding = self.spec.kind == AttentionKind::Sliding;
         let mut m = Vec::with_capacity(positions.len() * total);
         for &p in positions {
-            for j in 0..total {
+            for j in first..first + total {
                 let visible = j <= p && (!sliding || j + window > p);
                 m.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
             }

@@ -10,13 +10,14 @@ pub mod gemma4;
 pub mod gguf_source;
 pub mod golden;
 pub mod layers;
+pub mod paged;
 pub mod safetensors_store;
 pub mod source;
 
-pub use cache::KvCache;
+pub use cache::{KvCache, KvStore};
 pub use config::TextConfig;
 pub use error::{ConfigError, ModelError, Result, WeightError};
-pub use gemma4::{ForwardTrace, Gemma4, LogitsFor};
+pub use gemma4::{BatchSeq, ForwardTrace, Gemma4, LogitsFor};
 pub use gguf_source::{GgufMode, GgufSource};
 pub use source::{HfSafetensors, WeightSource};
 

@@ -1,0 +1,73 @@
+//! `gemma4 verify`: our logits and greedy tokens against a reference golden file.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use gemma4_model::golden::{greedy, locate_divergence, verify_prompt, Golden, DEFAULT_TOLERANCE};
+use gemma4_model::GgufMode;
+
+use crate::model_io::ModelArgs;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Golden file in the oracle format (prompts with logits and greedy ids).
+    #[arg(long)]
+    golden: PathBuf,
+    /// Maximum allowed absolute logit difference.
+    #[arg(long, default_value_t = DEFAULT_TOLERANCE)]
+    tolerance: f32,
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    let golden = Golden::read(&args.golden)?;
+    let path = args.model.path()?;
+    let mode = if args.model.exact { GgufMode::Dequantized } else { GgufMode::Quantized };
+    let model =
+        gemma4_model::load(&path, mode).with_context(|| format!("cannot load model from {}", path.display()))?;
+    let tokenizer = crate::model_io::load_tokenizer(&path).ok();
+    let tensors = args.golden.with_file_name("golden_tensors.safetensors");
+    let mut all_match = true;
+    let mut worst = 0f32;
+    for (i, p) in golden.prompts.iter().enumerate() {
+        let r = verify_prompt(&model, p, args.tolerance)?;
+        worst = worst.max(r.max_abs_logit_diff);
+        all_match &= r.seq_match;
+        let total = p.greedy.generated_ids.len();
+        let same = r.first_token_mismatch.unwrap_or(total);
+        let text = tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(&r.generated_ids, false).ok())
+            .map(|s| format!(" text={s:?}"))
+            .unwrap_or_default();
+        println!(
+            "{} prompt={} tokens={} greedy={same}/{total} top5_mismatches={} max_abs_logit_diff={:.3e}{text}",
+            if r.seq_match { "MATCH" } else { "DIFF " },
+            p.name,
+            p.input_ids.len(),
+            r.top5_mismatches.len(),
+            r.max_abs_logit_diff,
+        );
+        if !r.seq_match && tensors.is_file() {
+            let d = locate_divergence(&model, &tensors, i, &p.input_ids)?;
+            println!("  diagnosis: {}", d.describe(model.config().num_layers()));
+        }
+    }
+    // Prompts whose reference answer is known to be sensible language.
+    for c in golden.coherence.iter().flat_map(|c| &c.prompts) {
+        let ids = greedy(&model, &c.input_ids, c.generated_ids.len())?;
+        let same = ids == c.generated_ids;
+        all_match &= same;
+        let text = tokenizer.as_ref().and_then(|t| t.decode(&ids, false).ok()).unwrap_or_default();
+        println!(
+            "{} coherence prompt={:?} text={text:?} reference={:?}",
+            if same { "MATCH" } else { "DIFF " },
+            c.text,
+            c.generated_text
+        );
+    }
+    println!("SEQ_MATCH {all_match} max_abs_logit_diff={worst:.3e}");
+    Ok(if all_match { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}

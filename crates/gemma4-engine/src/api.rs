@@ -1,0 +1,152 @@
+//! What callers (the HTTP server, the CLI) exchange with the engine: a
+//! request with its sampling settings in, a stream of events out.
+
+use std::time::Instant;
+
+/// How to pick each next token.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means no top-k cut.
+    pub top_k: usize,
+    /// 1.0 means no nucleus cut.
+    pub top_p: f32,
+    /// 0.0 means no min-p cut.
+    pub min_p: f32,
+    pub presence_penalty: f32,
+    pub frequency_penalty: f32,
+    /// 1.0 means none.
+    pub repetition_penalty: f32,
+    /// Same seed, same output, whatever else runs in the batch.
+    pub seed: Option<u64>,
+    /// Most tokens to generate.
+    pub max_tokens: usize,
+    /// Token ids that end generation (not included in the output).
+    pub stop_token_ids: Vec<u32>,
+    /// Strings that end generation (the text is cut before them).
+    pub stop_strings: Vec<String>,
+    /// Return the chosen token's log-probability and this many alternatives.
+    pub logprobs: Option<usize>,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            seed: None,
+            max_tokens: 16,
+            stop_token_ids: Vec::new(),
+            stop_strings: Vec::new(),
+            logprobs: None,
+        }
+    }
+}
+
+/// One generation request.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    pub prompt_ids: Vec<u32>,
+    pub params: SamplingParams,
+    /// The request ends with [`FinishReason::Timeout`] once this passes.
+    pub deadline: Option<Instant>,
+}
+
+/// A token's log-probability with its strongest alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token_id: u32,
+    pub text: String,
+    pub logprob: f32,
+    /// `(id, text, logprob)`, best first.
+    pub top: Vec<(u32, String, f32)>,
+}
+
+/// Why a request ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token or stop string.
+    Stop,
+    /// `max_tokens` or the context length was reached.
+    Length,
+    /// The caller dropped its stream or cancelled.
+    Cancelled,
+    /// The deadline passed.
+    Timeout,
+    /// The engine failed on this request.
+    Error(String),
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` string.
+    pub fn as_openai(&self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+            FinishReason::Timeout => "timeout",
+            FinishReason::Error(_) => "error",
+        }
+    }
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// What the engine sends back, in order: zero or more `Token`s, then one `Finished`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum EngineEvent {
+    /// A generated token and the text it completes (may be empty while a
+    /// multi-byte character or a possible stop string is pending).
+    Token {
+        id: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Finished {
+        reason: FinishReason,
+        /// Text held back at the end (a partial stop-string match that did not complete).
+        text: String,
+        usage: Usage,
+    },
+}
+
+/// Why a request was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SubmitError {
+    #[error("the wait queue is full ({0} requests waiting); retry later")]
+    QueueFull(usize),
+    #[error("the server is shutting down and accepts no new requests")]
+    Draining,
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
+/// A point-in-time view of the engine for `/metrics` and `/health`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    pub running: usize,
+    pub waiting: usize,
+    pub kv_blocks_total: usize,
+    pub kv_blocks_used: usize,
+    pub kv_block_size: usize,
+    pub prefix_cache_hits: u64,
+    pub preemptions: u64,
+    /// Blocks in use in the sliding-window group and the full-attention group.
+    pub kv_sliding_blocks_used: usize,
+    pub kv_full_blocks_used: usize,
+    /// The most sliding-group blocks any one sequence has held at once.
+    pub kv_sliding_blocks_per_seq_peak: usize,
+}

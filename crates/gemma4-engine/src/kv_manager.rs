@@ -1,0 +1,348 @@
+//! Block accounting for the paged KV cache: free lists, per-sequence block
+//! tables per cache group, reference counts for prefix sharing, and
+//! releasing sliding-window blocks no query can see any more.
+//!
+//! This module never touches tensors: it hands out block ids, and the model
+//! writes into the pools those ids address.
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+
+use gemma4_model::config::AttentionKind;
+use gemma4_model::paged::{GroupBlocks, KvGroup};
+
+/// Accounting for one cache group.
+#[derive(Debug)]
+struct GroupState {
+    /// Sliding groups: the window (a query at p sees keys > p − window).
+    window: Option<usize>,
+    total: usize,
+    /// Unowned blocks holding nothing worth keeping, lowest id first.
+    free: BTreeSet<u32>,
+    /// Unowned blocks that still hold a registered prefix, oldest release first;
+    /// reused only when `free` is empty.
+    free_cached: VecDeque<u32>,
+    refcount: Vec<u32>,
+    /// Prefix hash each block currently holds, if registered.
+    hash_of: Vec<Option<u64>>,
+    /// Prefix hash → block holding it (owned or free-but-intact).
+    cached: HashMap<u64, u32>,
+}
+
+impl GroupState {
+    fn free_count(&self) -> usize {
+        self.free.len() + self.free_cached.len()
+    }
+
+    fn take_free(&mut self) -> Option<u32> {
+        let b = match self.free.pop_first() {
+            Some(b) => b,
+            None => self.free_cached.pop_front()?,
+        };
+        // Reusing the block overwrites whatever prefix it held.
+        if let Some(h) = self.hash_of[b as usize].take() {
+            self.cached.remove(&h);
+        }
+        self.refcount[b as usize] = 1;
+        Some(b)
+    }
+
+    fn incref(&mut self, b: u32) {
+        if self.refcount[b as usize] == 0 && !self.free.remove(&b) {
+            self.free_cached.retain(|&x| x != b);
+        }
+        self.refcount[b as usize] += 1;
+    }
+
+    fn decref(&mut self, b: u32) {
+        let rc = &mut self.refcount[b as usize];
+        *rc = rc.saturating_sub(1);
+        if *rc == 0 {
+            if self.hash_of[b as usize].is_some() {
+                self.free_cached.push_back(b);
+            } else {
+                self.free.insert(b);
+            }
+        }
+    }
+
+    /// First logical block a query at `pos` (or later) can still see.
+    fn first_needed_block(&self, pos: usize, block_size: usize) -> usize {
+        match self.window {
+            Some(w) => (pos + 1).saturating_sub(w) / block_size,
+            None => 0,
+        }
+    }
+}
+
+/// A sequence's KV blocks, one table per group.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SeqKv {
+    pub tables: Vec<GroupBlocks>,
+    /// Full blocks whose prefix hash has been registered (or adopted).
+    registered_blocks: usize,
+    /// Hash of the last registered block (the chain's parent).
+    last_hash: u64,
+}
+
+/// Usage figures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct BlockUsage {
+    pub total: usize,
+    pub used: usize,
+}
+
+/// The block allocator for every group.
+#[derive(Debug)]
+pub struct KvManager {
+    block_size: usize,
+    groups: Vec<GroupState>,
+    prefix_caching: bool,
+}
+
+impl KvManager {
+    pub fn new(groups: &[KvGroup], blocks_per_group: &[usize], block_size: usize, window: usize, prefix_caching: bool) -> Self {
+        let groups = groups
+            .iter()
+            .zip(blocks_per_group)
+            .map(|(g, &n)| GroupState {
+                window: (g.kind == AttentionKind::Sliding).then_some(window),
+                total: n,
+                free: (0..n as u32).collect(),
+                free_cached: VecDeque::new(),
+                refcount: vec![0; n],
+                hash_of: vec![None; n],
+                cached: HashMap::new(),
+            })
+            .collect();
+        Self { block_size, groups, prefix_caching }
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Per group: total and used (owned by at least one sequence) blocks.
+    pub fn usage(&self) -> Vec<BlockUsage> {
+        self.groups.iter().map(|g| BlockUsage { total: g.total, used: g.total - g.free_count() }).collect()
+    }
+
+    /// An empty table set for a new sequence.
+    pub fn empty(&self) -> SeqKv {
+        SeqKv { tables: vec![GroupBlocks::default(); self.groups.len()], registered_blocks: 0, last_hash: 0 }
+    }
+
+    /// Blocks each group would need to hold positions `..new_len` for queries from `query_pos` on.
+    fn blocks_needed(&self, seq: &SeqKv, new_len: usize, query_pos: usize) -> Vec<usize> {
+        let bs = self.block_size;
+        self.groups
+            .iter()
+            .zip(&seq.tables)
+            .map(|(g, t)| {
+                let first = g.first_needed_block(query_pos, bs).max(t.first_block);
+                let have_end = t.first_block + t.blocks.len();
+                let need_end = new_len.div_ceil(bs);
+                need_end.saturating_sub(have_end.max(first))
+            })
+            .collect()
+    }
+
+    /// Makes room for positions `..new_len`, where the step's first query is
+    /// at `query_pos`. Sliding groups first release blocks no query from
+    /// `query_pos` on can see. Returns false (changing nothing but the
+    /// releases) when a group has too few free blocks.
+    pub fn allocate(&mut self, seq: &mut SeqKv, new_len: usize, query_pos: usize) -> bool {
+        self.release_out_of_window(seq, query_pos);
+        let needed = self.blocks_needed(seq, new_len, query_pos);
+        if needed.iter().zip(&self.groups).any(|(&n, g)| n > g.free_count()) {
+            return false;
+        }
+        let bs = self.block_size;
+        for ((g, t), n) in self.groups.iter_mut().zip(seq.tables.iter_mut()).zip(needed) {
+            if t.blocks.is_empty() {
+                // A fresh sliding table starts at the first block the window needs.
+                t.first_block = g.first_needed_block(query_pos, bs);
+            }
+            for _ in 0..n {
+                match g.take_free() {
+                    Some(b) => t.blocks.push(b),
+                    None => return false,
+                }
+            }
+        }
+        true
+    }
+
+    /// Releases sliding-group blocks entirely before the window of a query at `query_pos`.
+    pub fn release_out_of_window(&mut self, seq: &mut SeqKv, query_pos: usize) {
+        let bs = self.block_size;
+        for (g, t) in self.groups.iter_mut().zip(seq.tables.iter_mut()) {
+            let first = g.first_needed_block(query_pos, bs);
+            while t.first_block < first && !t.blocks.is_empty() {
+                let b = t.blocks.remove(0);
+                g.decref(b);
+                t.first_block += 1;
+            }
+        }
+    }
+
+    /// Returns every block of a finished, cancelled or preempted sequence.
+    pub fn release(&mut self, seq: &mut SeqKv) {
+        for (g, t) in self.groups.iter_mut().zip(seq.tables.iter_mut()) {
+            for b in t.blocks.drain(..) {
+                g.decref(b);
+            }
+            t.first_block = 0;
+        }
+        seq.registered_blocks = 0;
+        seq.last_hash = 0;
+    }
+
+    /// Hash of block `index` given its parent's hash and its tokens.
+    fn chain(parent: u64, index: usize, tokens: &[u32]) -> u64 {
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        (parent, index, tokens).hash(&mut h);
+        h.finish()
+    }
+
+    /// Reuses cached blocks for the longest block-aligned prefix of `tokens`
+    /// that every group holds (the sliding group only the blocks its window
+    /// needs). At least one token is always left to compute. Returns the
+    /// number of tokens whose KV is now in place.
+    pub fn adopt_prefix(&mut self, seq: &mut SeqKv, tokens: &[u32]) -> usize {
+        if !self.prefix_caching || tokens.len() < 2 {
+            return 0;
+        }
+        let bs = self.block_size;
+        let max_blocks = (tokens.len() - 1) / bs;
+        let mut hashes = Vec::with_capacity(max_blocks);
+        let mut parent = 0u64;
+        for b in 0..max_blocks {
+            parent = Self::chain(parent, b, &tokens[b * bs..(b + 1) * bs]);
+            hashes.push(parent);
+        }
+        // Longest k such that each group has the blocks it needs for a resume at k·bs.
+        let mut best = 0;
+        for k in (1..=max_blocks).rev() {
+            let ok = self.groups.iter().all(|g| {
+                let first = g.first_needed_block(k * bs, bs);
+                (first..k).all(|b| g.cached.contains_key(&hashes[b]))
+            });
+            if ok {
+                best = k;
+                break;
+            }
+        }
+        if best == 0 {
+            return 0;
+        }
+        for (g, t) in self.groups.iter_mut().zip(seq.tables.iter_mut()) {
+            let first = g.first_needed_block(best * bs, bs);
+            t.first_block = first;
+            t.blocks.clear();
+            for h in &hashes[first..best] {
+                if let Some(&b) = g.cached.get(h) {
+                    g.incref(b);
+                    t.blocks.push(b);
+                }
+            }
+        }
+        seq.registered_blocks = best;
+        seq.last_hash = hashes[best - 1];
+        best * bs
+    }
+
+    /// Registers the full blocks among the first `computed` tokens so later
+    /// sequences with the same prefix can adopt them.
+    pub fn register_full_blocks(&mut self, seq: &mut SeqKv, tokens: &[u32], computed: usize) {
+        if !self.prefix_caching {
+            return;
+        }
+        let bs = self.block_size;
+        let full = computed.min(tokens.len()) / bs;
+        while seq.registered_blocks < full {
+            let b = seq.registered_blocks;
+            let h = Self::chain(seq.last_hash, b, &tokens[b * bs..(b + 1) * bs]);
+            for (g, t) in self.groups.iter_mut().zip(&seq.tables) {
+                let Some(&phys) = b.checked_sub(t.first_block).and_then(|i| t.blocks.get(i)) else {
+                    continue;
+                };
+                if g.hash_of[phys as usize].is_none() && !g.cached.contains_key(&h) {
+                    g.hash_of[phys as usize] = Some(h);
+                    g.cached.insert(h, phys);
+                }
+            }
+            seq.last_hash = h;
+            seq.registered_blocks += 1;
+        }
+    }
+
+    /// Blocks one sequence of `tokens` positions needs in each group at most.
+    pub fn blocks_for_len(&self, tokens: usize) -> Vec<usize> {
+        let bs = self.block_size;
+        self.groups
+            .iter()
+            .map(|g| match g.window {
+                Some(w) => tokens.div_ceil(bs).min(w.div_ceil(bs) + 1),
+                None => tokens.div_ceil(bs),
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn groups() -> Vec<KvGroup> {
+        vec![
+            KvGroup { kind: AttentionKind::Sliding, layers: vec![0], elements_per_token: 2 },
+            KvGroup { kind: AttentionKind::Full, layers: vec![1], elements_per_token: 4 },
+        ]
+    }
+
+    #[test]
+    fn sliding_blocks_are_released_as_the_window_moves() {
+        let mut m = KvManager::new(&groups(), &[8, 64], 4, 8, false);
+        let mut s = m.empty();
+        for pos in 0..200 {
+            assert!(m.allocate(&mut s, pos + 1, pos));
+            assert!(s.tables[0].blocks.len() <= 8usize.div_ceil(4) + 1, "pos {pos}");
+        }
+        assert_eq!(s.tables[1].blocks.len(), 50);
+        m.release(&mut s);
+        assert!(m.usage().iter().all(|u| u.used == 0));
+    }
+
+    #[test]
+    fn allocation_fails_cleanly_when_full() {
+        let mut m = KvManager::new(&groups(), &[8, 2], 4, 8, false);
+        let mut s = m.empty();
+        assert!(m.allocate(&mut s, 8, 0));
+        assert!(!m.allocate(&mut s, 9, 8));
+        m.release(&mut s);
+        assert_eq!(m.usage()[1].used, 0);
+    }
+
+    #[test]
+    fn prefixes_are_shared_and_counted() {
+        let mut m = KvManager::new(&groups(), &[16, 16], 4, 8, true);
+        let tokens: Vec<u32> = (0..13).collect();
+        let mut a = m.empty();
+        assert!(m.allocate(&mut a, 13, 0));
+        m.register_full_blocks(&mut a, &tokens, 13);
+        let mut b = m.empty();
+        let hit = m.adopt_prefix(&mut b, &tokens);
+        assert_eq!(hit, 12);
+        assert_eq!(b.tables[1].blocks, a.tables[1].blocks[..3].to_vec());
+        // The sliding group adopted only what a query at 12 can see (keys ≥ 5: blocks 1 and 2).
+        assert_eq!(b.tables[0].first_block, 1);
+        m.release(&mut a);
+        m.release(&mut b);
+        assert!(m.usage().iter().all(|u| u.used == 0));
+        // Freed blocks keep their prefix until reused.
+        let mut c = m.empty();
+        assert_eq!(m.adopt_prefix(&mut c, &tokens), 12);
+        m.release(&mut c);
+    }
+}

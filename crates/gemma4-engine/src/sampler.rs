@@ -1,0 +1,216 @@
+//! Turning one row of logits into the next token: penalties, temperature,
+//! top-k / top-p / min-p, a per-request seeded generator, and log-probs.
+//!
+//! The logits arrive already soft-capped by the model, so every
+//! probability computed here is of the capped distribution.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::api::SamplingParams;
+
+/// Per-request sampling state (the generator and counts of generated tokens).
+pub struct Sampler {
+    params: SamplingParams,
+    rng: StdRng,
+    /// Tokens seen in the prompt (for the repetition penalty).
+    prompt_tokens: Vec<u32>,
+    /// `(token, count)` of generated tokens.
+    output_counts: std::collections::HashMap<u32, u32>,
+}
+
+/// A sampled token with what the request asked to know about it.
+#[derive(Debug, Clone)]
+pub struct Sampled {
+    pub token: u32,
+    /// `(logprob of token, top alternatives (id, logprob))` when requested.
+    pub logprobs: Option<(f32, Vec<(u32, f32)>)>,
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams, prompt: &[u32]) -> Self {
+        let rng = match params.seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        };
+        let mut prompt_tokens = prompt.to_vec();
+        prompt_tokens.sort_unstable();
+        prompt_tokens.dedup();
+        Self { params, rng, prompt_tokens, output_counts: Default::default() }
+    }
+
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+
+    /// Picks the next token from `logits` and records it.
+    pub fn sample(&mut self, logits: &[f32]) -> Sampled {
+        let logprobs = self.params.logprobs.map(|k| log_softmax_top(logits, k));
+        let mut x = logits.to_vec();
+        self.apply_penalties(&mut x);
+        let token = if self.params.temperature <= 0.0 {
+            argmax(&x)
+        } else {
+            self.sample_stochastic(&mut x)
+        };
+        *self.output_counts.entry(token).or_insert(0) += 1;
+        let logprobs = logprobs.map(|(lse, top)| (logits[token as usize] - lse, top));
+        Sampled { token, logprobs }
+    }
+
+    fn apply_penalties(&self, x: &mut [f32]) {
+        let p = &self.params;
+        if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
+            let seen = self.prompt_tokens.iter().copied().chain(self.output_counts.keys().copied());
+            for t in seen {
+                if let Some(v) = x.get_mut(t as usize) {
+                    *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&t, &c) in &self.output_counts {
+                if let Some(v) = x.get_mut(t as usize) {
+                    *v -= p.presence_penalty + p.frequency_penalty * c as f32;
+                }
+            }
+        }
+    }
+
+    fn sample_stochastic(&mut self, x: &mut [f32]) -> u32 {
+        let p = &self.params;
+        for v in x.iter_mut() {
+            *v /= p.temperature;
+        }
+        // Candidates sorted by logit, best first.
+        let mut idx: Vec<usize> = (0..x.len()).filter(|&i| x[i].is_finite()).collect();
+        idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+        if idx.is_empty() {
+            return 0;
+        }
+        if p.top_k > 0 && p.top_k < idx.len() {
+            idx.truncate(p.top_k);
+        }
+        let max = x[idx[0]];
+        let mut probs: Vec<f64> = idx.iter().map(|&i| f64::from(x[i] - max).exp()).collect();
+        let total: f64 = probs.iter().sum();
+        for q in probs.iter_mut() {
+            *q /= total;
+        }
+        if p.min_p > 0.0 {
+            let cut = probs[0] * f64::from(p.min_p);
+            let keep = probs.iter().take_while(|&&q| q >= cut).count().max(1);
+            idx.truncate(keep);
+            probs.truncate(keep);
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = 0;
+            for q in &probs {
+                keep += 1;
+                acc += q;
+                if acc >= f64::from(p.top_p) {
+                    break;
+                }
+            }
+            idx.truncate(keep);
+            probs.truncate(keep);
+        }
+        let total: f64 = probs.iter().sum();
+        let mut r = self.rng.random::<f64>() * total;
+        for (k, q) in probs.iter().enumerate() {
+            if r < *q {
+                return idx[k] as u32;
+            }
+            r -= q;
+        }
+        idx[idx.len() - 1] as u32
+    }
+}
+
+/// Index of the largest value (first on ties).
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// `(log-sum-exp, top-k (id, logprob))` of a logit row.
+fn log_softmax_top(x: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = x.iter().map(|&v| f64::from(v - max).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let mut idx: Vec<usize> = (0..x.len()).collect();
+    let k = k.min(x.len());
+    if k > 0 {
+        idx.select_nth_unstable_by(k - 1, |&a, &b| x[b].total_cmp(&x[a]));
+    }
+    idx.truncate(k);
+    idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]));
+    (lse, idx.into_iter().map(|i| (i as u32, x[i] - lse)).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params() -> SamplingParams {
+        SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() }
+    }
+
+    #[test]
+    fn greedy_picks_the_largest() {
+        let mut s = Sampler::new(SamplingParams::default(), &[]);
+        assert_eq!(s.sample(&[0.1, 3.0, 2.0]).token, 1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
+        let run = || {
+            let mut s = Sampler::new(params(), &[]);
+            (0..20).map(|_| s.sample(&logits).token).collect::<Vec<_>>()
+        };
+        assert_eq!(run(), run());
+    }
+
+    #[test]
+    fn top_k_one_is_greedy() {
+        let mut s = Sampler::new(SamplingParams { top_k: 1, ..params() }, &[]);
+        for _ in 0..10 {
+            assert_eq!(s.sample(&[0.0, 1.0, 0.9, -2.0]).token, 1);
+        }
+    }
+
+    #[test]
+    fn top_p_and_min_p_cut_the_tail() {
+        // p ≈ [0.64, 0.24, 0.09, 0.03]: top_p 0.5 keeps only the first.
+        let logits = [2.0, 1.0, 0.0, -1.0];
+        let mut s = Sampler::new(SamplingParams { top_p: 0.5, ..params() }, &[]);
+        assert!((0..20).all(|_| s.sample(&logits).token == 0));
+        let mut s = Sampler::new(SamplingParams { min_p: 0.5, ..params() }, &[]);
+        assert!((0..20).all(|_| s.sample(&logits).token == 0));
+    }
+
+    #[test]
+    fn penalties_change_the_greedy_choice() {
+        let mut s = Sampler::new(SamplingParams { presence_penalty: 1.0, ..Default::default() }, &[]);
+        assert_eq!(s.sample(&[1.0, 0.5]).token, 0);
+        assert_eq!(s.sample(&[1.0, 0.5]).token, 1);
+        let mut s = Sampler::new(SamplingParams { repetition_penalty: 4.0, ..Default::default() }, &[0]);
+        assert_eq!(s.sample(&[1.0, 0.5]).token, 1);
+    }
+
+    #[test]
+    fn logprobs_are_normalised() {
+        let mut s = Sampler::new(SamplingParams { logprobs: Some(2), ..Default::default() }, &[]);
+        let out = s.sample(&[0.0, 0.0]);
+        let (lp, top) = out.logprobs.expect("logprobs");
+        assert!((lp - 0.5f32.ln()).abs() < 1e-6);
+        assert_eq!(top.len(), 2);
+    }
+}

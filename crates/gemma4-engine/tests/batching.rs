@@ -1,0 +1,186 @@
+//! The engine against solo runs: batching, chunked prefill, prefix reuse,
+//! preemption and the sliding-window cache bound, on the oracle fixtures.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gemma4_engine::{start, EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerationRequest, SamplingParams};
+use gemma4_model::golden::{greedy, Golden};
+use gemma4_model::{load_hf_dir, Gemma4};
+use gemma4_text::Tokenizer;
+
+const VARIANTS: &[&str] = &["e-style", "dense-k-eq-v", "moe", "unified"];
+const STEPS: usize = 24;
+
+fn fixture(variant: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle").join(variant)
+}
+
+fn model(variant: &str) -> Gemma4 {
+    load_hf_dir(&fixture(variant)).expect("model")
+}
+
+fn tokenizer(variant: &str) -> Arc<Tokenizer> {
+    Arc::new(Tokenizer::from_dir(&fixture(variant)).expect("tokenizer"))
+}
+
+/// The three golden prompts (with the reference's own continuations) and
+/// five more, two of which share a long prefix with a golden prompt.
+fn prompts(variant: &str) -> Vec<(Vec<u32>, Option<Vec<u32>>)> {
+    let golden = Golden::read(&fixture(variant).join("golden.json")).expect("golden");
+    let mut out: Vec<(Vec<u32>, Option<Vec<u32>>)> =
+        golden.prompts.iter().map(|p| (p.input_ids.clone(), Some(p.greedy.generated_ids.clone()))).collect();
+    let long = golden.prompts[2].input_ids.clone();
+    out.push((long[..40].to_vec(), None));
+    out.push(([&long[..70], &[400, 401, 402]].concat(), None));
+    for seed in 0..3u32 {
+        let ids: Vec<u32> = std::iter::once(2).chain((0..(11 + seed * 9)).map(|i| 114 + (i * 37 + seed * 101) % 390)).collect();
+        out.push((ids, None));
+    }
+    out
+}
+
+fn request(ids: &[u32]) -> GenerationRequest {
+    GenerationRequest {
+        prompt_ids: ids.to_vec(),
+        params: SamplingParams { max_tokens: STEPS, ..Default::default() },
+        deadline: None,
+    }
+}
+
+fn collect(engine: &EngineHandle, ids: &[u32]) -> (Vec<u32>, FinishReason) {
+    let mut stream = engine.submit(request(ids)).expect("submit");
+    let mut out = Vec::new();
+    while let Some(e) = stream.blocking_next() {
+        match e {
+            EngineEvent::Token { id, .. } => out.push(id),
+            EngineEvent::Finished { reason, .. } => return (out, reason),
+        }
+    }
+    panic!("stream ended without Finished")
+}
+
+/// Runs every prompt concurrently with staggered arrivals; returns outputs in prompt order.
+fn run_concurrently(engine: &EngineHandle, prompts: &[(Vec<u32>, Option<Vec<u32>>)]) -> Vec<Vec<u32>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, (ids, _))| {
+                let engine = engine.clone();
+                s.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(3 * i as u64));
+                    collect(&engine, ids)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                let (ids, reason) = h.join().expect("thread");
+                assert_eq!(reason, FinishReason::Length);
+                ids
+            })
+            .collect()
+    })
+}
+
+fn config(chunk: usize) -> EngineConfig {
+    EngineConfig { max_num_seqs: 8, max_queue: 16, max_model_len: 256, block_size: 4, max_batch_tokens: chunk, ..Default::default() }
+}
+
+#[test]
+fn batched_chunked_runs_equal_solo_runs() {
+    for v in VARIANTS {
+        let prompts = prompts(v);
+        let solo_model = model(v);
+        let solo: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|(ids, reference)| {
+                let out = greedy(&solo_model, ids, STEPS).expect("solo");
+                if let Some(r) = reference {
+                    assert_eq!(&out, r, "{v}: solo run differs from the reference");
+                }
+                out
+            })
+            .collect();
+        for chunk in [1, 7, 4096] {
+            let engine = start(model(v), tokenizer(v), config(chunk)).expect("engine");
+            let outs = run_concurrently(&engine, &prompts);
+            for (i, (o, s)) in outs.iter().zip(&solo).enumerate() {
+                assert_eq!(o, s, "{v} chunk {chunk} prompt {i}");
+            }
+            // One after another, too: no request sees another's KV.
+            for (i, (ids, _)) in prompts.iter().enumerate().rev() {
+                assert_eq!(collect(&engine, ids).0, solo[i], "{v} sequential prompt {i}");
+            }
+            let stats = wait_idle(&engine);
+            assert_eq!(stats.kv_blocks_used, 0, "{v}: blocks leaked");
+            assert!(stats.prefix_cache_hits > 0, "{v}: shared prefixes were not reused");
+        }
+    }
+}
+
+fn wait_idle(engine: &EngineHandle) -> gemma4_engine::EngineStats {
+    for _ in 0..200 {
+        let s = engine.stats();
+        if s.running == 0 && s.waiting == 0 && s.kv_blocks_used == 0 {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    engine.stats()
+}
+
+#[test]
+fn a_tiny_cache_preempts_and_still_gives_solo_outputs() {
+    let v = "dense-k-eq-v";
+    let prompts = prompts(v);
+    let solo_model = model(v);
+    let solo: Vec<Vec<u32>> = prompts.iter().map(|(ids, _)| greedy(&solo_model, ids, STEPS).expect("solo")).collect();
+    // A budget below one sequence's worth: the engine sizes the cache for
+    // exactly one full-length (128-token) sequence.
+    let cfg = EngineConfig { kv_memory_bytes: Some(1), max_model_len: 128, ..config(64) };
+    let engine = start(model(v), tokenizer(v), cfg).expect("engine");
+    let outs = run_concurrently(&engine, &prompts);
+    assert_eq!(outs, solo);
+    let stats = wait_idle(&engine);
+    assert!(stats.preemptions > 0, "the cache was not small enough to preempt");
+    assert_eq!(stats.kv_blocks_used, 0);
+}
+
+#[test]
+fn sliding_layers_hold_only_their_window() {
+    let v = "e-style";
+    let engine = start(model(v), tokenizer(v), EngineConfig { max_model_len: 2100, block_size: 4, ..config(512) }).expect("engine");
+    let window = 8usize;
+    let mut stream = engine
+        .submit(GenerationRequest {
+            prompt_ids: vec![2, 379, 399, 473],
+            params: SamplingParams { max_tokens: 2000, ..Default::default() },
+            deadline: None,
+        })
+        .expect("submit");
+    let mut n = 0;
+    let mut full_seen = Vec::new();
+    while let Some(e) = stream.blocking_next() {
+        match e {
+            EngineEvent::Token { .. } => {
+                n += 1;
+                if n % 500 == 0 && n < 2000 {
+                    full_seen.push(engine.stats().kv_full_blocks_used);
+                }
+            }
+            EngineEvent::Finished { reason, .. } => {
+                assert_eq!(reason, FinishReason::Length);
+                break;
+            }
+        }
+    }
+    assert_eq!(n, 2000);
+    let stats = engine.stats();
+    assert!(stats.kv_sliding_blocks_per_seq_peak <= window.div_ceil(4) + 1, "{stats:?}");
+    assert!(stats.kv_sliding_blocks_per_seq_peak >= window.div_ceil(4), "{stats:?}");
+    assert!(full_seen.windows(2).all(|w| w[1] > w[0]), "full group must grow: {full_seen:?}");
+}

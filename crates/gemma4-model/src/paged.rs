@@ -1,0 +1,186 @@
+//! Paged KV memory: fixed-size blocks in per-layer pools, addressed through
+//! per-sequence block tables that the engine's cache manager owns.
+//!
+//! Only KV-producing layers get a pool (KV-shared layers read their
+//! producer's). Layers are grouped by attention kind; all layers of a group
+//! share block ids, and each group has its own block count, so sliding
+//! layers can hold only the blocks their window still needs.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::cache::KvStore;
+use crate::config::{AttentionKind, KvSource, TextConfig};
+use crate::error::{ModelError, Result};
+use crate::layers::ids_tensor;
+
+/// One cache group: the KV-producing layers of one attention kind.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvGroup {
+    pub kind: AttentionKind,
+    /// Producer layers in this group.
+    pub layers: Vec<usize>,
+    /// `Σ 2 · kv_heads · head_dim` over the group's layers: K and V elements per token.
+    pub elements_per_token: usize,
+}
+
+impl KvGroup {
+    /// Bytes of K and V per token at the given element size.
+    pub fn bytes_per_token(&self, dtype_bytes: usize) -> usize {
+        self.elements_per_token * dtype_bytes
+    }
+}
+
+/// The cache groups a model needs: sliding first, then full, each only if non-empty.
+pub fn kv_groups(cfg: &TextConfig) -> Vec<KvGroup> {
+    [AttentionKind::Sliding, AttentionKind::Full]
+        .into_iter()
+        .filter_map(|kind| {
+            let layers: Vec<usize> = cfg
+                .layers
+                .iter()
+                .enumerate()
+                .filter(|(_, l)| l.kind == kind && l.kv == KvSource::Own)
+                .map(|(i, _)| i)
+                .collect();
+            let elements_per_token = layers.iter().map(|&i| 2 * cfg.layers[i].num_kv_heads * cfg.layers[i].head_dim).sum();
+            (!layers.is_empty()).then_some(KvGroup { kind, layers, elements_per_token })
+        })
+        .collect()
+}
+
+/// A sequence's blocks in one group: `blocks[i]` holds logical block
+/// `first_block + i` (earlier blocks were released as the window moved).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GroupBlocks {
+    pub first_block: usize,
+    pub blocks: Vec<u32>,
+}
+
+/// What one sequence of a batch may use: its block tables and its length
+/// once this step's tokens are written.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SeqBlocks {
+    pub groups: Vec<GroupBlocks>,
+    pub len_after_step: usize,
+}
+
+/// The physical pools: per producer layer, K and V as `[blocks · block_size, kv_heads, head_dim]`.
+pub struct PagedKvPool {
+    block_size: usize,
+    groups: Vec<KvGroup>,
+    blocks_per_group: Vec<usize>,
+    /// Per layer: `(group, K pool, V pool)` for producers, `None` otherwise.
+    pools: Vec<Option<(usize, Tensor, Tensor)>>,
+}
+
+impl PagedKvPool {
+    /// Allocates `blocks_per_group[g]` blocks of `block_size` tokens for every group.
+    pub fn new(cfg: &TextConfig, block_size: usize, blocks_per_group: &[usize], device: &Device) -> Result<Self> {
+        let groups = kv_groups(cfg);
+        if blocks_per_group.len() != groups.len() || block_size == 0 {
+            return Err(ModelError::Input(format!(
+                "paged KV needs a positive block size and one block count per group ({} groups)",
+                groups.len()
+            )));
+        }
+        let mut pools = vec![None; cfg.num_layers()];
+        for (g, group) in groups.iter().enumerate() {
+            for &l in &group.layers {
+                let spec = &cfg.layers[l];
+                let shape = (blocks_per_group[g] * block_size, spec.num_kv_heads, spec.head_dim);
+                pools[l] = Some((g, Tensor::zeros(shape, DType::F32, device)?, Tensor::zeros(shape, DType::F32, device)?));
+            }
+        }
+        Ok(Self { block_size, groups, blocks_per_group: blocks_per_group.to_vec(), pools })
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn groups(&self) -> &[KvGroup] {
+        &self.groups
+    }
+
+    pub fn blocks_per_group(&self) -> &[usize] {
+        &self.blocks_per_group
+    }
+
+    /// Bytes held by all pools (f32 storage).
+    pub fn bytes(&self) -> usize {
+        self.groups.iter().zip(&self.blocks_per_group).map(|(g, &n)| g.bytes_per_token(4) * n * self.block_size).sum()
+    }
+
+    /// A [`KvStore`] over these pools for one batch.
+    pub fn view<'a>(&'a mut self, batch: &'a [SeqBlocks]) -> PagedView<'a> {
+        PagedView { pool: self, batch }
+    }
+
+    fn layer(&self, layer: usize) -> Result<&(usize, Tensor, Tensor)> {
+        self.pools
+            .get(layer)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| ModelError::Input(format!("layer {layer} has no KV pool")))
+    }
+}
+
+/// The pools plus the block tables of one batch.
+pub struct PagedView<'a> {
+    pool: &'a mut PagedKvPool,
+    batch: &'a [SeqBlocks],
+}
+
+impl PagedView<'_> {
+    fn table(&self, seq: usize, group: usize) -> Result<&GroupBlocks> {
+        self.batch
+            .get(seq)
+            .and_then(|s| s.groups.get(group))
+            .ok_or_else(|| ModelError::Input(format!("sequence {seq} has no block table for group {group}")))
+    }
+
+    /// Pool slot of absolute position `pos`.
+    fn slot(&self, t: &GroupBlocks, pos: usize) -> Result<usize> {
+        let bs = self.pool.block_size;
+        let logical = pos / bs;
+        let block = logical
+            .checked_sub(t.first_block)
+            .and_then(|i| t.blocks.get(i))
+            .ok_or_else(|| ModelError::Input(format!("position {pos} has no KV block")))?;
+        Ok(*block as usize * bs + pos % bs)
+    }
+}
+
+impl KvStore for PagedView<'_> {
+    fn write(&mut self, layer: usize, seq: usize, start: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let (group, kp, vp) = self.pool.layer(layer)?;
+        let t = self.table(seq, *group)?;
+        let n = k.dim(0)?;
+        let bs = self.pool.block_size;
+        let mut i = 0;
+        // One copy per run of positions inside the same block.
+        while i < n {
+            let pos = start + i;
+            let run = (bs - pos % bs).min(n - i);
+            let slot = self.slot(t, pos)?;
+            kp.slice_set(&k.narrow(0, i, run)?.contiguous()?, 0, slot)?;
+            vp.slice_set(&v.narrow(0, i, run)?.contiguous()?, 0, slot)?;
+            i += run;
+        }
+        Ok(())
+    }
+
+    fn read(&self, layer: usize, seq: usize) -> Result<(Tensor, Tensor, usize)> {
+        let (group, kp, vp) = self.pool.layer(layer)?;
+        let t = self.table(seq, *group)?;
+        let len = self.batch[seq].len_after_step;
+        let first = t.first_block * self.pool.block_size;
+        if len <= first {
+            return Err(ModelError::Input(format!("sequence {seq} has no live KV in layer {layer}")));
+        }
+        let slots = (first..len).map(|p| self.slot(t, p).map(|s| s as u32)).collect::<Result<Vec<u32>>>()?;
+        let idx = ids_tensor(&slots, kp.device())?;
+        let k = kp.index_select(&idx, 0)?.transpose(0, 1)?.contiguous()?;
+        let v = vp.index_select(&idx, 0)?.transpose(0, 1)?.contiguous()?;
+        Ok((k, v, first))
+    }
+}

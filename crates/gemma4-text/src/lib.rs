@@ -1,0 +1,28 @@
+//! Text handling for Gemma 4 (and Gemma 3) models: everything between a chat
+//! request and token ids, and back.
+//!
+//! * [`Tokenizer`] loads a checkpoint's `tokenizer.json` (with
+//!   `tokenizer_config.json` and `chat_template.jinja`) or rebuilds the tokenizer
+//!   from a GGUF file's `tokenizer.ggml.*` metadata, and knows the stop tokens.
+//! * [`ChatTemplate`] renders the checkpoint's Jinja chat template so that the
+//!   output is byte-identical to Hugging Face transformers' `apply_chat_template`.
+//! * [`IncrementalDecoder`] turns generated ids into text one id at a time without
+//!   splitting characters, keeping Gemma 4's tool-call and thinking markers visible.
+//! * [`GgufMetadata`] reads the metadata section of GGUF files.
+
+mod chat_template;
+mod detok;
+mod error;
+mod gguf;
+mod gguf_tokenizer;
+mod pyfmt;
+mod special;
+mod strftime;
+mod tokenizer;
+
+pub use chat_template::ChatTemplate;
+pub use detok::IncrementalDecoder;
+pub use error::{Result, TextError};
+pub use gguf::{GgufMetadata, GgufValue};
+pub use special::{MARKUP_TOKENS, STOP_TOKENS};
+pub use tokenizer::{gguf_add_bos_token, gguf_chat_template, Tokenizer};
