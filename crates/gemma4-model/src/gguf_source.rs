@@ -6,7 +6,7 @@
 //! quantized and run through candle's quantized matmul, unless the source is
 //! opened with [`GgufMode::Dequantized`] for exact f32 arithmetic.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
@@ -37,6 +37,7 @@ pub struct GgufSource {
     content: Content,
     reader: Mutex<BufReader<File>>,
     mode: GgufMode,
+    used: Mutex<BTreeSet<String>>,
 }
 
 impl GgufSource {
@@ -48,7 +49,13 @@ impl GgufSource {
             path: shown.clone(),
             message: format!("not a readable GGUF file: {e}"),
         })?;
-        Ok(Self { path: path.to_path_buf(), content, reader: Mutex::new(reader), mode })
+        Ok(Self {
+            path: path.to_path_buf(),
+            content,
+            reader: Mutex::new(reader),
+            mode,
+            used: Mutex::new(BTreeSet::new()),
+        })
     }
 
     pub fn path(&self) -> &Path {
@@ -152,6 +159,9 @@ impl GgufSource {
             }
             .into());
         }
+        if let Ok(mut used) = self.used.lock() {
+            used.insert(gguf_name.to_string());
+        }
         let mut reader = self
             .reader
             .lock()
@@ -217,5 +227,13 @@ impl WeightSource for GgufSource {
 
     fn norms_include_gemma3_offset(&self) -> bool {
         true
+    }
+
+    fn unused(&self) -> Vec<String> {
+        let used = self.used.lock().map(|u| u.clone()).unwrap_or_default();
+        let mut names: Vec<String> =
+            self.content.tensor_infos.keys().filter(|n| !used.contains(*n)).cloned().collect();
+        names.sort();
+        names
     }
 }

@@ -27,12 +27,24 @@ use std::path::Path;
 /// Loads a model from a Hugging Face checkpoint directory or a GGUF file
 /// (or a directory holding exactly one `.gguf` and no `config.json`).
 pub fn load(path: &Path, gguf_mode: GgufMode) -> Result<Gemma4> {
+    load_reporting_unused(path, gguf_mode).map(|(m, _)| m)
+}
+
+/// [`load`], also returning the stored tensors the text model never read
+/// (vision and audio towers excluded).
+pub fn load_reporting_unused(path: &Path, gguf_mode: GgufMode) -> Result<(Gemma4, Vec<String>)> {
     match gguf_file(path)? {
         Some(file) => {
             let src = GgufSource::open(&file, gguf_mode)?;
-            Gemma4::load(src.config()?, &src)
+            let model = Gemma4::load(src.config()?, &src)?;
+            Ok((model, src.unused()))
         }
-        None => load_hf_dir(path),
+        None => {
+            let cfg = TextConfig::from_dir(path)?;
+            let src = HfSafetensors::open(path)?;
+            let model = Gemma4::load(cfg, &src)?;
+            Ok((model, src.unused()))
+        }
     }
 }
 

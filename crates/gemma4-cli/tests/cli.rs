@@ -1,0 +1,187 @@
+//! The `gemma4` binary end to end: verify, doctor, plan and generate, on
+//! the oracle fixtures and on damaged copies of them.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_gemma4"))
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn fixture(v: &str) -> PathBuf {
+    root().join("tests/fixtures/oracle").join(v)
+}
+
+fn run(cmd: &mut Command) -> (Output, String) {
+    let out = cmd.output().expect("run gemma4");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out, text)
+}
+
+fn copy_dir(src: &Path, name: &str, skip: &[&str]) -> PathBuf {
+    let dst = std::env::temp_dir().join(format!("gemma4-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dst);
+    std::fs::create_dir_all(&dst).expect("mkdir");
+    for e in std::fs::read_dir(src).expect("read_dir") {
+        let e = e.expect("entry");
+        let n = e.file_name().to_string_lossy().to_string();
+        if !skip.contains(&n.as_str()) {
+            std::fs::copy(e.path(), dst.join(&n)).expect("copy");
+        }
+    }
+    dst
+}
+
+#[test]
+fn verify_passes_on_every_fixture() {
+    for v in ["e-style", "dense-k-eq-v", "moe", "unified"] {
+        let dir = fixture(v);
+        let (out, text) = run(bin().args(["verify", "--model"]).arg(&dir).arg("--golden").arg(dir.join("golden.json")));
+        assert!(out.status.success(), "{v}: {text}");
+        let last = text.lines().rev().find(|l| l.starts_with("SEQ_MATCH")).expect("SEQ_MATCH line");
+        assert!(last.starts_with("SEQ_MATCH true max_abs_logit_diff="), "{v}: {last}");
+        assert_eq!(text.lines().filter(|l| l.starts_with("MATCH")).count(), 3, "{text}");
+    }
+}
+
+#[test]
+fn verify_fails_and_names_the_first_departing_layer() {
+    // Another variant's golden file: same format, different model.
+    let dir = copy_dir(&fixture("e-style"), "wrong-golden", &[]);
+    let mut golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).expect("read")).expect("json");
+    // Perturb layer 2's layer_scalar in the weights instead: rewrite the checkpoint.
+    let bytes = std::fs::read(dir.join("model.safetensors")).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let scalar = half::bf16::from_f32(2.0).to_le_bytes();
+    let mut tensors: Vec<(String, Vec<u8>, safetensors::Dtype, Vec<usize>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, t)| {
+            let data = if n == "model.language_model.layers.2.layer_scalar" { scalar.to_vec() } else { t.data().to_vec() };
+            (n, data, t.dtype(), t.shape().to_vec())
+        })
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, d, dt, s)| (n.clone(), safetensors::tensor::TensorView::new(*dt, s.clone(), d).expect("view")))
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).expect("write");
+    golden["prompts"].as_array_mut().expect("prompts").truncate(1);
+    std::fs::write(dir.join("golden.json"), golden.to_string()).expect("write golden");
+    let (out, text) = run(bin().args(["verify", "--model"]).arg(&dir).arg("--golden").arg(dir.join("golden.json")));
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("SEQ_MATCH false"), "{text}");
+    assert!(text.contains("first departure at decoder layer 2 output"), "{text}");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[test]
+fn doctor_passes_on_fixtures_and_fails_clearly_on_broken_copies() {
+    for v in ["e-style", "dense-k-eq-v", "moe", "unified"] {
+        let (out, text) = run(bin().args(["doctor", "--model"]).arg(fixture(v)));
+        assert!(out.status.success(), "{v}: {text}");
+        assert!(!text.contains("FAIL"), "{text}");
+    }
+    let no_tok = copy_dir(&fixture("e-style"), "no-tokenizer", &["tokenizer.json"]);
+    let (out, text) = run(bin().args(["doctor", "--model"]).arg(&no_tok));
+    assert!(!out.status.success());
+    assert!(text.lines().any(|l| l.starts_with("FAIL tokenizer") && l.contains("tokenizer.json")), "{text}");
+
+    let no_template = copy_dir(&fixture("e-style"), "no-template", &["chat_template.jinja"]);
+    let (out, text) = run(bin().args(["doctor", "--model"]).arg(&no_template));
+    assert!(!out.status.success());
+    assert!(text.lines().any(|l| l.starts_with("FAIL chat template") && l.contains("--chat-template")), "{text}");
+
+    let bad_config = copy_dir(&fixture("dense-k-eq-v"), "bad-config", &[]);
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(bad_config.join("config.json")).expect("read")).expect("json");
+    cfg["text_config"]["num_key_value_heads"] = 4.into();
+    std::fs::write(bad_config.join("config.json"), cfg.to_string()).expect("write");
+    let (out, text) = run(bin().args(["doctor", "--model"]).arg(&bad_config));
+    assert!(!out.status.success());
+    assert!(text.lines().any(|l| l.starts_with("FAIL weights") && l.contains("k_proj.weight")), "{text}");
+    for d in [no_tok, no_template, bad_config] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
+#[test]
+fn bad_paths_and_files_give_one_line_errors() {
+    let (out, text) = run(bin().args(["generate", "--model", "/nonexistent/model", "--prompt-ids", "2,3"]));
+    assert!(!out.status.success());
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+    assert!(text.contains("/nonexistent/model"), "{text}");
+
+    let truncated = copy_dir(&fixture("moe"), "truncated", &[]);
+    let bytes = std::fs::read(truncated.join("model.safetensors")).expect("read");
+    std::fs::write(truncated.join("model.safetensors"), &bytes[..bytes.len() / 3]).expect("write");
+    let (out, text) = run(bin().args(["generate", "--model"]).arg(&truncated).args(["--prompt-ids", "2,3"]));
+    assert!(!out.status.success());
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+    assert!(text.contains("truncated"), "{text}");
+
+    std::fs::write(truncated.join("config.json"), "{not json").expect("write");
+    let (out, text) = run(bin().args(["generate", "--model"]).arg(&truncated).args(["--prompt-ids", "2,3"]));
+    assert!(!out.status.success());
+    assert_eq!(text.trim().lines().count(), 1, "{text}");
+    assert!(text.contains("config.json"), "{text}");
+    let _ = std::fs::remove_dir_all(truncated);
+}
+
+#[test]
+fn generate_matches_the_reference_continuation() {
+    let dir = fixture("unified");
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).expect("read")).expect("json");
+    let p = &golden["prompts"][2];
+    let ids: Vec<String> = p["input_ids"].as_array().expect("ids").iter().map(|v| v.to_string()).collect();
+    let (out, text) = run(bin()
+        .args(["generate", "--ignore-eos", "--max-tokens", "24", "--model"])
+        .arg(&dir)
+        .args(["--prompt-ids", &ids.join(",")]));
+    assert!(out.status.success(), "{text}");
+    let want: Vec<String> = p["greedy"]["generated_ids"].as_array().expect("gen").iter().map(|v| v.to_string()).collect();
+    assert!(text.contains(&format!("ids: {}", want.join(","))), "{text}");
+}
+
+#[test]
+fn plan_prints_the_published_kv_sizes() {
+    for (name, kib) in [("gemma-4-E2B-it", "18.00"), ("gemma-4-E4B-it", "56.00"), ("gemma-4-12B-it", "336.00"), ("gemma-4-31B-it", "880.00"), ("gemma-4-26B-A4B-it", "220.00")] {
+        let (out, text) = run(bin().args(["plan", "--model"]).arg(root().join("tests/fixtures/configs").join(name)));
+        assert!(out.status.success(), "{text}");
+        assert!(text.contains(&format!("per token, all groups: {kib} KiB")), "{name}: {text}");
+    }
+}
+
+/// Real weights: the demo model answers with Paris (needs GEMMA4_DEMO_GGUF; required under CI).
+#[test]
+fn demo_model_answers_paris() {
+    let Some(gguf) = std::env::var_os("GEMMA4_DEMO_GGUF") else {
+        assert!(std::env::var_os("CI").is_none(), "CI must set GEMMA4_DEMO_GGUF");
+        eprintln!("skipped: set GEMMA4_DEMO_GGUF");
+        return;
+    };
+    let (out, text) = run(bin()
+        .args(["generate", "--max-tokens", "24", "--model"])
+        .arg(&gguf)
+        .args(["--prompt", "Q: What is the capital of France?\nA:"]));
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("Paris"), "{text}");
+    // The first 8 tokens of the reference continuation (quantized kernels).
+    assert!(text.contains("ids: 669,5279,529,7001,563,9079,236761,107"), "{text}");
+    let (out, text) = run(bin()
+        .args(["generate", "--max-tokens", "12", "--model"])
+        .arg(&gguf)
+        .args(["--prompt", "Q: What is the capital of Germany?\nA:"]));
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("Berlin"), "{text}");
+    let (out, text) = run(bin().args(["chat", "--model"]).arg(&gguf));
+    assert!(!out.status.success());
+    assert!(text.contains("no chat template") && text.contains("generate"), "{text}");
+}
