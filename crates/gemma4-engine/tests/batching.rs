@@ -184,3 +184,18 @@ fn sliding_layers_hold_only_their_window() {
     assert!(stats.kv_sliding_blocks_per_seq_peak >= window.div_ceil(4), "{stats:?}");
     assert!(full_seen.windows(2).all(|w| w[1] > w[0]), "full group must grow: {full_seen:?}");
 }
+
+/// The engine allocates exactly the per-token KV that `gemma4 plan` reports.
+#[test]
+fn engine_allocation_matches_the_plan() {
+    for v in VARIANTS {
+        let m = model(v);
+        let plan: Vec<usize> = gemma4_model::plan::kv_bytes_per_token(m.config(), 4).into_iter().map(|(_, b)| b).collect();
+        let engine = start(m, tokenizer(v), config(64)).expect("engine");
+        let report = engine.kv_plan();
+        let allocated: Vec<usize> = report.groups.iter().map(|g| g.2).collect();
+        assert_eq!(allocated, plan, "{v}");
+        let total: usize = report.groups.iter().map(|g| g.2 * g.3 * report.block_size).sum();
+        assert_eq!(total, report.total_bytes, "{v}");
+    }
+}

@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value as Json};
 
@@ -215,9 +215,14 @@ impl WeightSource for GgufSource {
     fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear> {
         let g = gguf_name(name).ok_or_else(|| WeightError::Missing { name: name.to_string() })?;
         let q = self.qtensor(&g, &[out, inp])?;
+        // candle's dot products for these legacy block types are scalar code;
+        // its f32 matmul is several times faster, so they are widened at load.
+        let slow_kernel = matches!(q.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
         match self.mode {
-            GgufMode::Dequantized => Linear::dense(q.dequantize(&Device::Cpu)?),
-            GgufMode::Quantized => Ok(Linear::new(LinearWeight::Quantized(Arc::new(QMatMul::from_qtensor(q)?)), out)),
+            GgufMode::Quantized if !slow_kernel => {
+                Ok(Linear::new(LinearWeight::Quantized(Arc::new(QMatMul::from_qtensor(q)?)), out))
+            }
+            _ => Linear::dense(q.dequantize(&Device::Cpu)?),
         }
     }
 
