@@ -199,3 +199,112 @@ fn engine_allocation_matches_the_plan() {
         assert_eq!(total, report.total_bytes, "{v}");
     }
 }
+
+fn sampled(engine: &EngineHandle, ids: &[u32], seed: u64) -> Vec<u32> {
+    let params = SamplingParams { temperature: 0.9, top_p: 0.95, top_k: 40, seed: Some(seed), max_tokens: 16, ..Default::default() };
+    let mut stream = engine.submit(GenerationRequest { prompt_ids: ids.to_vec(), params, deadline: None }).expect("submit");
+    let mut out = Vec::new();
+    while let Some(e) = stream.blocking_next() {
+        match e {
+            EngineEvent::Token { id, .. } => out.push(id),
+            EngineEvent::Finished { .. } => break,
+        }
+    }
+    out
+}
+
+/// A seeded request samples the same tokens alone and amid other requests.
+#[test]
+fn seeded_sampling_is_independent_of_the_batch() {
+    let v = "moe";
+    let engine = start(model(v), tokenizer(v), config(64)).expect("engine");
+    let prompts = prompts(v);
+    let alone = sampled(&engine, &prompts[0].0, 1234);
+    assert_eq!(alone.len(), 16);
+    let busy = std::thread::scope(|s| {
+        let others: Vec<_> = prompts[1..]
+            .iter()
+            .enumerate()
+            .map(|(i, (ids, _))| {
+                let engine = engine.clone();
+                s.spawn(move || sampled(&engine, ids, i as u64))
+            })
+            .collect();
+        let mine = sampled(&engine, &prompts[0].0, 1234);
+        for h in others {
+            h.join().expect("thread");
+        }
+        mine
+    });
+    assert_eq!(alone, busy);
+    assert_ne!(alone, sampled(&engine, &prompts[0].0, 99), "another seed should differ");
+}
+
+/// A stop string ends the request and its text is not returned.
+#[test]
+fn stop_strings_cut_the_text() {
+    let v = "e-style";
+    let engine = start(model(v), tokenizer(v), config(64)).expect("engine");
+    let golden = Golden::read(&fixture(v).join("golden.json")).expect("golden");
+    let p = &golden.prompts[2];
+    // Find the full text first, then stop on a piece of it.
+    let full = {
+        let mut s = engine.submit(request(&p.input_ids)).expect("submit");
+        let mut text = String::new();
+        while let Some(e) = s.blocking_next() {
+            match e {
+                EngineEvent::Token { text: t, .. } => text.push_str(&t),
+                EngineEvent::Finished { text: t, .. } => {
+                    text.push_str(&t);
+                    break;
+                }
+            }
+        }
+        text
+    };
+    let visible: Vec<(usize, char)> = full.char_indices().filter(|(_, c)| c.is_alphanumeric()).collect();
+    assert!(visible.len() > 4, "need some text to stop on: {full:?}");
+    let (at, _) = visible[visible.len() / 2];
+    let stop: String = full[at..].chars().take(2).collect();
+    let cut = full.find(&stop).expect("stop occurs");
+    let params = SamplingParams { max_tokens: STEPS, stop_strings: vec![stop.clone()], ..Default::default() };
+    let mut s = engine.submit(GenerationRequest { prompt_ids: p.input_ids.clone(), params, deadline: None }).expect("submit");
+    let mut text = String::new();
+    loop {
+        match s.blocking_next().expect("event") {
+            EngineEvent::Token { text: t, .. } => text.push_str(&t),
+            EngineEvent::Finished { text: t, reason, .. } => {
+                text.push_str(&t);
+                assert_eq!(reason, FinishReason::Stop);
+                break;
+            }
+        }
+    }
+    assert_eq!(text, full[..cut], "stop {stop:?}");
+}
+
+/// Deadlines and dropped streams end requests and free their blocks at once.
+#[test]
+fn timeouts_and_cancellation_free_blocks() {
+    let v = "dense-k-eq-v";
+    let engine = start(model(v), tokenizer(v), config(64)).expect("engine");
+    let long = prompts(v)[2].0.clone();
+    let params = SamplingParams { max_tokens: 100, ..Default::default() };
+    let deadline = Some(std::time::Instant::now());
+    let mut s = engine.submit(GenerationRequest { prompt_ids: long.clone(), params: params.clone(), deadline }).expect("submit");
+    let mut reason = None;
+    while let Some(e) = s.blocking_next() {
+        if let EngineEvent::Finished { reason: r, .. } = e {
+            reason = Some(r);
+        }
+    }
+    assert_eq!(reason, Some(FinishReason::Timeout));
+
+    let mut s = engine.submit(GenerationRequest { prompt_ids: long, params, deadline: None }).expect("submit");
+    for _ in 0..3 {
+        assert!(matches!(s.blocking_next(), Some(EngineEvent::Token { .. })));
+    }
+    assert!(engine.stats().kv_blocks_used > 0);
+    drop(s);
+    assert_eq!(wait_idle(&engine).kv_blocks_used, 0);
+}
