@@ -22,7 +22,9 @@ impl WeightSource for RandomWeights {
             return Ok(Tensor::ones(shape, candle_core::DType::F32, &Device::Cpu)?);
         }
         let fan_in = *shape.last().unwrap_or(&1) as f32;
-        let mut state = name.bytes().fold(0x9E37_79B9_7F4A_7C15u64, |h, b| h.rotate_left(5) ^ u64::from(b));
+        let mut state = name.bytes().fold(0x9E37_79B9_7F4A_7C15u64, |h, b| {
+            h.rotate_left(5) ^ u64::from(b)
+        });
         let data: Vec<f32> = (0..n)
             .map(|_| {
                 state ^= state << 13;
@@ -40,9 +42,11 @@ impl WeightSource for RandomWeights {
 }
 
 fn model() -> (Gemma4, Arc<Tokenizer>) {
-    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle/e-style");
+    let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/oracle/e-style");
     let mut json: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("json");
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config"))
+            .expect("json");
     let t = &mut json["text_config"];
     t["hidden_size"] = 512.into();
     t["intermediate_size"] = 2048.into();
@@ -52,7 +56,10 @@ fn model() -> (Gemma4, Arc<Tokenizer>) {
     t["sliding_window"] = 128.into();
     let cfg = TextConfig::from_hf_json(&json).expect("config");
     let model = Gemma4::load(cfg, &RandomWeights).expect("model");
-    (model, Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer")))
+    (
+        model,
+        Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer")),
+    )
 }
 
 fn main() {
@@ -61,17 +68,36 @@ fn main() {
     println!("decode throughput, e-style layout (hidden 512, 8 layers), {NEW_TOKENS} new tokens per sequence");
     for concurrency in [1usize, 4, 16] {
         let (model, tok) = model();
-        let engine = start(model, tok, EngineConfig { max_num_seqs: 16, max_model_len: 256, ..Default::default() })
-            .expect("engine");
+        let engine = start(
+            model,
+            tok,
+            EngineConfig {
+                max_num_seqs: 16,
+                max_model_len: 256,
+                ..Default::default()
+            },
+        )
+        .expect("engine");
         let began = Instant::now();
         let tokens: usize = std::thread::scope(|s| {
             let handles: Vec<_> = (0..concurrency)
                 .map(|i| {
                     let engine = engine.clone();
                     s.spawn(move || {
-                        let prompt: Vec<u32> = std::iter::once(2).chain((0..16).map(|j| 120 + ((i * 31 + j * 7) % 380) as u32)).collect();
-                        let params = SamplingParams { max_tokens: NEW_TOKENS, ..Default::default() };
-                        let mut stream = engine.submit(GenerationRequest { prompt_ids: prompt, params, deadline: None }).expect("submit");
+                        let prompt: Vec<u32> = std::iter::once(2)
+                            .chain((0..16).map(|j| 120 + ((i * 31 + j * 7) % 380) as u32))
+                            .collect();
+                        let params = SamplingParams {
+                            max_tokens: NEW_TOKENS,
+                            ..Default::default()
+                        };
+                        let mut stream = engine
+                            .submit(GenerationRequest {
+                                prompt_ids: prompt,
+                                params,
+                                deadline: None,
+                            })
+                            .expect("submit");
                         let mut n = 0;
                         while let Some(e) = stream.blocking_next() {
                             match e {
@@ -87,6 +113,9 @@ fn main() {
         });
         let rate = tokens as f64 / began.elapsed().as_secs_f64();
         let base = *baseline.get_or_insert(rate);
-        println!("  {concurrency:>2} sequences: {rate:>9.1} tokens/s  ({:.2}x one sequence)", rate / base);
+        println!(
+            "  {concurrency:>2} sequences: {rate:>9.1} tokens/s  ({:.2}x one sequence)",
+            rate / base
+        );
     }
 }

@@ -16,7 +16,9 @@ use gemma4_model::{BatchSeq, Gemma4, LogitsFor};
 use gemma4_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::api::{EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, TokenLogprob, Usage};
+use crate::api::{
+    EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, TokenLogprob, Usage,
+};
 use crate::kv_manager::KvManager;
 use crate::output::OutputState;
 use crate::sampler::Sampler;
@@ -149,11 +151,24 @@ impl EngineHandle {
         }
         let id = self.shared.next_id.fetch_add(1, Ordering::SeqCst);
         let (events, rx) = unbounded_channel();
-        if self.tx.send(Command::Submit(Box::new(Pending { id, request, events }))).is_err() {
+        if self
+            .tx
+            .send(Command::Submit(Box::new(Pending {
+                id,
+                request,
+                events,
+            })))
+            .is_err()
+        {
             self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::Stopped);
         }
-        Ok(RequestStream { id, rx, cancel: self.tx.clone(), done: false })
+        Ok(RequestStream {
+            id,
+            rx,
+            cancel: self.tx.clone(),
+            done: false,
+        })
     }
 
     fn validate(&self, r: &GenerationRequest) -> Result<(), SubmitError> {
@@ -179,7 +194,9 @@ impl EngineHandle {
         }
         let vocab = self.tokenizer.vocab_size();
         if let Some(bad) = r.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(SubmitError::Invalid(format!("token id {bad} is outside the vocabulary (size {vocab})")));
+            return Err(SubmitError::Invalid(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            )));
         }
         Ok(())
     }
@@ -219,7 +236,11 @@ impl EngineHandle {
 }
 
 /// Starts the engine thread.
-pub fn start(model: Gemma4, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> gemma4_model::Result<EngineHandle> {
+pub fn start(
+    model: Gemma4,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+) -> gemma4_model::Result<EngineHandle> {
     let cfg = model.config().clone();
     let groups = kv_groups(&cfg);
     let bs = config.block_size.max(1);
@@ -236,7 +257,11 @@ pub fn start(model: Gemma4, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> 
             AttentionKind::Full => config.max_model_len.div_ceil(bs),
         })
         .collect();
-    let seq_bytes: usize = groups.iter().zip(&per_seq).map(|(g, &n)| g.bytes_per_token(4) * n * bs).sum();
+    let seq_bytes: usize = groups
+        .iter()
+        .zip(&per_seq)
+        .map(|(g, &n)| g.bytes_per_token(4) * n * bs)
+        .sum();
     let seqs = match config.kv_memory_bytes {
         Some(budget) => (budget / seq_bytes.max(1)).max(1),
         None => config.max_num_seqs.max(1),
@@ -247,7 +272,14 @@ pub fn start(model: Gemma4, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> 
         groups: groups
             .iter()
             .zip(&blocks)
-            .map(|(g, &n)| (format!("{:?}", g.kind).to_lowercase(), g.layers.len(), g.bytes_per_token(4), n))
+            .map(|(g, &n)| {
+                (
+                    format!("{:?}", g.kind).to_lowercase(),
+                    g.layers.len(),
+                    g.bytes_per_token(4),
+                    n,
+                )
+            })
             .collect(),
         block_size: bs,
         total_bytes: pool.bytes(),
@@ -265,7 +297,10 @@ pub fn start(model: Gemma4, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> 
         next_id: AtomicU64::new(1),
     });
     let (tx, rx) = mpsc::channel();
-    let limits = SchedulerLimits { max_num_seqs: config.max_num_seqs.max(1), max_batch_tokens: config.max_batch_tokens.max(1) };
+    let limits = SchedulerLimits {
+        max_num_seqs: config.max_num_seqs.max(1),
+        max_batch_tokens: config.max_batch_tokens.max(1),
+    };
     let mut worker = Worker {
         model,
         tokenizer: tokenizer.clone(),
@@ -279,8 +314,16 @@ pub fn start(model: Gemma4, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> 
     std::thread::Builder::new()
         .name("gemma4-engine".into())
         .spawn(move || worker.run(rx))
-        .map_err(|e| gemma4_model::ModelError::Input(format!("cannot start the engine thread: {e}")))?;
-    Ok(EngineHandle { tx, shared, config: Arc::new(config), tokenizer, kv_plan: Arc::new(kv_plan) })
+        .map_err(|e| {
+            gemma4_model::ModelError::Input(format!("cannot start the engine thread: {e}"))
+        })?;
+    Ok(EngineHandle {
+        tx,
+        shared,
+        config: Arc::new(config),
+        tokenizer,
+        kv_plan: Arc::new(kv_plan),
+    })
 }
 
 /// Per-request state the scheduler does not need.
@@ -340,7 +383,11 @@ impl Worker {
     fn command(&mut self, c: Command) {
         match c {
             Command::Submit(p) => {
-                let Pending { id, request, events } = *p;
+                let Pending {
+                    id,
+                    request,
+                    events,
+                } = *p;
                 let prompt_len = request.prompt_ids.len();
                 self.live.insert(
                     id,
@@ -399,8 +446,15 @@ impl Worker {
                 self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
             }
             let text = l.output.flush();
-            let usage = Usage { prompt_tokens: l.prompt_len, completion_tokens: l.generated };
-            let _ = l.events.send(EngineEvent::Finished { reason, text, usage });
+            let usage = Usage {
+                prompt_tokens: l.prompt_len,
+                completion_tokens: l.generated,
+            };
+            let _ = l.events.send(EngineEvent::Finished {
+                reason,
+                text,
+                usage,
+            });
         }
     }
 
@@ -419,7 +473,12 @@ impl Worker {
             if self.scheduler.running.is_empty() {
                 // Nothing runs, yet the head of the queue cannot be placed: it can never fit.
                 if let Some(id) = self.scheduler.waiting.front().map(|s| s.id) {
-                    self.end(id, FinishReason::Error("the request needs more KV-cache memory than the engine has".into()));
+                    self.end(
+                        id,
+                        FinishReason::Error(
+                            "the request needs more KV-cache memory than the engine has".into(),
+                        ),
+                    );
                 }
             }
             return;
@@ -446,7 +505,10 @@ impl Worker {
         let logits = match result {
             Ok(l) => l,
             Err(e) => {
-                let ids: Vec<u64> = chunks.iter().map(|c| self.scheduler.running[c.index].id).collect();
+                let ids: Vec<u64> = chunks
+                    .iter()
+                    .map(|c| self.scheduler.running[c.index].id)
+                    .collect();
                 for id in ids {
                     self.end(id, FinishReason::Error(format!("model step failed: {e}")));
                 }
@@ -457,14 +519,20 @@ impl Worker {
         for (c, row) in chunks.iter().zip(logits) {
             let seq = &mut self.scheduler.running[c.index];
             seq.computed = c.start + c.len;
-            self.kv.register_full_blocks(&mut seq.kv, &seq.tokens, seq.computed);
+            self.kv
+                .register_full_blocks(&mut seq.kv, &seq.tokens, seq.computed);
             let Some(row) = row else { continue };
             let id = seq.id;
-            let Some(live) = self.live.get_mut(&id) else { continue };
+            let Some(live) = self.live.get_mut(&id) else {
+                continue;
+            };
             let values = match row.squeeze(0).and_then(|r| r.to_vec1::<f32>()) {
                 Ok(v) => v,
                 Err(e) => {
-                    finished.push((id, FinishReason::Error(format!("reading logits failed: {e}"))));
+                    finished.push((
+                        id,
+                        FinishReason::Error(format!("reading logits failed: {e}")),
+                    ));
                     continue;
                 }
             };
@@ -486,10 +554,16 @@ impl Worker {
                     .collect(),
             });
             let (text, stopped) = live.output.push(token);
-            let _ = live.events.send(EngineEvent::Token { id: token, text, logprob });
+            let _ = live.events.send(EngineEvent::Token {
+                id: token,
+                text,
+                logprob,
+            });
             if stopped {
                 finished.push((id, FinishReason::Stop));
-            } else if live.generated >= live.sampler.params().max_tokens || seq.tokens.len() >= self.max_model_len {
+            } else if live.generated >= live.sampler.params().max_tokens
+                || seq.tokens.len() >= self.max_model_len
+            {
                 finished.push((id, FinishReason::Length));
             }
         }
@@ -507,8 +581,19 @@ impl Worker {
                     AttentionKind::Full => s.kv_full_blocks_used = u.used,
                 }
             }
-            if let Some(g) = self.pool.groups().iter().position(|g| g.kind == AttentionKind::Sliding) {
-                let peak = self.scheduler.running.iter().map(|r| r.kv.tables[g].blocks.len()).max().unwrap_or(0);
+            if let Some(g) = self
+                .pool
+                .groups()
+                .iter()
+                .position(|g| g.kind == AttentionKind::Sliding)
+            {
+                let peak = self
+                    .scheduler
+                    .running
+                    .iter()
+                    .map(|r| r.kv.tables[g].blocks.len())
+                    .max()
+                    .unwrap_or(0);
                 s.kv_sliding_blocks_per_seq_peak = s.kv_sliding_blocks_per_seq_peak.max(peak);
             }
             s.running = self.scheduler.running.len();

@@ -101,7 +101,13 @@ pub struct KvManager {
 }
 
 impl KvManager {
-    pub fn new(groups: &[KvGroup], blocks_per_group: &[usize], block_size: usize, window: usize, prefix_caching: bool) -> Self {
+    pub fn new(
+        groups: &[KvGroup],
+        blocks_per_group: &[usize],
+        block_size: usize,
+        window: usize,
+        prefix_caching: bool,
+    ) -> Self {
         let groups = groups
             .iter()
             .zip(blocks_per_group)
@@ -115,7 +121,11 @@ impl KvManager {
                 cached: HashMap::new(),
             })
             .collect();
-        Self { block_size, groups, prefix_caching }
+        Self {
+            block_size,
+            groups,
+            prefix_caching,
+        }
     }
 
     pub fn block_size(&self) -> usize {
@@ -124,12 +134,22 @@ impl KvManager {
 
     /// Per group: total and used (owned by at least one sequence) blocks.
     pub fn usage(&self) -> Vec<BlockUsage> {
-        self.groups.iter().map(|g| BlockUsage { total: g.total, used: g.total - g.free_count() }).collect()
+        self.groups
+            .iter()
+            .map(|g| BlockUsage {
+                total: g.total,
+                used: g.total - g.free_count(),
+            })
+            .collect()
     }
 
     /// An empty table set for a new sequence.
     pub fn empty(&self) -> SeqKv {
-        SeqKv { tables: vec![GroupBlocks::default(); self.groups.len()], registered_blocks: 0, last_hash: 0 }
+        SeqKv {
+            tables: vec![GroupBlocks::default(); self.groups.len()],
+            registered_blocks: 0,
+            last_hash: 0,
+        }
     }
 
     /// Blocks each group would need to hold positions `..new_len` for queries from `query_pos` on.
@@ -154,11 +174,20 @@ impl KvManager {
     pub fn allocate(&mut self, seq: &mut SeqKv, new_len: usize, query_pos: usize) -> bool {
         self.release_out_of_window(seq, query_pos);
         let needed = self.blocks_needed(seq, new_len, query_pos);
-        if needed.iter().zip(&self.groups).any(|(&n, g)| n > g.free_count()) {
+        if needed
+            .iter()
+            .zip(&self.groups)
+            .any(|(&n, g)| n > g.free_count())
+        {
             return false;
         }
         let bs = self.block_size;
-        for ((g, t), n) in self.groups.iter_mut().zip(seq.tables.iter_mut()).zip(needed) {
+        for ((g, t), n) in self
+            .groups
+            .iter_mut()
+            .zip(seq.tables.iter_mut())
+            .zip(needed)
+        {
             if t.blocks.is_empty() {
                 // A fresh sliding table starts at the first block the window needs.
                 t.first_block = g.first_needed_block(query_pos, bs);
@@ -296,8 +325,16 @@ mod tests {
 
     fn groups() -> Vec<KvGroup> {
         vec![
-            KvGroup { kind: AttentionKind::Sliding, layers: vec![0], elements_per_token: 2 },
-            KvGroup { kind: AttentionKind::Full, layers: vec![1], elements_per_token: 4 },
+            KvGroup {
+                kind: AttentionKind::Sliding,
+                layers: vec![0],
+                elements_per_token: 2,
+            },
+            KvGroup {
+                kind: AttentionKind::Full,
+                layers: vec![1],
+                elements_per_token: 4,
+            },
         ]
     }
 
@@ -307,7 +344,10 @@ mod tests {
         let mut s = m.empty();
         for pos in 0..200 {
             assert!(m.allocate(&mut s, pos + 1, pos));
-            assert!(s.tables[0].blocks.len() <= 8usize.div_ceil(4) + 1, "pos {pos}");
+            assert!(
+                s.tables[0].blocks.len() <= 8usize.div_ceil(4) + 1,
+                "pos {pos}"
+            );
         }
         assert_eq!(s.tables[1].blocks.len(), 50);
         m.release(&mut s);

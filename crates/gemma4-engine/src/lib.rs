@@ -12,6 +12,7 @@ pub mod sampler;
 pub mod scheduler;
 
 pub use api::{
-    EngineEvent, EngineStats, FinishReason, GenerationRequest, SamplingParams, SubmitError, TokenLogprob, Usage,
+    EngineEvent, EngineStats, FinishReason, GenerationRequest, SamplingParams, SubmitError,
+    TokenLogprob, Usage,
 };
 pub use engine::{start, EngineConfig, EngineHandle, KvPlanReport, RequestStream};

@@ -17,8 +17,18 @@ pub struct OutputState {
 
 impl OutputState {
     pub fn new(tokenizer: Arc<Tokenizer>, params: &SamplingParams) -> Self {
-        let stops = params.stop_strings.iter().filter(|s| !s.is_empty()).cloned().collect();
-        Self { decoder: IncrementalDecoder::new(tokenizer), stops, held: String::new(), stopped: false }
+        let stops = params
+            .stop_strings
+            .iter()
+            .filter(|s| !s.is_empty())
+            .cloned()
+            .collect();
+        Self {
+            decoder: IncrementalDecoder::new(tokenizer),
+            stops,
+            held: String::new(),
+            stopped: false,
+        }
     }
 
     /// Adds a token; returns the text that may be shown now and whether a stop string matched.
@@ -33,7 +43,12 @@ impl OutputState {
     }
 
     fn release(&mut self) -> (String, bool) {
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        if let Some(at) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()))
+            .min()
+        {
             let out = self.held[..at].to_string();
             self.held.clear();
             self.stopped = true;

@@ -36,7 +36,12 @@ impl Sampler {
         let mut prompt_tokens = prompt.to_vec();
         prompt_tokens.sort_unstable();
         prompt_tokens.dedup();
-        Self { params, rng, prompt_tokens, output_counts: Default::default() }
+        Self {
+            params,
+            rng,
+            prompt_tokens,
+            output_counts: Default::default(),
+        }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -61,10 +66,18 @@ impl Sampler {
     fn apply_penalties(&self, x: &mut [f32]) {
         let p = &self.params;
         if p.repetition_penalty != 1.0 && p.repetition_penalty > 0.0 {
-            let seen = self.prompt_tokens.iter().copied().chain(self.output_counts.keys().copied());
+            let seen = self
+                .prompt_tokens
+                .iter()
+                .copied()
+                .chain(self.output_counts.keys().copied());
             for t in seen {
                 if let Some(v) = x.get_mut(t as usize) {
-                    *v = if *v > 0.0 { *v / p.repetition_penalty } else { *v * p.repetition_penalty };
+                    *v = if *v > 0.0 {
+                        *v / p.repetition_penalty
+                    } else {
+                        *v * p.repetition_penalty
+                    };
                 }
             }
         }
@@ -151,7 +164,10 @@ fn log_softmax_top(x: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
     }
     idx.truncate(k);
     idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]));
-    (lse, idx.into_iter().map(|i| (i as u32, x[i] - lse)).collect())
+    (
+        lse,
+        idx.into_iter().map(|i| (i as u32, x[i] - lse)).collect(),
+    )
 }
 
 #[cfg(test)]
@@ -159,7 +175,11 @@ mod tests {
     use super::*;
 
     fn params() -> SamplingParams {
-        SamplingParams { temperature: 1.0, seed: Some(7), ..Default::default() }
+        SamplingParams {
+            temperature: 1.0,
+            seed: Some(7),
+            ..Default::default()
+        }
     }
 
     #[test]
@@ -180,7 +200,13 @@ mod tests {
 
     #[test]
     fn top_k_one_is_greedy() {
-        let mut s = Sampler::new(SamplingParams { top_k: 1, ..params() }, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                top_k: 1,
+                ..params()
+            },
+            &[],
+        );
         for _ in 0..10 {
             assert_eq!(s.sample(&[0.0, 1.0, 0.9, -2.0]).token, 1);
         }
@@ -190,24 +216,54 @@ mod tests {
     fn top_p_and_min_p_cut_the_tail() {
         // p ≈ [0.64, 0.24, 0.09, 0.03]: top_p 0.5 keeps only the first.
         let logits = [2.0, 1.0, 0.0, -1.0];
-        let mut s = Sampler::new(SamplingParams { top_p: 0.5, ..params() }, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                top_p: 0.5,
+                ..params()
+            },
+            &[],
+        );
         assert!((0..20).all(|_| s.sample(&logits).token == 0));
-        let mut s = Sampler::new(SamplingParams { min_p: 0.5, ..params() }, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                min_p: 0.5,
+                ..params()
+            },
+            &[],
+        );
         assert!((0..20).all(|_| s.sample(&logits).token == 0));
     }
 
     #[test]
     fn penalties_change_the_greedy_choice() {
-        let mut s = Sampler::new(SamplingParams { presence_penalty: 1.0, ..Default::default() }, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                presence_penalty: 1.0,
+                ..Default::default()
+            },
+            &[],
+        );
         assert_eq!(s.sample(&[1.0, 0.5]).token, 0);
         assert_eq!(s.sample(&[1.0, 0.5]).token, 1);
-        let mut s = Sampler::new(SamplingParams { repetition_penalty: 4.0, ..Default::default() }, &[0]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                repetition_penalty: 4.0,
+                ..Default::default()
+            },
+            &[0],
+        );
         assert_eq!(s.sample(&[1.0, 0.5]).token, 1);
     }
 
     #[test]
     fn logprobs_are_normalised() {
-        let mut s = Sampler::new(SamplingParams { logprobs: Some(2), ..Default::default() }, &[]);
+        let mut s = Sampler::new(
+            SamplingParams {
+                logprobs: Some(2),
+                ..Default::default()
+            },
+            &[],
+        );
         let out = s.sample(&[0.0, 0.0]);
         let (lp, top) = out.logprobs.expect("logprobs");
         assert!((lp - 0.5f32.ln()).abs() < 1e-6);

@@ -64,7 +64,13 @@ pub struct Scheduler {
 
 impl Scheduler {
     pub fn new(limits: SchedulerLimits) -> Self {
-        Self { limits, waiting: VecDeque::new(), running: Vec::new(), preemptions: 0, prefix_hits: 0 }
+        Self {
+            limits,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            preemptions: 0,
+            prefix_hits: 0,
+        }
     }
 
     /// Chooses the next step's work and allocates its KV blocks.
@@ -81,7 +87,12 @@ impl Scheduler {
             let start = self.running[i].computed;
             if kv.allocate(&mut self.running[i].kv, start + len, start) {
                 let samples = start + len == self.running[i].tokens.len();
-                chunks.push(Chunk { index: i, start, len, samples });
+                chunks.push(Chunk {
+                    index: i,
+                    start,
+                    len,
+                    samples,
+                });
                 budget -= len;
                 i += 1;
                 continue;
@@ -96,7 +107,9 @@ impl Scheduler {
         }
         // Admit waiting sequences in arrival order.
         while budget > 0 && self.running.len() < self.limits.max_num_seqs {
-            let Some(mut seq) = self.waiting.pop_front() else { break };
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
             if seq.computed == 0 {
                 let hit = kv.adopt_prefix(&mut seq.kv, &seq.tokens);
                 seq.computed = hit;
@@ -114,7 +127,12 @@ impl Scheduler {
                 break;
             }
             let samples = start + len == seq.tokens.len();
-            chunks.push(Chunk { index: self.running.len(), start, len, samples });
+            chunks.push(Chunk {
+                index: self.running.len(),
+                start,
+                len,
+                samples,
+            });
             budget -= len;
             self.running.push(seq);
         }

@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use gemma4_engine::{start, EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerationRequest, SamplingParams};
+use gemma4_engine::{
+    start, EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerationRequest, SamplingParams,
+};
 use gemma4_model::golden::{greedy, Golden};
 use gemma4_model::{load_hf_dir, Gemma4};
 use gemma4_text::Tokenizer;
@@ -14,7 +16,9 @@ const VARIANTS: &[&str] = &["e-style", "dense-k-eq-v", "moe", "unified"];
 const STEPS: usize = 24;
 
 fn fixture(variant: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle").join(variant)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/oracle")
+        .join(variant)
 }
 
 fn model(variant: &str) -> Gemma4 {
@@ -29,13 +33,18 @@ fn tokenizer(variant: &str) -> Arc<Tokenizer> {
 /// five more, two of which share a long prefix with a golden prompt.
 fn prompts(variant: &str) -> Vec<(Vec<u32>, Option<Vec<u32>>)> {
     let golden = Golden::read(&fixture(variant).join("golden.json")).expect("golden");
-    let mut out: Vec<(Vec<u32>, Option<Vec<u32>>)> =
-        golden.prompts.iter().map(|p| (p.input_ids.clone(), Some(p.greedy.generated_ids.clone()))).collect();
+    let mut out: Vec<(Vec<u32>, Option<Vec<u32>>)> = golden
+        .prompts
+        .iter()
+        .map(|p| (p.input_ids.clone(), Some(p.greedy.generated_ids.clone())))
+        .collect();
     let long = golden.prompts[2].input_ids.clone();
     out.push((long[..40].to_vec(), None));
     out.push(([&long[..70], &[400, 401, 402]].concat(), None));
     for seed in 0..3u32 {
-        let ids: Vec<u32> = std::iter::once(2).chain((0..(11 + seed * 9)).map(|i| 114 + (i * 37 + seed * 101) % 390)).collect();
+        let ids: Vec<u32> = std::iter::once(2)
+            .chain((0..(11 + seed * 9)).map(|i| 114 + (i * 37 + seed * 101) % 390))
+            .collect();
         out.push((ids, None));
     }
     out
@@ -44,7 +53,10 @@ fn prompts(variant: &str) -> Vec<(Vec<u32>, Option<Vec<u32>>)> {
 fn request(ids: &[u32]) -> GenerationRequest {
     GenerationRequest {
         prompt_ids: ids.to_vec(),
-        params: SamplingParams { max_tokens: STEPS, ..Default::default() },
+        params: SamplingParams {
+            max_tokens: STEPS,
+            ..Default::default()
+        },
         deadline: None,
     }
 }
@@ -62,7 +74,10 @@ fn collect(engine: &EngineHandle, ids: &[u32]) -> (Vec<u32>, FinishReason) {
 }
 
 /// Runs every prompt concurrently with staggered arrivals; returns outputs in prompt order.
-fn run_concurrently(engine: &EngineHandle, prompts: &[(Vec<u32>, Option<Vec<u32>>)]) -> Vec<Vec<u32>> {
+fn run_concurrently(
+    engine: &EngineHandle,
+    prompts: &[(Vec<u32>, Option<Vec<u32>>)],
+) -> Vec<Vec<u32>> {
     std::thread::scope(|s| {
         let handles: Vec<_> = prompts
             .iter()
@@ -87,7 +102,14 @@ fn run_concurrently(engine: &EngineHandle, prompts: &[(Vec<u32>, Option<Vec<u32>
 }
 
 fn config(chunk: usize) -> EngineConfig {
-    EngineConfig { max_num_seqs: 8, max_queue: 16, max_model_len: 256, block_size: 4, max_batch_tokens: chunk, ..Default::default() }
+    EngineConfig {
+        max_num_seqs: 8,
+        max_queue: 16,
+        max_model_len: 256,
+        block_size: 4,
+        max_batch_tokens: chunk,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -113,11 +135,18 @@ fn batched_chunked_runs_equal_solo_runs() {
             }
             // One after another, too: no request sees another's KV.
             for (i, (ids, _)) in prompts.iter().enumerate().rev() {
-                assert_eq!(collect(&engine, ids).0, solo[i], "{v} sequential prompt {i}");
+                assert_eq!(
+                    collect(&engine, ids).0,
+                    solo[i],
+                    "{v} sequential prompt {i}"
+                );
             }
             let stats = wait_idle(&engine);
             assert_eq!(stats.kv_blocks_used, 0, "{v}: blocks leaked");
-            assert!(stats.prefix_cache_hits > 0, "{v}: shared prefixes were not reused");
+            assert!(
+                stats.prefix_cache_hits > 0,
+                "{v}: shared prefixes were not reused"
+            );
         }
     }
 }
@@ -138,27 +167,49 @@ fn a_tiny_cache_preempts_and_still_gives_solo_outputs() {
     let v = "dense-k-eq-v";
     let prompts = prompts(v);
     let solo_model = model(v);
-    let solo: Vec<Vec<u32>> = prompts.iter().map(|(ids, _)| greedy(&solo_model, ids, STEPS).expect("solo")).collect();
+    let solo: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|(ids, _)| greedy(&solo_model, ids, STEPS).expect("solo"))
+        .collect();
     // A budget below one sequence's worth: the engine sizes the cache for
     // exactly one full-length (128-token) sequence.
-    let cfg = EngineConfig { kv_memory_bytes: Some(1), max_model_len: 128, ..config(64) };
+    let cfg = EngineConfig {
+        kv_memory_bytes: Some(1),
+        max_model_len: 128,
+        ..config(64)
+    };
     let engine = start(model(v), tokenizer(v), cfg).expect("engine");
     let outs = run_concurrently(&engine, &prompts);
     assert_eq!(outs, solo);
     let stats = wait_idle(&engine);
-    assert!(stats.preemptions > 0, "the cache was not small enough to preempt");
+    assert!(
+        stats.preemptions > 0,
+        "the cache was not small enough to preempt"
+    );
     assert_eq!(stats.kv_blocks_used, 0);
 }
 
 #[test]
 fn sliding_layers_hold_only_their_window() {
     let v = "e-style";
-    let engine = start(model(v), tokenizer(v), EngineConfig { max_model_len: 2100, block_size: 4, ..config(512) }).expect("engine");
+    let engine = start(
+        model(v),
+        tokenizer(v),
+        EngineConfig {
+            max_model_len: 2100,
+            block_size: 4,
+            ..config(512)
+        },
+    )
+    .expect("engine");
     let window = 8usize;
     let mut stream = engine
         .submit(GenerationRequest {
             prompt_ids: vec![2, 379, 399, 473],
-            params: SamplingParams { max_tokens: 2000, ..Default::default() },
+            params: SamplingParams {
+                max_tokens: 2000,
+                ..Default::default()
+            },
             deadline: None,
         })
         .expect("submit");
@@ -180,9 +231,18 @@ fn sliding_layers_hold_only_their_window() {
     }
     assert_eq!(n, 2000);
     let stats = engine.stats();
-    assert!(stats.kv_sliding_blocks_per_seq_peak <= window.div_ceil(4) + 1, "{stats:?}");
-    assert!(stats.kv_sliding_blocks_per_seq_peak >= window.div_ceil(4), "{stats:?}");
-    assert!(full_seen.windows(2).all(|w| w[1] > w[0]), "full group must grow: {full_seen:?}");
+    assert!(
+        stats.kv_sliding_blocks_per_seq_peak <= window.div_ceil(4) + 1,
+        "{stats:?}"
+    );
+    assert!(
+        stats.kv_sliding_blocks_per_seq_peak >= window.div_ceil(4),
+        "{stats:?}"
+    );
+    assert!(
+        full_seen.windows(2).all(|w| w[1] > w[0]),
+        "full group must grow: {full_seen:?}"
+    );
 }
 
 /// The engine allocates exactly the per-token KV that `gemma4 plan` reports.
@@ -190,19 +250,39 @@ fn sliding_layers_hold_only_their_window() {
 fn engine_allocation_matches_the_plan() {
     for v in VARIANTS {
         let m = model(v);
-        let plan: Vec<usize> = gemma4_model::plan::kv_bytes_per_token(m.config(), 4).into_iter().map(|(_, b)| b).collect();
+        let plan: Vec<usize> = gemma4_model::plan::kv_bytes_per_token(m.config(), 4)
+            .into_iter()
+            .map(|(_, b)| b)
+            .collect();
         let engine = start(m, tokenizer(v), config(64)).expect("engine");
         let report = engine.kv_plan();
         let allocated: Vec<usize> = report.groups.iter().map(|g| g.2).collect();
         assert_eq!(allocated, plan, "{v}");
-        let total: usize = report.groups.iter().map(|g| g.2 * g.3 * report.block_size).sum();
+        let total: usize = report
+            .groups
+            .iter()
+            .map(|g| g.2 * g.3 * report.block_size)
+            .sum();
         assert_eq!(total, report.total_bytes, "{v}");
     }
 }
 
 fn sampled(engine: &EngineHandle, ids: &[u32], seed: u64) -> Vec<u32> {
-    let params = SamplingParams { temperature: 0.9, top_p: 0.95, top_k: 40, seed: Some(seed), max_tokens: 16, ..Default::default() };
-    let mut stream = engine.submit(GenerationRequest { prompt_ids: ids.to_vec(), params, deadline: None }).expect("submit");
+    let params = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.95,
+        top_k: 40,
+        seed: Some(seed),
+        max_tokens: 16,
+        ..Default::default()
+    };
+    let mut stream = engine
+        .submit(GenerationRequest {
+            prompt_ids: ids.to_vec(),
+            params,
+            deadline: None,
+        })
+        .expect("submit");
     let mut out = Vec::new();
     while let Some(e) = stream.blocking_next() {
         match e {
@@ -237,7 +317,11 @@ fn seeded_sampling_is_independent_of_the_batch() {
         mine
     });
     assert_eq!(alone, busy);
-    assert_ne!(alone, sampled(&engine, &prompts[0].0, 99), "another seed should differ");
+    assert_ne!(
+        alone,
+        sampled(&engine, &prompts[0].0, 99),
+        "another seed should differ"
+    );
 }
 
 /// A stop string ends the request and its text is not returned.
@@ -262,18 +346,33 @@ fn stop_strings_cut_the_text() {
         }
         text
     };
-    let visible: Vec<(usize, char)> = full.char_indices().filter(|(_, c)| c.is_alphanumeric()).collect();
+    let visible: Vec<(usize, char)> = full
+        .char_indices()
+        .filter(|(_, c)| c.is_alphanumeric())
+        .collect();
     assert!(visible.len() > 4, "need some text to stop on: {full:?}");
     let (at, _) = visible[visible.len() / 2];
     let stop: String = full[at..].chars().take(2).collect();
     let cut = full.find(&stop).expect("stop occurs");
-    let params = SamplingParams { max_tokens: STEPS, stop_strings: vec![stop.clone()], ..Default::default() };
-    let mut s = engine.submit(GenerationRequest { prompt_ids: p.input_ids.clone(), params, deadline: None }).expect("submit");
+    let params = SamplingParams {
+        max_tokens: STEPS,
+        stop_strings: vec![stop.clone()],
+        ..Default::default()
+    };
+    let mut s = engine
+        .submit(GenerationRequest {
+            prompt_ids: p.input_ids.clone(),
+            params,
+            deadline: None,
+        })
+        .expect("submit");
     let mut text = String::new();
     loop {
         match s.blocking_next().expect("event") {
             EngineEvent::Token { text: t, .. } => text.push_str(&t),
-            EngineEvent::Finished { text: t, reason, .. } => {
+            EngineEvent::Finished {
+                text: t, reason, ..
+            } => {
                 text.push_str(&t);
                 assert_eq!(reason, FinishReason::Stop);
                 break;
@@ -289,9 +388,18 @@ fn timeouts_and_cancellation_free_blocks() {
     let v = "dense-k-eq-v";
     let engine = start(model(v), tokenizer(v), config(64)).expect("engine");
     let long = prompts(v)[2].0.clone();
-    let params = SamplingParams { max_tokens: 100, ..Default::default() };
+    let params = SamplingParams {
+        max_tokens: 100,
+        ..Default::default()
+    };
     let deadline = Some(std::time::Instant::now());
-    let mut s = engine.submit(GenerationRequest { prompt_ids: long.clone(), params: params.clone(), deadline }).expect("submit");
+    let mut s = engine
+        .submit(GenerationRequest {
+            prompt_ids: long.clone(),
+            params: params.clone(),
+            deadline,
+        })
+        .expect("submit");
     let mut reason = None;
     while let Some(e) = s.blocking_next() {
         if let EngineEvent::Finished { reason: r, .. } = e {
@@ -300,7 +408,13 @@ fn timeouts_and_cancellation_free_blocks() {
     }
     assert_eq!(reason, Some(FinishReason::Timeout));
 
-    let mut s = engine.submit(GenerationRequest { prompt_ids: long, params, deadline: None }).expect("submit");
+    let mut s = engine
+        .submit(GenerationRequest {
+            prompt_ids: long,
+            params,
+            deadline: None,
+        })
+        .expect("submit");
     for _ in 0..3 {
         assert!(matches!(s.blocking_next(), Some(EngineEvent::Token { .. })));
     }

@@ -12,7 +12,14 @@ use crate::error::{ModelError, Result};
 /// `layer` is always a KV-producing layer (shared layers read their producer's).
 pub trait KvStore {
     /// Stores `[n, kv_heads, head_dim]` keys and values for positions `start..start + n`.
-    fn write(&mut self, layer: usize, seq: usize, start: usize, k: &Tensor, v: &Tensor) -> Result<()>;
+    fn write(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        start: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()>;
     /// `[kv_heads, T, head_dim]` keys and values and the position of the first one.
     /// Positions are contiguous; a store may drop positions no query can see.
     fn read(&self, layer: usize, seq: usize) -> Result<(Tensor, Tensor, usize)>;
@@ -27,7 +34,10 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![None; num_layers], len: 0 }
+        Self {
+            layers: vec![None; num_layers],
+            len: 0,
+        }
     }
 
     /// Positions already in the cache.
@@ -45,18 +55,35 @@ impl KvCache {
 
     /// Bytes of K/V held (f32), for reporting.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flatten().map(|(k, v)| (k.elem_count() + v.elem_count()) * 4).sum()
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * 4)
+            .sum()
     }
 }
 
 impl KvStore for KvCache {
-    fn write(&mut self, layer: usize, seq: usize, start: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+    fn write(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        start: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
         if seq != 0 {
-            return Err(ModelError::Input("a KvCache holds exactly one sequence".into()));
+            return Err(ModelError::Input(
+                "a KvCache holds exactly one sequence".into(),
+            ));
         }
-        let held = self.layers[layer].as_ref().map_or(Ok(0), |(k, _)| k.dim(1))?;
+        let held = self.layers[layer]
+            .as_ref()
+            .map_or(Ok(0), |(k, _)| k.dim(1))?;
         if held != start {
-            return Err(ModelError::Input(format!("cache of layer {layer} holds {held} positions, write starts at {start}")));
+            return Err(ModelError::Input(format!(
+                "cache of layer {layer} holds {held} positions, write starts at {start}"
+            )));
         }
         let k = k.transpose(0, 1)?.contiguous()?;
         let v = v.transpose(0, 1)?.contiguous()?;
@@ -71,7 +98,9 @@ impl KvStore for KvCache {
     fn read(&self, layer: usize, _seq: usize) -> Result<(Tensor, Tensor, usize)> {
         match self.layers.get(layer).and_then(Option::as_ref) {
             Some((k, v)) => Ok((k.clone(), v.clone(), 0)),
-            None => Err(ModelError::Input(format!("no K/V stored for layer {layer}"))),
+            None => Err(ModelError::Input(format!(
+                "no K/V stored for layer {layer}"
+            ))),
         }
     }
 }

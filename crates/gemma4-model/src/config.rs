@@ -241,9 +241,9 @@ impl TextConfig {
 
     /// Resolves a parsed `config.json` (composite or text-only layout).
     pub fn from_hf_json(json: &Value) -> Result<Self, ConfigError> {
-        let top = json
-            .as_object()
-            .ok_or_else(|| ConfigError::invalid("config.json", "the file must hold a JSON object"))?;
+        let top = json.as_object().ok_or_else(|| {
+            ConfigError::invalid("config.json", "the file must hold a JSON object")
+        })?;
         let model_type = top.get("model_type").and_then(Value::as_str).unwrap_or("");
         let (text, field_prefix) = match model_type {
             "gemma4" | "gemma4_unified" | "gemma3" if top.contains_key("text_config") => {
@@ -268,10 +268,16 @@ impl TextConfig {
         }
         let raw: RawTextConfig =
             serde_json::from_value(Value::Object(text.clone())).map_err(|e| {
-                ConfigError::invalid(field_prefix.trim_end_matches('.').to_string(), e.to_string())
+                ConfigError::invalid(
+                    field_prefix.trim_end_matches('.').to_string(),
+                    e.to_string(),
+                )
             })?;
         // The top-level eos list (e.g. [1, 106]) is the generation contract; prefer it.
-        let eos = top.get("eos_token_id").or(raw.eos_token_id.as_ref()).cloned();
+        let eos = top
+            .get("eos_token_id")
+            .or(raw.eos_token_id.as_ref())
+            .cloned();
         resolve(raw, eos.as_ref(), field_prefix)
     }
 
@@ -288,11 +294,17 @@ impl TextConfig {
 
 fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfig, ConfigError> {
     let f = |name: &str| format!("{p}{name}");
-    let model_type = raw.model_type.clone().unwrap_or_else(|| "gemma4_text".into());
+    let model_type = raw
+        .model_type
+        .clone()
+        .unwrap_or_else(|| "gemma4_text".into());
     let gemma3 = model_type.starts_with("gemma3");
     let n = raw.num_hidden_layers;
     if n == 0 {
-        return Err(ConfigError::invalid(f("num_hidden_layers"), "must be at least 1"));
+        return Err(ConfigError::invalid(
+            f("num_hidden_layers"),
+            "must be at least 1",
+        ));
     }
     for (name, v) in [
         ("vocab_size", raw.vocab_size),
@@ -316,10 +328,16 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
         }
     }
     if raw.attention_bias {
-        return Err(ConfigError::invalid(f("attention_bias"), "Gemma has no attention bias; `true` is not supported"));
+        return Err(ConfigError::invalid(
+            f("attention_bias"),
+            "Gemma has no attention bias; `true` is not supported",
+        ));
     }
     if raw.attn_logit_softcapping.is_some_and(|c| c > 0.0) {
-        return Err(ConfigError::invalid(f("attn_logit_softcapping"), "attention-logit soft-capping (Gemma 2) is not supported"));
+        return Err(ConfigError::invalid(
+            f("attn_logit_softcapping"),
+            "attention-logit soft-capping (Gemma 2) is not supported",
+        ));
     }
     let kinds = layer_kinds(&raw, gemma3, p)?;
     let ple_dim = raw.hidden_size_per_layer_input.unwrap_or(0);
@@ -328,7 +346,10 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
             if v != raw.vocab_size {
                 return Err(ConfigError::invalid(
                     f("vocab_size_per_layer_input"),
-                    format!("{v} differs from vocab_size {}; not supported", raw.vocab_size),
+                    format!(
+                        "{v} differs from vocab_size {}; not supported",
+                        raw.vocab_size
+                    ),
                 ));
             }
         }
@@ -336,7 +357,10 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
     let moe = if raw.enable_moe_block {
         let need = |v: Option<usize>, name: &str| {
             v.filter(|x| *x > 0).ok_or_else(|| {
-                ConfigError::invalid(f(name), "must be a positive number when enable_moe_block is true")
+                ConfigError::invalid(
+                    f(name),
+                    "must be a positive number when enable_moe_block is true",
+                )
             })
         };
         let spec = MoeSpec {
@@ -345,7 +369,10 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
             intermediate_size: need(raw.moe_intermediate_size, "moe_intermediate_size")?,
         };
         if spec.top_k > spec.num_experts {
-            return Err(ConfigError::invalid(f("top_k_experts"), "exceeds num_experts"));
+            return Err(ConfigError::invalid(
+                f("top_k_experts"),
+                "exceeds num_experts",
+            ));
         }
         Some(spec)
     } else {
@@ -354,7 +381,10 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
     if raw.num_kv_shared_layers >= n {
         return Err(ConfigError::invalid(
             f("num_kv_shared_layers"),
-            format!("{} leaves no layer to produce K/V ({} layers)", raw.num_kv_shared_layers, n),
+            format!(
+                "{} leaves no layer to produce K/V ({} layers)",
+                raw.num_kv_shared_layers, n
+            ),
         ));
     }
     let first_shared = n - raw.num_kv_shared_layers;
@@ -374,7 +404,11 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
                 }
             }
         }
-        if let Some(over) = raw.per_layer_config.as_ref().and_then(|m| layer_override(m, i)) {
+        if let Some(over) = raw
+            .per_layer_config
+            .as_ref()
+            .and_then(|m| layer_override(m, i))
+        {
             if let Some(h) = over.head_dim {
                 head_dim = h;
             }
@@ -383,12 +417,18 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
             }
         }
         if head_dim == 0 || kv_heads == 0 {
-            return Err(ConfigError::invalid(f("per_layer_config"), format!("layer {i} has a zero head_dim or KV-head count")));
+            return Err(ConfigError::invalid(
+                f("per_layer_config"),
+                format!("layer {i} has a zero head_dim or KV-head count"),
+            ));
         }
-        if raw.num_attention_heads % kv_heads != 0 {
+        if !raw.num_attention_heads.is_multiple_of(kv_heads) {
             return Err(ConfigError::invalid(
                 f("num_key_value_heads"),
-                format!("layer {i}: {} attention heads are not a multiple of {kv_heads} KV heads", raw.num_attention_heads),
+                format!(
+                    "layer {i}: {} attention heads are not a multiple of {kv_heads} KV heads",
+                    raw.num_attention_heads
+                ),
             ));
         }
         let kv = if i >= first_shared {
@@ -415,7 +455,11 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
             num_kv_heads: kv_heads,
             v_is_k,
             kv,
-            intermediate_size: if wide { raw.intermediate_size * 2 } else { raw.intermediate_size },
+            intermediate_size: if wide {
+                raw.intermediate_size * 2
+            } else {
+                raw.intermediate_size
+            },
             rope,
         });
     }
@@ -433,9 +477,17 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
     }
     let conventions = if gemma3 {
         let s = raw.query_pre_attn_scalar.unwrap_or(raw.head_dim as f64);
-        Conventions { attention_scale: s.powf(-0.5), v_norm: false, layer_scalar: false }
+        Conventions {
+            attention_scale: s.powf(-0.5),
+            v_norm: false,
+            layer_scalar: false,
+        }
     } else {
-        Conventions { attention_scale: 1.0, v_norm: true, layer_scalar: true }
+        Conventions {
+            attention_scale: 1.0,
+            v_norm: true,
+            layer_scalar: true,
+        }
     };
     Ok(TextConfig {
         model_type,
@@ -458,7 +510,10 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
 
 fn layer_override(map: &BTreeMap<String, RawLayerOverride>, i: usize) -> Option<&RawLayerOverride> {
     map.iter()
-        .find(|(k, _)| k.trim_start_matches('0').parse::<usize>().unwrap_or(0) == i && k.parse::<usize>().is_ok())
+        .find(|(k, _)| {
+            k.trim_start_matches('0').parse::<usize>().unwrap_or(0) == i
+                && k.parse::<usize>().is_ok()
+        })
         .map(|(_, v)| v)
 }
 
@@ -475,14 +530,22 @@ fn eos_list(v: Option<&Value>, field: &str) -> Result<Vec<u32>, ConfigError> {
     }
 }
 
-fn layer_kinds(raw: &RawTextConfig, gemma3: bool, p: &str) -> Result<Vec<AttentionKind>, ConfigError> {
+fn layer_kinds(
+    raw: &RawTextConfig,
+    gemma3: bool,
+    p: &str,
+) -> Result<Vec<AttentionKind>, ConfigError> {
     let field = format!("{p}layer_types");
     match &raw.layer_types {
         Some(types) => {
             if types.len() != raw.num_hidden_layers {
                 return Err(ConfigError::invalid(
                     field,
-                    format!("has {} entries but num_hidden_layers is {}", types.len(), raw.num_hidden_layers),
+                    format!(
+                        "has {} entries but num_hidden_layers is {}",
+                        types.len(),
+                        raw.num_hidden_layers
+                    ),
                 ));
             }
             types
@@ -493,14 +556,22 @@ fn layer_kinds(raw: &RawTextConfig, gemma3: bool, p: &str) -> Result<Vec<Attenti
                     "full_attention" => Ok(AttentionKind::Full),
                     other => Err(ConfigError::invalid(
                         field.clone(),
-                        format!("entry {i} is `{other}`; expected sliding_attention or full_attention"),
+                        format!(
+                            "entry {i} is `{other}`; expected sliding_attention or full_attention"
+                        ),
                     )),
                 })
                 .collect()
         }
         // Gemma 3 configs written before `layer_types` existed use a fixed 5:1 pattern.
         None if gemma3 => Ok((0..raw.num_hidden_layers)
-            .map(|i| if (i + 1) % 6 == 0 { AttentionKind::Full } else { AttentionKind::Sliding })
+            .map(|i| {
+                if (i + 1) % 6 == 0 {
+                    AttentionKind::Full
+                } else {
+                    AttentionKind::Sliding
+                }
+            })
             .collect()),
         None => Err(ConfigError::missing(field)),
     }
@@ -518,18 +589,34 @@ impl RopeParams {
     fn for_head_dim(self, head_dim: usize) -> RopeSpec {
         // Python: int(partial_rotary_factor * head_dim // 2).
         let rotated_pairs = ((self.rotated_fraction * head_dim as f64) / 2.0).floor() as usize;
-        RopeSpec { theta: self.theta, head_dim, rotated_pairs, position_scale: self.position_scale }
+        RopeSpec {
+            theta: self.theta,
+            head_dim,
+            rotated_pairs,
+            position_scale: self.position_scale,
+        }
     }
 }
 
 /// RoPE parameters for (sliding, full) layers.
-fn rope_specs(raw: &RawTextConfig, gemma3: bool, p: &str) -> Result<(RopeParams, RopeParams), ConfigError> {
+fn rope_specs(
+    raw: &RawTextConfig,
+    gemma3: bool,
+    p: &str,
+) -> Result<(RopeParams, RopeParams), ConfigError> {
     let field = format!("{p}rope_parameters");
     let params = match &raw.rope_parameters {
         Some(m) => m,
         None if gemma3 => {
-            let local = RopeParams { theta: 10_000.0, rotated_fraction: 1.0, position_scale: 1.0 };
-            let global = RopeParams { theta: 1_000_000.0, ..local };
+            let local = RopeParams {
+                theta: 10_000.0,
+                rotated_fraction: 1.0,
+                position_scale: 1.0,
+            };
+            let global = RopeParams {
+                theta: 1_000_000.0,
+                ..local
+            };
             return Ok((local, global));
         }
         None => return Err(ConfigError::missing(field)),
@@ -541,10 +628,15 @@ fn rope_specs(raw: &RawTextConfig, gemma3: bool, p: &str) -> Result<(RopeParams,
     }
     let one = |key: &str| -> Result<RopeParams, ConfigError> {
         let field = format!("{field}.{key}");
-        let r = params.get(key).ok_or_else(|| ConfigError::missing(field.clone()))?;
+        let r = params
+            .get(key)
+            .ok_or_else(|| ConfigError::missing(field.clone()))?;
         let factor = r.partial_rotary_factor.unwrap_or(1.0);
         if !(factor > 0.0 && factor <= 1.0) {
-            return Err(ConfigError::invalid(format!("{field}.partial_rotary_factor"), "must be in (0, 1]"));
+            return Err(ConfigError::invalid(
+                format!("{field}.partial_rotary_factor"),
+                "must be in (0, 1]",
+            ));
         }
         let kind = r.rope_type.as_deref().unwrap_or("default");
         let (rotated_fraction, position_scale) = match kind {
@@ -559,7 +651,9 @@ fn rope_specs(raw: &RawTextConfig, gemma3: bool, p: &str) -> Result<(RopeParams,
             }
             "proportional" => (factor, 1.0),
             "linear" => {
-                let s = r.factor.ok_or_else(|| ConfigError::missing(format!("{field}.factor")))?;
+                let s = r
+                    .factor
+                    .ok_or_else(|| ConfigError::missing(format!("{field}.factor")))?;
                 (1.0, s)
             }
             other => {
@@ -569,7 +663,11 @@ fn rope_specs(raw: &RawTextConfig, gemma3: bool, p: &str) -> Result<(RopeParams,
                 ))
             }
         };
-        Ok(RopeParams { theta: r.rope_theta, rotated_fraction, position_scale })
+        Ok(RopeParams {
+            theta: r.rope_theta,
+            rotated_fraction,
+            position_scale,
+        })
     };
     Ok((one("sliding_attention")?, one("full_attention")?))
 }
@@ -579,7 +677,10 @@ mod tests {
     use super::*;
 
     fn fixture(name: &str) -> Value {
-        let path = format!("{}/../../tests/fixtures/oracle/{name}/config.json", env!("CARGO_MANIFEST_DIR"));
+        let path = format!(
+            "{}/../../tests/fixtures/oracle/{name}/config.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
         serde_json::from_str(&std::fs::read_to_string(path).expect("fixture")).expect("json")
     }
 
@@ -612,8 +713,12 @@ mod tests {
     #[test]
     fn save_pretrained_layout_resolves_identically() {
         for v in ["e-style", "dense-k-eq-v", "moe", "unified"] {
-            let path = format!("{}/../../tests/fixtures/oracle/{v}/config.save_pretrained.json", env!("CARGO_MANIFEST_DIR"));
-            let json: Value = serde_json::from_str(&std::fs::read_to_string(path).expect("read")).expect("json");
+            let path = format!(
+                "{}/../../tests/fixtures/oracle/{v}/config.save_pretrained.json",
+                env!("CARGO_MANIFEST_DIR")
+            );
+            let json: Value =
+                serde_json::from_str(&std::fs::read_to_string(path).expect("read")).expect("json");
             let a = TextConfig::from_hf_json(&json).expect("save_pretrained form");
             let b = TextConfig::from_hf_json(&fixture(v)).expect("published form");
             assert_eq!(a.layers, b.layers, "{v}");

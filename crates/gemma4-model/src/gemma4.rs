@@ -157,7 +157,10 @@ impl Gemma4 {
         let ple = if cfg.ple_dim > 0 {
             let d = cfg.ple_dim;
             Some(PerLayerEmbeddings {
-                table: src.tensor("embed_tokens_per_layer.weight", &[cfg.vocab_size, n_layers * d])?,
+                table: src.tensor(
+                    "embed_tokens_per_layer.weight",
+                    &[cfg.vocab_size, n_layers * d],
+                )?,
                 projection: src.linear("per_layer_model_projection.weight", n_layers * d, h)?,
                 norm: norm("per_layer_projection_norm.weight", d)?,
                 dim: d,
@@ -235,7 +238,16 @@ impl Gemma4 {
         }
         let norm = norm("norm.weight", h)?;
         let head = src.tied_head(&embed)?;
-        Ok(Self { cfg, embed, embed_scale, head, ple, layers, norm, device })
+        Ok(Self {
+            cfg,
+            embed,
+            embed_scale,
+            head,
+            ple,
+            layers,
+            norm,
+            device,
+        })
     }
 
     pub fn config(&self) -> &TextConfig {
@@ -256,10 +268,16 @@ impl Gemma4 {
         want: LogitsFor,
         trace: Option<&mut ForwardTrace>,
     ) -> Result<Tensor> {
-        let seq = BatchSeq { ids, start: cache.len(), logits: Some(want) };
+        let seq = BatchSeq {
+            ids,
+            start: cache.len(),
+            logits: Some(want),
+        };
         let mut out = self.forward_batch(&[seq], cache, trace)?;
         cache.advance(ids.len());
-        out.pop().flatten().ok_or_else(|| ModelError::Input("no logits were produced".into()))
+        out.pop()
+            .flatten()
+            .ok_or_else(|| ModelError::Input("no logits were produced".into()))
     }
 
     /// One model step over a flat batch: the tokens of several sequences
@@ -277,9 +295,16 @@ impl Gemma4 {
         let mut spans = Vec::with_capacity(seqs.len());
         for s in seqs {
             if s.ids.is_empty() {
-                return Err(ModelError::Input("cannot run the model on zero tokens".into()));
+                return Err(ModelError::Input(
+                    "cannot run the model on zero tokens".into(),
+                ));
             }
-            spans.push(Span { seq: spans.len(), offset: ids.len(), len: s.ids.len(), start: s.start });
+            spans.push(Span {
+                seq: spans.len(),
+                offset: ids.len(),
+                len: s.ids.len(),
+                start: s.start,
+            });
             ids.extend_from_slice(s.ids);
             positions.extend(s.start..s.start + s.ids.len());
         }
@@ -303,7 +328,14 @@ impl Gemma4 {
                 Some(p) => Some(p.narrow(1, layer.index, 1)?.squeeze(1)?),
                 None => None,
             };
-            h = layer.forward(&h, &positions, &spans, kv, ple_i.as_ref(), trace.as_deref_mut())?;
+            h = layer.forward(
+                &h,
+                &positions,
+                &spans,
+                kv,
+                ple_i.as_ref(),
+                trace.as_deref_mut(),
+            )?;
             if let Some(t) = trace.as_deref_mut() {
                 t.hidden.push(h.clone());
             }
@@ -329,7 +361,7 @@ impl Gemma4 {
         }
         let h = h.index_select(&ids_tensor(&rows, &self.device)?, 0)?;
         let h = self.norm.forward(&h)?;
-        if let Some(t) = trace.as_deref_mut() {
+        if let Some(t) = trace {
             t.hidden.push(h.clone());
         }
         let mut logits = self.head.forward(&h)?;
@@ -338,12 +370,21 @@ impl Gemma4 {
         }
         row_of
             .into_iter()
-            .map(|r| r.map(|(first, n)| logits.narrow(0, first, n)).transpose().map_err(ModelError::from))
+            .map(|r| {
+                r.map(|(first, n)| logits.narrow(0, first, n))
+                    .transpose()
+                    .map_err(ModelError::from)
+            })
             .collect()
     }
 
     /// `(RMSNorm(proj(h0) · H^-½) + table[ids] · √d) · 2^-½`, as `[n, layers, d]`.
-    fn per_layer_inputs(&self, p: &PerLayerEmbeddings, idx: &Tensor, h0: &Tensor) -> Result<Tensor> {
+    fn per_layer_inputs(
+        &self,
+        p: &PerLayerEmbeddings,
+        idx: &Tensor,
+        h0: &Tensor,
+    ) -> Result<Tensor> {
         let n = h0.dim(0)?;
         let layers = self.cfg.num_layers();
         let token = (p.table.index_select(idx, 0)? * f64::from((p.dim as f32).sqrt()))?;
@@ -369,7 +410,9 @@ fn load_moe(
         router_norm: RmsNorm::new(None, eps),
         router_scale: src.tensor(&format!("{p}router.scale"), &[h])?,
         router_proj: src.linear(&format!("{p}router.proj.weight"), e, h)?,
-        per_expert_scale: src.tensor(&format!("{p}router.per_expert_scale"), &[e])?.to_vec1()?,
+        per_expert_scale: src
+            .tensor(&format!("{p}router.per_expert_scale"), &[e])?
+            .to_vec1()?,
         gate_up: src.tensor(&format!("{p}experts.gate_up_proj"), &[e, 2 * i, h])?,
         down: src.tensor(&format!("{p}experts.down_proj"), &[e, h, i])?,
         pre_ffn_norm_2: norm(&format!("{p}pre_feedforward_layernorm_2.weight"), h)?,
@@ -412,7 +455,13 @@ impl DecoderLayer {
         Ok(h)
     }
 
-    fn attention(&self, x: &Tensor, positions: &[usize], spans: &[Span], kv: &mut dyn KvStore) -> Result<Tensor> {
+    fn attention(
+        &self,
+        x: &Tensor,
+        positions: &[usize],
+        spans: &[Span],
+        kv: &mut dyn KvStore,
+    ) -> Result<Tensor> {
         let at = &self.attn;
         let n = x.dim(0)?;
         let hd = self.spec.head_dim;
@@ -432,7 +481,13 @@ impl DecoderLayer {
                 None => v,
             };
             for sp in spans {
-                kv.write(self.index, sp.seq, sp.start, &k.narrow(0, sp.offset, sp.len)?, &v.narrow(0, sp.offset, sp.len)?)?;
+                kv.write(
+                    self.index,
+                    sp.seq,
+                    sp.start,
+                    &k.narrow(0, sp.offset, sp.len)?,
+                    &v.narrow(0, sp.offset, sp.len)?,
+                )?;
             }
         }
         let source = match self.spec.kv {
@@ -447,24 +502,50 @@ impl DecoderLayer {
             let total = k.dim(1)?;
             let n = sp.len;
             // Group query heads by their KV head: [kv, group · n, hd].
-            let q = q.narrow(0, sp.offset, n)?.transpose(0, 1)?.reshape((kvh, group * n, hd))?.contiguous()?;
+            let q = q
+                .narrow(0, sp.offset, n)?
+                .transpose(0, 1)?
+                .reshape((kvh, group * n, hd))?
+                .contiguous()?;
             let mut scores = q.matmul(&k.t()?)?;
             if at.scale != 1.0 {
                 scores = (scores * at.scale)?;
             }
-            let mask = self.mask(&positions[sp.offset..sp.offset + n], first, total, x.device())?;
-            let scores = scores.reshape((kvh, group, n, total))?.broadcast_add(&mask)?;
+            let mask = self.mask(
+                &positions[sp.offset..sp.offset + n],
+                first,
+                total,
+                x.device(),
+            )?;
+            let scores = scores
+                .reshape((kvh, group, n, total))?
+                .broadcast_add(&mask)?;
             let probs = softmax_last_dim(&scores)?.reshape((kvh, group * n, total))?;
             let out = probs.matmul(&v)?; // [kv, group · n, hd]
-            outs.push(out.reshape((at.num_heads, n, hd))?.transpose(0, 1)?.reshape((n, at.num_heads * hd))?);
+            outs.push(
+                out.reshape((at.num_heads, n, hd))?
+                    .transpose(0, 1)?
+                    .reshape((n, at.num_heads * hd))?,
+            );
         }
-        let out = if outs.len() == 1 { outs.pop().ok_or_else(|| ModelError::Input("empty batch".into()))? } else { Tensor::cat(&outs, 0)? };
+        let out = if outs.len() == 1 {
+            outs.pop()
+                .ok_or_else(|| ModelError::Input("empty batch".into()))?
+        } else {
+            Tensor::cat(&outs, 0)?
+        };
         at.o_proj.forward(&out)
     }
 
     /// Additive mask `[n, total]` for keys at positions `first..first + total`:
     /// a query at position p sees key j iff j ≤ p and, on sliding layers, j > p − window.
-    fn mask(&self, positions: &[usize], first: usize, total: usize, device: &Device) -> Result<Tensor> {
+    fn mask(
+        &self,
+        positions: &[usize],
+        first: usize,
+        total: usize,
+        device: &Device,
+    ) -> Result<Tensor> {
         let window = self.attn.sliding_window;
         let sliding = self.spec.kind == AttentionKind::Sliding;
         let mut m = Vec::with_capacity(positions.len() * total);
@@ -480,7 +561,8 @@ impl DecoderLayer {
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.down.forward(&gated_gelu(&self.gate.forward(x)?, &self.up.forward(x)?)?)
+        self.down
+            .forward(&gated_gelu(&self.gate.forward(x)?, &self.up.forward(x)?)?)
     }
 }
 
@@ -490,14 +572,18 @@ impl MoeBlock {
     /// Only the chosen experts are computed.
     fn forward(&self, r: &Tensor) -> Result<(Tensor, Vec<Vec<usize>>)> {
         let (n, h) = r.dims2()?;
-        let x = self.router_norm.forward(r)?.broadcast_mul(&self.router_scale)?;
+        let x = self
+            .router_norm
+            .forward(r)?
+            .broadcast_mul(&self.router_scale)?;
         let x = (x * (h as f64).powf(-0.5))?;
         let probs = softmax_last_dim(&self.router_proj.forward(&x)?)?.to_vec2::<f32>()?;
         let x2 = self.pre_ffn_norm_2.forward(r)?;
         let k = self.spec.top_k;
         let mut routing = Vec::with_capacity(n);
         // Per expert: the tokens routed to it and their weights.
-        let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> = vec![(Vec::new(), Vec::new()); self.spec.num_experts];
+        let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> =
+            vec![(Vec::new(), Vec::new()); self.spec.num_experts];
         for (t, p) in probs.iter().enumerate() {
             let mut order: Vec<usize> = (0..p.len()).collect();
             order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
@@ -518,7 +604,10 @@ impl MoeBlock {
             let idx = ids_tensor(tokens, r.device())?;
             let xs = x2.index_select(&idx, 0)?;
             let gu = xs.matmul(&self.gate_up.get(e)?.t()?)?;
-            let act = gated_gelu(&gu.narrow(D::Minus1, 0, inter)?, &gu.narrow(D::Minus1, inter, inter)?)?;
+            let act = gated_gelu(
+                &gu.narrow(D::Minus1, 0, inter)?,
+                &gu.narrow(D::Minus1, inter, inter)?,
+            )?;
             let y = act.matmul(&self.down.get(e)?.t()?)?;
             let w = Tensor::from_slice(weights, (weights.len(), 1), r.device())?;
             out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
@@ -529,7 +618,8 @@ impl MoeBlock {
 
 impl std::fmt::Debug for Gemma4 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Gemma4").field("config", &self.cfg).finish_non_exhaustive()
+        f.debug_struct("Gemma4")
+            .field("config", &self.cfg)
+            .finish_non_exhaustive()
     }
 }
-

@@ -43,7 +43,10 @@ pub struct GgufSource {
 impl GgufSource {
     pub fn open(path: &Path, mode: GgufMode) -> Result<Self> {
         let shown = path.display().to_string();
-        let file = File::open(path).map_err(|source| WeightError::Io { path: shown.clone(), source })?;
+        let file = File::open(path).map_err(|source| WeightError::Io {
+            path: shown.clone(),
+            source,
+        })?;
         let mut reader = BufReader::new(file);
         let content = Content::read(&mut reader).map_err(|e| WeightError::Format {
             path: shown.clone(),
@@ -64,7 +67,11 @@ impl GgufSource {
 
     /// `general.architecture`.
     pub fn architecture(&self) -> Option<&str> {
-        self.content.metadata.get("general.architecture").and_then(|v| v.to_string().ok()).map(String::as_str)
+        self.content
+            .metadata
+            .get("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str)
     }
 
     pub fn metadata(&self) -> &HashMap<String, Value> {
@@ -114,7 +121,12 @@ impl GgufSource {
             Some(Value::Array(items)) => {
                 let v: Vec<usize> = items
                     .iter()
-                    .filter_map(|x| x.to_u32().map(|n| n as usize).or_else(|_| x.to_i32().map(|n| n.max(0) as usize)).ok())
+                    .filter_map(|x| {
+                        x.to_u32()
+                            .map(|n| n as usize)
+                            .or_else(|_| x.to_i32().map(|n| n.max(0) as usize))
+                            .ok()
+                    })
                     .collect();
                 if v.len() != layers {
                     return Err(self.meta_error(key));
@@ -132,7 +144,10 @@ impl GgufSource {
         }
         match self.meta("tokenizer.ggml.tokens") {
             Some(Value::Array(tokens)) => Ok(tokens.len()),
-            _ => Err(WeightError::Missing { name: "token_embd.weight".into() }.into()),
+            _ => Err(WeightError::Missing {
+                name: "token_embd.weight".into(),
+            }
+            .into()),
         }
     }
 
@@ -148,12 +163,23 @@ impl GgufSource {
         let layers = u("block_count")?;
         let head_dim = u("attention.key_length")?;
         // llama.cpp hard-codes the 5:1 pattern for gemma3: layer i is global iff i % 6 == 5.
-        let layer_types: Vec<&str> =
-            (0..layers).map(|i| if i % 6 == 5 { "full_attention" } else { "sliding_attention" }).collect();
+        let layer_types: Vec<&str> = (0..layers)
+            .map(|i| {
+                if i % 6 == 5 {
+                    "full_attention"
+                } else {
+                    "sliding_attention"
+                }
+            })
+            .collect();
         let theta = f("rope.freq_base").unwrap_or(1_000_000.0);
         let mut full = json!({"rope_type": "default", "rope_theta": theta});
-        let scaling = self.meta("gemma3.rope.scaling.type").and_then(|v| v.to_string().ok());
-        if let (Some("linear"), Some(factor)) = (scaling.map(String::as_str), f("rope.scaling.factor")) {
+        let scaling = self
+            .meta("gemma3.rope.scaling.type")
+            .and_then(|v| v.to_string().ok());
+        if let (Some("linear"), Some(factor)) =
+            (scaling.map(String::as_str), f("rope.scaling.factor"))
+        {
             full = json!({"rope_type": "linear", "rope_theta": theta, "factor": factor});
         }
         let (bos, eos, pad) = self.token_ids();
@@ -193,8 +219,16 @@ impl GgufSource {
             }
             _ => return Err(self.meta_error(&key("attention.sliding_window_pattern"))),
         };
-        let layer_types: Vec<&str> =
-            sliding.iter().map(|&s| if s { "sliding_attention" } else { "full_attention" }).collect();
+        let layer_types: Vec<&str> = sliding
+            .iter()
+            .map(|&s| {
+                if s {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                }
+            })
+            .collect();
         let kv_heads = self.per_layer(&key("attention.head_count_kv"), layers)?;
         let ffn = self.per_layer(&key("feed_forward_length"), layers)?;
         let first_sliding = sliding.iter().position(|&s| s).unwrap_or(0);
@@ -204,9 +238,10 @@ impl GgufSource {
         // k = v layers store no attn_v; without tensors, a separate full-layer KV-head
         // count implies it (Hugging Face only honours that count together with k = v).
         let k_eq_v = match first_full {
-            Some(i) if !self.content.tensor_infos.is_empty() => {
-                !self.content.tensor_infos.contains_key(&format!("blk.{i}.attn_v.weight"))
-            }
+            Some(i) if !self.content.tensor_infos.is_empty() => !self
+                .content
+                .tensor_infos
+                .contains_key(&format!("blk.{i}.attn_v.weight")),
             _ => full_kv.is_some_and(|k| k != sliding_kv),
         };
         let base_ffn = ffn[0];
@@ -263,7 +298,10 @@ impl GgufSource {
             return Ok(0.25);
         }
         let half = full_head_dim / 2;
-        let factors = self.qtensor("rope_freqs.weight", &[half])?.dequantize(&Device::Cpu)?.to_vec1::<f32>()?;
+        let factors = self
+            .qtensor("rope_freqs.weight", &[half])?
+            .dequantize(&Device::Cpu)?
+            .to_vec1::<f32>()?;
         let rotating = factors.iter().take_while(|&&f| f == 1.0).count();
         Ok(2.0 * rotating as f64 / full_head_dim as f64)
     }
@@ -277,11 +315,13 @@ impl GgufSource {
     }
 
     fn qtensor(&self, gguf_name: &str, shape: &[usize]) -> Result<QTensor> {
-        let info = self
-            .content
-            .tensor_infos
-            .get(gguf_name)
-            .ok_or_else(|| WeightError::Missing { name: gguf_name.to_string() })?;
+        let info =
+            self.content
+                .tensor_infos
+                .get(gguf_name)
+                .ok_or_else(|| WeightError::Missing {
+                    name: gguf_name.to_string(),
+                })?;
         if info.shape.dims() != shape {
             return Err(WeightError::Shape {
                 name: gguf_name.into(),
@@ -297,10 +337,15 @@ impl GgufSource {
             .reader
             .lock()
             .map_err(|_| ModelError::Input("GGUF reader lock poisoned".into()))?;
-        self.content.tensor(&mut *reader, gguf_name, &Device::Cpu).map_err(|e| {
-            WeightError::Format { path: self.path.display().to_string(), message: format!("tensor `{gguf_name}`: {e}") }
+        self.content
+            .tensor(&mut *reader, gguf_name, &Device::Cpu)
+            .map_err(|e| {
+                WeightError::Format {
+                    path: self.path.display().to_string(),
+                    message: format!("tensor `{gguf_name}`: {e}"),
+                }
                 .into()
-        })
+            })
     }
 }
 
@@ -352,21 +397,29 @@ pub fn gguf_name(hf: &str) -> Option<String> {
 
 impl WeightSource for GgufSource {
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let g = gguf_name(name).ok_or_else(|| WeightError::Missing { name: name.to_string() })?;
+        let g = gguf_name(name).ok_or_else(|| WeightError::Missing {
+            name: name.to_string(),
+        })?;
         let q = self.qtensor(&g, shape)?;
         Ok(q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?)
     }
 
     fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear> {
-        let g = gguf_name(name).ok_or_else(|| WeightError::Missing { name: name.to_string() })?;
+        let g = gguf_name(name).ok_or_else(|| WeightError::Missing {
+            name: name.to_string(),
+        })?;
         let q = self.qtensor(&g, &[out, inp])?;
         // candle's dot products for these legacy block types are scalar code;
         // its f32 matmul is several times faster, so they are widened at load.
-        let slow_kernel = matches!(q.dtype(), GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1);
+        let slow_kernel = matches!(
+            q.dtype(),
+            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
+        );
         match self.mode {
-            GgufMode::Quantized if !slow_kernel => {
-                Ok(Linear::new(LinearWeight::Quantized(Arc::new(QMatMul::from_qtensor(q)?)), out))
-            }
+            GgufMode::Quantized if !slow_kernel => Ok(Linear::new(
+                LinearWeight::Quantized(Arc::new(QMatMul::from_qtensor(q)?)),
+                out,
+            )),
             _ => Linear::dense(q.dequantize(&Device::Cpu)?),
         }
     }
@@ -381,8 +434,13 @@ impl WeightSource for GgufSource {
 
     fn unused(&self) -> Vec<String> {
         let used = self.used.lock().map(|u| u.clone()).unwrap_or_default();
-        let mut names: Vec<String> =
-            self.content.tensor_infos.keys().filter(|n| !used.contains(*n)).cloned().collect();
+        let mut names: Vec<String> = self
+            .content
+            .tensor_infos
+            .keys()
+            .filter(|n| !used.contains(*n))
+            .cloned()
+            .collect();
         names.sort();
         names
     }
@@ -400,16 +458,24 @@ mod tests {
     /// in llama.cpp's layout; they must resolve to the published config.
     #[test]
     fn gemma4_metadata_resolves_to_the_published_26b_config() {
-        let src = GgufSource::open(&root().join("tests/fixtures/text/ggml-vocab-gemma-4.gguf"), GgufMode::Quantized)
-            .expect("open");
+        let src = GgufSource::open(
+            &root().join("tests/fixtures/text/ggml-vocab-gemma-4.gguf"),
+            GgufMode::Quantized,
+        )
+        .expect("open");
         let from_gguf = src.config().expect("config");
-        let published = TextConfig::from_dir(&root().join("tests/fixtures/configs/gemma-4-26B-A4B-it")).expect("config");
+        let published =
+            TextConfig::from_dir(&root().join("tests/fixtures/configs/gemma-4-26B-A4B-it"))
+                .expect("config");
         assert_eq!(from_gguf.layers, published.layers);
         assert_eq!(from_gguf.moe, published.moe);
         assert_eq!(from_gguf.hidden_size, published.hidden_size);
         assert_eq!(from_gguf.vocab_size, published.vocab_size);
         assert_eq!(from_gguf.sliding_window, published.sliding_window);
-        assert_eq!(from_gguf.final_logit_softcapping, published.final_logit_softcapping);
+        assert_eq!(
+            from_gguf.final_logit_softcapping,
+            published.final_logit_softcapping
+        );
         assert_eq!(from_gguf.ple_dim, 0);
     }
 }

@@ -85,10 +85,14 @@ pub struct GoldenGreedy {
 
 impl Golden {
     pub fn read(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| ModelError::Input(format!("cannot read golden file {}: {e}", path.display())))?;
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ModelError::Input(format!("cannot read golden file {}: {e}", path.display()))
+        })?;
         serde_json::from_str(&text).map_err(|e| {
-            ModelError::Input(format!("{} is not a golden file in the oracle format: {e}", path.display()))
+            ModelError::Input(format!(
+                "{} is not a golden file in the oracle format: {e}",
+                path.display()
+            ))
         })
     }
 }
@@ -239,13 +243,19 @@ impl Divergence {
     pub fn describe(&self, num_layers: usize) -> String {
         let mut s = match self.hidden_index {
             None => "all hidden states match the reference".to_string(),
-            Some(0) => format!("the embedding output already differs (relative error {:.2e})", self.relative_error),
+            Some(0) => format!(
+                "the embedding output already differs (relative error {:.2e})",
+                self.relative_error
+            ),
             Some(j) if j <= num_layers => format!(
                 "first departure at decoder layer {} output (relative error {:.2e})",
                 j - 1,
                 self.relative_error
             ),
-            Some(_) => format!("first departure at the final norm (relative error {:.2e})", self.relative_error),
+            Some(_) => format!(
+                "first departure at the final norm (relative error {:.2e})",
+                self.relative_error
+            ),
         };
         if let Some((layer, pos, ours, gold)) = &self.routing {
             s.push_str(&format!(
@@ -258,7 +268,12 @@ impl Divergence {
 
 /// Compares per-layer hidden states (and MoE routing) of golden prompt
 /// `index` with `golden_tensors.safetensors`.
-pub fn locate_divergence(model: &Gemma4, tensors: &Path, index: usize, ids: &[u32]) -> Result<Divergence> {
+pub fn locate_divergence(
+    model: &Gemma4,
+    tensors: &Path,
+    index: usize,
+    ids: &[u32],
+) -> Result<Divergence> {
     let store = SafetensorsStore::open_files(&[tensors.to_path_buf()])?;
     let key = format!("prompt{index}.hidden_states");
     let shape = store
@@ -269,10 +284,18 @@ pub fn locate_divergence(model: &Gemma4, tensors: &Path, index: usize, ids: &[u3
     let mut trace = ForwardTrace::default();
     let mut cache = model.new_cache();
     model.forward(ids, &mut cache, LogitsFor::All, Some(&mut trace))?;
-    let mut divergence = Divergence { hidden_index: None, relative_error: 0.0, routing: None };
+    let mut divergence = Divergence {
+        hidden_index: None,
+        relative_error: 0.0,
+        routing: None,
+    };
     for (j, ours) in trace.hidden.iter().enumerate().take(shape[0]) {
         let gold = reference.get(j)?;
-        let scale = gold.abs()?.max_all()?.to_scalar::<f32>()?.max(f32::MIN_POSITIVE);
+        let scale = gold
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?
+            .max(f32::MIN_POSITIVE);
         let err = (ours - &gold)?.abs()?.max_all()?.to_scalar::<f32>()? / scale;
         if err > HIDDEN_RELATIVE_TOLERANCE || err.is_nan() {
             divergence.hidden_index = Some(j);
@@ -285,7 +308,11 @@ pub fn locate_divergence(model: &Gemma4, tensors: &Path, index: usize, ids: &[u3
         let gold = store_i64(&store, &rkey, &rshape)?;
         'outer: for (layer, ours) in trace.routing.iter().enumerate() {
             for (pos, ours_t) in ours.iter().enumerate() {
-                let g: Vec<usize> = gold.get(layer).and_then(|l| l.get(pos)).cloned().unwrap_or_default();
+                let g: Vec<usize> = gold
+                    .get(layer)
+                    .and_then(|l| l.get(pos))
+                    .cloned()
+                    .unwrap_or_default();
                 if *ours_t != g {
                     divergence.routing = Some((layer, pos, ours_t.clone(), g));
                     break 'outer;
@@ -302,6 +329,14 @@ fn store_i64(store: &SafetensorsStore, key: &str, shape: &[usize]) -> Result<Vec
     let flat = t.flatten_all()?.to_vec1::<i64>()?;
     let (l, n, k) = (shape[0], shape[1], shape[2]);
     Ok((0..l)
-        .map(|a| (0..n).map(|b| (0..k).map(|c| flat[(a * n + b) * k + c].max(0) as usize).collect()).collect())
+        .map(|a| {
+            (0..n)
+                .map(|b| {
+                    (0..k)
+                        .map(|c| flat[(a * n + b) * k + c].max(0) as usize)
+                        .collect()
+                })
+                .collect()
+        })
         .collect())
 }

@@ -26,7 +26,10 @@ pub struct Linear {
 
 impl Linear {
     pub fn new(weight: LinearWeight, out_features: usize) -> Self {
-        Self { weight, out_features }
+        Self {
+            weight,
+            out_features,
+        }
     }
 
     pub fn dense(w: Tensor) -> Result<Self> {
@@ -107,7 +110,10 @@ impl Rotary {
                 }
             })
             .collect();
-        Self { inv_freq, position_scale: spec.position_scale as f32 }
+        Self {
+            inv_freq,
+            position_scale: spec.position_scale as f32,
+        }
     }
 
     /// `(cos, sin)` for the given positions, each `[n, head_dim]`.

@@ -54,7 +54,10 @@ pub fn gguf_file(path: &Path) -> Result<Option<std::path::PathBuf>> {
         return Ok(Some(path.to_path_buf()));
     }
     if !path.is_dir() {
-        return Err(ModelError::Input(format!("model path {} does not exist", path.display())));
+        return Err(ModelError::Input(format!(
+            "model path {} does not exist",
+            path.display()
+        )));
     }
     if path.join("config.json").is_file() {
         return Ok(None);
@@ -77,7 +80,10 @@ pub fn gguf_file(path: &Path) -> Result<Option<std::path::PathBuf>> {
 /// Loads a Hugging Face checkpoint directory (config + safetensors).
 pub fn load_hf_dir(dir: &Path) -> Result<Gemma4> {
     if !dir.is_dir() {
-        return Err(ModelError::Input(format!("model directory {} does not exist", dir.display())));
+        return Err(ModelError::Input(format!(
+            "model directory {} does not exist",
+            dir.display()
+        )));
     }
     let cfg = TextConfig::from_dir(dir)?;
     let src = HfSafetensors::open(dir)?;

@@ -42,8 +42,15 @@ pub fn kv_groups(cfg: &TextConfig) -> Vec<KvGroup> {
                 .filter(|(_, l)| l.kind == kind && l.kv == KvSource::Own)
                 .map(|(i, _)| i)
                 .collect();
-            let elements_per_token = layers.iter().map(|&i| 2 * cfg.layers[i].num_kv_heads * cfg.layers[i].head_dim).sum();
-            (!layers.is_empty()).then_some(KvGroup { kind, layers, elements_per_token })
+            let elements_per_token = layers
+                .iter()
+                .map(|&i| 2 * cfg.layers[i].num_kv_heads * cfg.layers[i].head_dim)
+                .sum();
+            (!layers.is_empty()).then_some(KvGroup {
+                kind,
+                layers,
+                elements_per_token,
+            })
         })
         .collect()
 }
@@ -75,7 +82,12 @@ pub struct PagedKvPool {
 
 impl PagedKvPool {
     /// Allocates `blocks_per_group[g]` blocks of `block_size` tokens for every group.
-    pub fn new(cfg: &TextConfig, block_size: usize, blocks_per_group: &[usize], device: &Device) -> Result<Self> {
+    pub fn new(
+        cfg: &TextConfig,
+        block_size: usize,
+        blocks_per_group: &[usize],
+        device: &Device,
+    ) -> Result<Self> {
         let groups = kv_groups(cfg);
         if blocks_per_group.len() != groups.len() || block_size == 0 {
             return Err(ModelError::Input(format!(
@@ -87,11 +99,24 @@ impl PagedKvPool {
         for (g, group) in groups.iter().enumerate() {
             for &l in &group.layers {
                 let spec = &cfg.layers[l];
-                let shape = (blocks_per_group[g] * block_size, spec.num_kv_heads, spec.head_dim);
-                pools[l] = Some((g, Tensor::zeros(shape, DType::F32, device)?, Tensor::zeros(shape, DType::F32, device)?));
+                let shape = (
+                    blocks_per_group[g] * block_size,
+                    spec.num_kv_heads,
+                    spec.head_dim,
+                );
+                pools[l] = Some((
+                    g,
+                    Tensor::zeros(shape, DType::F32, device)?,
+                    Tensor::zeros(shape, DType::F32, device)?,
+                ));
             }
         }
-        Ok(Self { block_size, groups, blocks_per_group: blocks_per_group.to_vec(), pools })
+        Ok(Self {
+            block_size,
+            groups,
+            blocks_per_group: blocks_per_group.to_vec(),
+            pools,
+        })
     }
 
     pub fn block_size(&self) -> usize {
@@ -108,7 +133,11 @@ impl PagedKvPool {
 
     /// Bytes held by all pools (f32 storage).
     pub fn bytes(&self) -> usize {
-        self.groups.iter().zip(&self.blocks_per_group).map(|(g, &n)| g.bytes_per_token(4) * n * self.block_size).sum()
+        self.groups
+            .iter()
+            .zip(&self.blocks_per_group)
+            .map(|(g, &n)| g.bytes_per_token(4) * n * self.block_size)
+            .sum()
     }
 
     /// A [`KvStore`] over these pools for one batch.
@@ -135,7 +164,11 @@ impl PagedView<'_> {
         self.batch
             .get(seq)
             .and_then(|s| s.groups.get(group))
-            .ok_or_else(|| ModelError::Input(format!("sequence {seq} has no block table for group {group}")))
+            .ok_or_else(|| {
+                ModelError::Input(format!(
+                    "sequence {seq} has no block table for group {group}"
+                ))
+            })
     }
 
     /// Pool slot of absolute position `pos`.
@@ -151,7 +184,14 @@ impl PagedView<'_> {
 }
 
 impl KvStore for PagedView<'_> {
-    fn write(&mut self, layer: usize, seq: usize, start: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+    fn write(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        start: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<()> {
         let (group, kp, vp) = self.pool.layer(layer)?;
         let t = self.table(seq, *group)?;
         let n = k.dim(0)?;
@@ -175,9 +215,13 @@ impl KvStore for PagedView<'_> {
         let len = self.batch[seq].len_after_step;
         let first = t.first_block * self.pool.block_size;
         if len <= first {
-            return Err(ModelError::Input(format!("sequence {seq} has no live KV in layer {layer}")));
+            return Err(ModelError::Input(format!(
+                "sequence {seq} has no live KV in layer {layer}"
+            )));
         }
-        let slots = (first..len).map(|p| self.slot(t, p).map(|s| s as u32)).collect::<Result<Vec<u32>>>()?;
+        let slots = (first..len)
+            .map(|p| self.slot(t, p).map(|s| s as u32))
+            .collect::<Result<Vec<u32>>>()?;
         let idx = ids_tensor(&slots, kp.device())?;
         let k = kp.index_select(&idx, 0)?.transpose(0, 1)?.contiguous()?;
         let v = vp.index_select(&idx, 0)?.transpose(0, 1)?.contiguous()?;

@@ -34,7 +34,11 @@ pub fn param_counts(cfg: &TextConfig) -> ParamCounts {
     let v = cfg.vocab_size as u64;
     let nh = cfg.num_attention_heads as u64;
     let n_layers = cfg.num_layers() as u64;
-    let mut c = ParamCounts { embedding: v * h, norms: h, ..Default::default() };
+    let mut c = ParamCounts {
+        embedding: v * h,
+        norms: h,
+        ..Default::default()
+    };
     if cfg.ple_dim > 0 {
         let d = cfg.ple_dim as u64;
         c.ple += v * n_layers * d + n_layers * d * h + d;
@@ -63,10 +67,13 @@ pub fn param_counts(cfg: &TextConfig) -> ParamCounts {
 
 /// KV bytes per token of each group at `dtype_bytes` per element.
 pub fn kv_bytes_per_token(cfg: &TextConfig, dtype_bytes: usize) -> Vec<(KvGroup, usize)> {
-    kv_groups(cfg).into_iter().map(|g| {
-        let b = g.bytes_per_token(dtype_bytes);
-        (g, b)
-    }).collect()
+    kv_groups(cfg)
+        .into_iter()
+        .map(|g| {
+            let b = g.bytes_per_token(dtype_bytes);
+            (g, b)
+        })
+        .collect()
 }
 
 /// KV bytes one sequence of `tokens` positions needs (sliding groups hold at most `window` positions).
@@ -104,7 +111,9 @@ mod tests {
     use std::path::PathBuf;
 
     fn real(name: &str) -> TextConfig {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/configs").join(name);
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/configs")
+            .join(name);
         TextConfig::from_dir(&dir).unwrap_or_else(|e| panic!("{name}: {e}"))
     }
 
@@ -123,7 +132,10 @@ mod tests {
             let per_token: usize = kv_bytes_per_token(&cfg, 2).iter().map(|(_, b)| b).sum();
             assert_eq!(per_token, kib * 1024, "{name}");
             let total = param_counts(&cfg).total() as f64;
-            assert!((total - params).abs() / params < 2e-3, "{name}: {total} vs {params}");
+            assert!(
+                (total - params).abs() / params < 2e-3,
+                "{name}: {total} vs {params}"
+            );
             if let Some(t) = ple_table {
                 let table = (cfg.vocab_size * cfg.num_layers() * cfg.ple_dim) as f64;
                 assert!((table - t).abs() / t < 1e-3, "{name}");

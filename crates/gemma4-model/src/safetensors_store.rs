@@ -36,7 +36,10 @@ impl SafetensorsStore {
     pub fn open_dir(dir: &Path) -> Result<Self, WeightError> {
         let index = dir.join("model.safetensors.index.json");
         let files = if index.is_file() {
-            shard_files(&index)?.into_iter().map(|f| dir.join(f)).collect()
+            shard_files(&index)?
+                .into_iter()
+                .map(|f| dir.join(f))
+                .collect()
         } else {
             let single = dir.join("model.safetensors");
             if !single.is_file() {
@@ -67,10 +70,11 @@ impl SafetensorsStore {
                 path: shown.clone(),
                 source,
             })?;
-            let (header_len, meta) = SafeTensors::read_metadata(&map).map_err(|e| WeightError::Format {
-                path: shown.clone(),
-                message: format!("{e} (is the file truncated or not safetensors?)"),
-            })?;
+            let (header_len, meta) =
+                SafeTensors::read_metadata(&map).map_err(|e| WeightError::Format {
+                    path: shown.clone(),
+                    message: format!("{e} (is the file truncated or not safetensors?)"),
+                })?;
             let base = 8 + header_len;
             let idx = store.maps.len();
             for (name, info) in meta.tensors() {
@@ -87,7 +91,13 @@ impl SafetensorsStore {
                 }
                 store.entries.insert(
                     name.clone(),
-                    Entry { file: idx, dtype: info.dtype, shape: info.shape.clone(), start: base + s, end: base + e },
+                    Entry {
+                        file: idx,
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        start: base + s,
+                        end: base + e,
+                    },
                 );
             }
             store.maps.push(map);
@@ -116,23 +126,36 @@ impl SafetensorsStore {
     /// Names never requested so far.
     pub fn unused(&self) -> Vec<String> {
         let used = self.used.lock().map(|u| u.clone()).unwrap_or_default();
-        self.names().into_iter().filter(|n| !used.contains(n)).collect()
+        self.names()
+            .into_iter()
+            .filter(|n| !used.contains(n))
+            .collect()
     }
 
     /// Loads a floating-point tensor as f32 on the CPU, checking its shape.
     pub fn get(&self, name: &str, expected: &[usize]) -> Result<Tensor, WeightError> {
         let t = self.get_raw(name, expected)?;
         if !t.dtype().is_float() {
-            return Err(WeightError::Dtype { name: name.into(), dtype: format!("{:?}", t.dtype()) });
+            return Err(WeightError::Dtype {
+                name: name.into(),
+                dtype: format!("{:?}", t.dtype()),
+            });
         }
-        t.to_dtype(DType::F32).map_err(|err| self.format_error(name, err))
+        t.to_dtype(DType::F32)
+            .map_err(|err| self.format_error(name, err))
     }
 
     /// Loads a tensor in its stored dtype (bf16, f16, f32, i64), checking its shape.
     pub fn get_raw(&self, name: &str, expected: &[usize]) -> Result<Tensor, WeightError> {
-        let e = self.entries.get(name).ok_or_else(|| WeightError::Missing { name: name.to_string() })?;
+        let e = self.entries.get(name).ok_or_else(|| WeightError::Missing {
+            name: name.to_string(),
+        })?;
         if e.shape != expected {
-            return Err(WeightError::Shape { name: name.into(), expected: expected.to_vec(), found: e.shape.clone() });
+            return Err(WeightError::Shape {
+                name: name.into(),
+                expected: expected.to_vec(),
+                found: e.shape.clone(),
+            });
         }
         if let Ok(mut used) = self.used.lock() {
             used.insert(name.to_string());
@@ -143,9 +166,15 @@ impl SafetensorsStore {
             Dtype::F16 => DType::F16,
             Dtype::F32 => DType::F32,
             Dtype::I64 => DType::I64,
-            other => return Err(WeightError::Dtype { name: name.into(), dtype: format!("{other:?}") }),
+            other => {
+                return Err(WeightError::Dtype {
+                    name: name.into(),
+                    dtype: format!("{other:?}"),
+                })
+            }
         };
-        Tensor::from_raw_buffer(bytes, dtype, &e.shape, &Device::Cpu).map_err(|err| self.format_error(name, err))
+        Tensor::from_raw_buffer(bytes, dtype, &e.shape, &Device::Cpu)
+            .map_err(|err| self.format_error(name, err))
     }
 
     fn format_error(&self, name: &str, err: candle_core::Error) -> WeightError {
@@ -155,19 +184,30 @@ impl SafetensorsStore {
             .and_then(|e| self.paths.get(e.file))
             .map(|p| p.display().to_string())
             .unwrap_or_default();
-        WeightError::Format { path, message: format!("tensor `{name}`: {err}") }
+        WeightError::Format {
+            path,
+            message: format!("tensor `{name}`: {err}"),
+        }
     }
 }
 
 fn shard_files(index: &Path) -> Result<Vec<String>, WeightError> {
     let shown = index.display().to_string();
-    let text = std::fs::read_to_string(index).map_err(|source| WeightError::Io { path: shown.clone(), source })?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| WeightError::Format { path: shown.clone(), message: e.to_string() })?;
-    let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| WeightError::Format {
+    let text = std::fs::read_to_string(index).map_err(|source| WeightError::Io {
         path: shown.clone(),
-        message: "no `weight_map` object".into(),
+        source,
     })?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| WeightError::Format {
+        path: shown.clone(),
+        message: e.to_string(),
+    })?;
+    let map = json
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| WeightError::Format {
+            path: shown.clone(),
+            message: "no `weight_map` object".into(),
+        })?;
     let mut files = BTreeSet::new();
     for (name, file) in map {
         let f = file.as_str().ok_or_else(|| WeightError::Format {
@@ -175,7 +215,10 @@ fn shard_files(index: &Path) -> Result<Vec<String>, WeightError> {
             message: format!("weight_map entry `{name}` is not a file name"),
         })?;
         if f.contains('/') || f.contains("..") {
-            return Err(WeightError::Format { path: shown, message: format!("shard name `{f}` must be a plain file name") });
+            return Err(WeightError::Format {
+                path: shown,
+                message: format!("shard name `{f}` must be a plain file name"),
+            });
         }
         files.insert(f.to_string());
     }

@@ -36,7 +36,12 @@ pub trait WeightSource {
 
 /// Prefixes under which Hugging Face checkpoints keep the text decoder,
 /// most specific first.
-const PREFIXES: &[&str] = &["model.language_model.", "language_model.model.", "model.", ""];
+const PREFIXES: &[&str] = &[
+    "model.language_model.",
+    "language_model.model.",
+    "model.",
+    "",
+];
 
 /// Tensors that belong to the vision and audio towers; a text model ignores them.
 const TOWER_PREFIXES: &[&str] = &[
@@ -64,7 +69,8 @@ impl HfSafetensors {
             .copied()
             .find(|p| store.contains(&format!("{p}embed_tokens.weight")))
             .ok_or_else(|| WeightError::Missing {
-                name: "model.language_model.embed_tokens.weight (or model.embed_tokens.weight)".into(),
+                name: "model.language_model.embed_tokens.weight (or model.embed_tokens.weight)"
+                    .into(),
             })?;
         Ok(Self { store, prefix })
     }

@@ -21,7 +21,8 @@ fn demo_gguf() -> Option<PathBuf> {
 }
 
 fn golden() -> Golden {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle/gemma3-270m/golden.json");
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/oracle/gemma3-270m/golden.json");
     Golden::read(&path).expect("golden")
 }
 
@@ -32,12 +33,22 @@ fn model(mode: GgufMode) -> Option<Gemma4> {
 
 #[test]
 fn dequantized_weights_match_the_reference_exactly() {
-    let Some(model) = model(GgufMode::Dequantized) else { return };
+    let Some(model) = model(GgufMode::Dequantized) else {
+        return;
+    };
     for p in &golden().prompts {
         let r = verify_prompt(&model, p, DEFAULT_TOLERANCE).expect("verify");
-        println!("{}: diff {:.2e} first mismatch {:?}", p.name, r.max_abs_logit_diff, r.first_token_mismatch);
+        println!(
+            "{}: diff {:.2e} first mismatch {:?}",
+            p.name, r.max_abs_logit_diff, r.first_token_mismatch
+        );
         assert_eq!(r.generated_ids, p.greedy.generated_ids, "{}", p.name);
-        assert!(r.top5_mismatches.is_empty(), "{}: {:?}", p.name, r.top5_mismatches);
+        assert!(
+            r.top5_mismatches.is_empty(),
+            "{}: {:?}",
+            p.name,
+            r.top5_mismatches
+        );
     }
     let golden = golden();
     let coherence = golden.coherence.expect("coherence prompts");
@@ -50,11 +61,18 @@ fn dequantized_weights_match_the_reference_exactly() {
 
 #[test]
 fn quantized_kernels_agree_on_the_first_tokens() {
-    let Some(model) = model(GgufMode::Quantized) else { return };
+    let Some(model) = model(GgufMode::Quantized) else {
+        return;
+    };
     for p in &golden().prompts {
         let r = verify_prompt(&model, p, DEFAULT_TOLERANCE).expect("verify");
         println!("{}: first mismatch {:?}", p.name, r.first_token_mismatch);
-        assert_eq!(r.generated_ids[..8], p.greedy.generated_ids[..8], "{}", p.name);
+        assert_eq!(
+            r.generated_ids[..8],
+            p.greedy.generated_ids[..8],
+            "{}",
+            p.name
+        );
     }
     for c in &golden().coherence.expect("coherence prompts").prompts {
         let ids = greedy(&model, &c.input_ids, 8).expect("greedy");

@@ -8,7 +8,9 @@ use gemma4_model::load_hf_dir;
 use safetensors::tensor::TensorView;
 
 fn fixture(variant: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle").join(variant)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/oracle")
+        .join(variant)
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -22,21 +24,31 @@ fn scratch(name: &str) -> PathBuf {
 fn copy_without(variant: &str, name: &str, keep: impl Fn(&str) -> bool) -> PathBuf {
     let src = fixture(variant);
     let dst = scratch(name);
-    for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "golden.json"] {
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "golden.json",
+    ] {
         std::fs::copy(src.join(f), dst.join(f)).expect("copy");
     }
     let bytes = std::fs::read(src.join("model.safetensors")).expect("read");
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
-    let kept: Vec<(String, TensorView)> = st.tensors().into_iter().filter(|(n, _)| keep(n)).collect();
+    let kept: Vec<(String, TensorView)> =
+        st.tensors().into_iter().filter(|(n, _)| keep(n)).collect();
     safetensors::serialize_to_file(kept, None, &dst.join("model.safetensors")).expect("write");
     dst
 }
 
 fn is_shared_kv_tensor(name: &str) -> bool {
     ["5", "6", "7"].iter().any(|l| {
-        ["self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight"]
-            .iter()
-            .any(|t| name == format!("model.language_model.layers.{l}.{t}"))
+        [
+            "self_attn.k_proj.weight",
+            "self_attn.v_proj.weight",
+            "self_attn.k_norm.weight",
+        ]
+        .iter()
+        .any(|t| name == format!("model.language_model.layers.{l}.{t}"))
     })
 }
 
@@ -78,12 +90,19 @@ fn a_wrong_shape_names_tensor_and_shapes() {
         std::fs::copy(src.join(f), dir.join(f)).expect("copy");
     }
     let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("read")).expect("json");
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).expect("read"))
+            .expect("json");
     cfg["text_config"]["intermediate_size"] = serde_json::Value::from(100);
     std::fs::write(dir.join("config.json"), cfg.to_string()).expect("write");
     let err = load_hf_dir(&dir).expect_err("must fail").to_string();
-    assert!(err.contains("model.language_model.layers.0.mlp.gate_proj.weight"), "{err}");
-    assert!(err.contains("[100, 64]") && err.contains("[128, 64]"), "{err}");
+    assert!(
+        err.contains("model.language_model.layers.0.mlp.gate_proj.weight"),
+        "{err}"
+    );
+    assert!(
+        err.contains("[100, 64]") && err.contains("[128, 64]"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -105,11 +124,23 @@ fn a_truncated_file_is_an_error_not_a_panic() {
 #[test]
 fn malformed_config_and_missing_dir() {
     let dir = scratch("badconfig");
-    std::fs::write(dir.join("config.json"), "{\"model_type\": \"gemma4\", \"text_config\": ").expect("write");
+    std::fs::write(
+        dir.join("config.json"),
+        "{\"model_type\": \"gemma4\", \"text_config\": ",
+    )
+    .expect("write");
     let err = load_hf_dir(&dir).expect_err("must fail").to_string();
-    assert!(err.contains("config.json") && err.contains("not valid JSON"), "{err}");
+    assert!(
+        err.contains("config.json") && err.contains("not valid JSON"),
+        "{err}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
 
-    let err = load_hf_dir(Path::new("/nonexistent/gemma")).expect_err("must fail").to_string();
-    assert!(err.contains("/nonexistent/gemma") && err.contains("does not exist"), "{err}");
+    let err = load_hf_dir(Path::new("/nonexistent/gemma"))
+        .expect_err("must fail")
+        .to_string();
+    assert!(
+        err.contains("/nonexistent/gemma") && err.contains("does not exist"),
+        "{err}"
+    );
 }

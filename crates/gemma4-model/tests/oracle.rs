@@ -9,7 +9,9 @@ use gemma4_model::{load_hf_dir, Gemma4, LogitsFor};
 const VARIANTS: &[&str] = &["e-style", "dense-k-eq-v", "moe", "unified"];
 
 fn fixture(variant: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle").join(variant)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/oracle")
+        .join(variant)
 }
 
 fn load(variant: &str) -> (Gemma4, Golden) {
@@ -26,10 +28,27 @@ fn every_fixture_matches_the_reference() {
         assert_eq!(golden.prompts.len(), 3);
         for p in &golden.prompts {
             let r = verify_prompt(&model, p, DEFAULT_TOLERANCE).expect("verify");
-            println!("{v}/{}: max_abs_logit_diff={:.2e} match={}", p.name, r.max_abs_logit_diff, r.seq_match);
-            assert!(r.max_abs_logit_diff <= DEFAULT_TOLERANCE, "{v}/{}: logits off by {}", p.name, r.max_abs_logit_diff);
-            assert!(r.top5_mismatches.is_empty(), "{v}/{}: top-5 differs at {:?}", p.name, r.top5_mismatches);
-            assert_eq!(r.generated_ids, p.greedy.generated_ids, "{v}/{}: greedy continuation", p.name);
+            println!(
+                "{v}/{}: max_abs_logit_diff={:.2e} match={}",
+                p.name, r.max_abs_logit_diff, r.seq_match
+            );
+            assert!(
+                r.max_abs_logit_diff <= DEFAULT_TOLERANCE,
+                "{v}/{}: logits off by {}",
+                p.name,
+                r.max_abs_logit_diff
+            );
+            assert!(
+                r.top5_mismatches.is_empty(),
+                "{v}/{}: top-5 differs at {:?}",
+                p.name,
+                r.top5_mismatches
+            );
+            assert_eq!(
+                r.generated_ids, p.greedy.generated_ids,
+                "{v}/{}: greedy continuation",
+                p.name
+            );
             assert!(r.seq_match);
         }
     }
@@ -42,10 +61,20 @@ fn last_position_logits_within_tolerance() {
         let (model, golden) = load(v);
         for p in &golden.prompts {
             let mut cache = model.new_cache();
-            let logits = model.forward(&p.input_ids, &mut cache, LogitsFor::Last, None).expect("forward");
-            let ours = logits.squeeze(0).expect("row").to_vec1::<f32>().expect("vec");
+            let logits = model
+                .forward(&p.input_ids, &mut cache, LogitsFor::Last, None)
+                .expect("forward");
+            let ours = logits
+                .squeeze(0)
+                .expect("row")
+                .to_vec1::<f32>()
+                .expect("vec");
             let gold = p.last_logits.as_ref().expect("last_logits");
-            let diff = ours.iter().zip(gold).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let diff = ours
+                .iter()
+                .zip(gold)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
             assert!(diff <= DEFAULT_TOLERANCE, "{v}/{}: {diff}", p.name);
         }
     }
@@ -59,14 +88,22 @@ fn token_by_token_prefill_equals_one_shot() {
         let (model, golden) = load(v);
         for p in &golden.prompts {
             let mut one_shot = model.new_cache();
-            let full = model.forward(&p.input_ids, &mut one_shot, LogitsFor::All, None).expect("forward");
+            let full = model
+                .forward(&p.input_ids, &mut one_shot, LogitsFor::All, None)
+                .expect("forward");
             let full = full.to_vec2::<f32>().expect("rows");
             let mut stepwise = model.new_cache();
             let mut last = Vec::new();
             for (i, &id) in p.input_ids.iter().enumerate() {
-                let row = model.forward(&[id], &mut stepwise, LogitsFor::Last, None).expect("step");
+                let row = model
+                    .forward(&[id], &mut stepwise, LogitsFor::Last, None)
+                    .expect("step");
                 last = row.squeeze(0).expect("row").to_vec1::<f32>().expect("vec");
-                let diff = last.iter().zip(&full[i]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                let diff = last
+                    .iter()
+                    .zip(&full[i])
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0f32, f32::max);
                 assert!(diff < 1e-4, "{v}/{} position {i}: {diff}", p.name);
             }
             // Continue greedily from the token-by-token cache.
@@ -74,7 +111,9 @@ fn token_by_token_prefill_equals_one_shot() {
             for _ in 0..p.greedy.generated_ids.len() {
                 let (next, _) = argmax(&last);
                 ids.push(next);
-                let row = model.forward(&[next], &mut stepwise, LogitsFor::Last, None).expect("decode");
+                let row = model
+                    .forward(&[next], &mut stepwise, LogitsFor::Last, None)
+                    .expect("decode");
                 last = row.squeeze(0).expect("row").to_vec1::<f32>().expect("vec");
             }
             assert_eq!(ids, p.greedy.generated_ids, "{v}/{}", p.name);
@@ -87,7 +126,11 @@ fn token_by_token_prefill_equals_one_shot() {
 fn long_prompt_exceeds_the_sliding_window() {
     for v in VARIANTS {
         let (model, golden) = load(v);
-        let long = golden.prompts.iter().find(|p| p.name == "long").expect("long prompt");
+        let long = golden
+            .prompts
+            .iter()
+            .find(|p| p.name == "long")
+            .expect("long prompt");
         assert!(long.input_ids.len() > 2 * model.config().sliding_window);
         let r = verify_prompt(&model, long, DEFAULT_TOLERANCE).expect("verify");
         assert!(r.seq_match, "{v}: {:?}", r);
