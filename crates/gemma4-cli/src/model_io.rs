@@ -43,11 +43,19 @@ impl ModelArgs {
 
     pub fn load(&self) -> Result<Loaded> {
         let path = self.path()?;
-        let mode = if self.exact { GgufMode::Dequantized } else { GgufMode::Quantized };
+        let mode = if self.exact {
+            GgufMode::Dequantized
+        } else {
+            GgufMode::Quantized
+        };
         let model = gemma4_model::load(&path, mode)
             .with_context(|| format!("cannot load model from {}", path.display()))?;
         let tokenizer = load_tokenizer(&path)?;
-        Ok(Loaded { path, model, tokenizer })
+        Ok(Loaded {
+            path,
+            model,
+            tokenizer,
+        })
     }
 
     /// The chat template: `--chat-template FILE`, else the checkpoint's own.
@@ -55,11 +63,15 @@ impl ModelArgs {
     pub fn template(&self, tokenizer: &Tokenizer) -> Result<ChatTemplate> {
         let override_source = match &self.chat_template {
             Some(p) => Some(
-                std::fs::read_to_string(p).with_context(|| format!("cannot read chat template {}", p.display()))?,
+                std::fs::read_to_string(p)
+                    .with_context(|| format!("cannot read chat template {}", p.display()))?,
             ),
             None => None,
         };
-        Ok(ChatTemplate::for_tokenizer(tokenizer, override_source.as_deref())?)
+        Ok(ChatTemplate::for_tokenizer(
+            tokenizer,
+            override_source.as_deref(),
+        )?)
     }
 }
 

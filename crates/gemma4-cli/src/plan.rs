@@ -43,7 +43,10 @@ pub fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
     let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.trim().parse().with_context(|| format!("`{s}` is not a size like 16GiB or 512MiB"))?;
+    let n: f64 = num
+        .trim()
+        .parse()
+        .with_context(|| format!("`{s}` is not a size like 16GiB or 512MiB"))?;
     let mult: f64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kb" => 1e3,
@@ -75,7 +78,9 @@ fn human(bytes: f64) -> String {
 
 fn config_of(path: &Path) -> Result<TextConfig> {
     match gemma4_model::gguf_file(path)? {
-        Some(file) => Ok(gemma4_model::GgufSource::open(&file, gemma4_model::GgufMode::Quantized)?.config()?),
+        Some(file) => Ok(
+            gemma4_model::GgufSource::open(&file, gemma4_model::GgufMode::Quantized)?.config()?,
+        ),
         None => Ok(TextConfig::from_dir(path)?),
     }
 }
@@ -85,7 +90,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
         Some(p) => p.clone(),
         None => crate::demo::installed_path()?,
     };
-    let cfg = config_of(&path).with_context(|| format!("cannot read the configuration of {}", path.display()))?;
+    let cfg = config_of(&path)
+        .with_context(|| format!("cannot read the configuration of {}", path.display()))?;
     if args.tp == 0 {
         bail!("--tp must be at least 1");
     }
@@ -94,7 +100,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let ctx = args.max_model_len.unwrap_or(cfg.max_position_embeddings);
     let tp = args.tp as u64;
     let p = param_counts(&cfg);
-    println!("model: {} ({}), {} layers, hidden {}, vocab {}", path.display(), cfg.model_type, cfg.num_layers(), cfg.hidden_size, cfg.vocab_size);
+    println!(
+        "model: {} ({}), {} layers, hidden {}, vocab {}",
+        path.display(),
+        cfg.model_type,
+        cfg.num_layers(),
+        cfg.hidden_size,
+        cfg.vocab_size
+    );
     println!("weights ({}, per rank with --tp {}):", args.quant, args.tp);
     let rows = [
         ("embedding", p.embedding, true),
@@ -112,9 +125,18 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let per_rank = if sharded { n.div_ceil(tp) } else { n };
         let bytes = per_rank * wbytes as u64;
         weights_per_rank += bytes;
-        println!("  {name:<22} {:>8.3} B params  {:>12}", n as f64 / 1e9, human(bytes as f64));
+        println!(
+            "  {name:<22} {:>8.3} B params  {:>12}",
+            n as f64 / 1e9,
+            human(bytes as f64)
+        );
     }
-    println!("  {:<22} {:>8.3} B params  {:>12}", "total", p.total() as f64 / 1e9, human(weights_per_rank as f64));
+    println!(
+        "  {:<22} {:>8.3} B params  {:>12}",
+        "total",
+        p.total() as f64 / 1e9,
+        human(weights_per_rank as f64)
+    );
     println!("KV cache ({}):", args.kv_dtype);
     let groups = kv_bytes_per_token(&cfg, kvbytes);
     let mut per_token_rank = 0usize;
@@ -124,32 +146,60 @@ pub fn run(args: Args) -> Result<ExitCode> {
             AttentionKind::Full => "full".to_string(),
         };
         // Heads are split across ranks; a rank holds at least one KV head of each layer.
-        let rank_bytes: usize =
-            g.layers.iter().map(|&l| 2 * cfg.layers[l].num_kv_heads.div_ceil(args.tp) * cfg.layers[l].head_dim * kvbytes).sum();
+        let rank_bytes: usize = g
+            .layers
+            .iter()
+            .map(|&l| {
+                2 * cfg.layers[l].num_kv_heads.div_ceil(args.tp) * cfg.layers[l].head_dim * kvbytes
+            })
+            .sum();
         per_token_rank += rank_bytes;
-        println!("  group {kind:<22} {:>2} KV-owning layers  {:>12}/token  ({} per rank)", g.layers.len(), human(*bytes as f64), human(rank_bytes as f64));
+        println!(
+            "  group {kind:<22} {:>2} KV-owning layers  {:>12}/token  ({} per rank)",
+            g.layers.len(),
+            human(*bytes as f64),
+            human(rank_bytes as f64)
+        );
     }
-    let shared = cfg.layers.iter().filter(|l| l.kv != gemma4_model::config::KvSource::Own).count();
+    let shared = cfg
+        .layers
+        .iter()
+        .filter(|l| l.kv != gemma4_model::config::KvSource::Own)
+        .count();
     if shared > 0 {
         println!("  {shared} KV-shared layers own no cache");
     }
     let total_token: usize = groups.iter().map(|(_, b)| b).sum();
     println!("  per token, all groups: {}", human(total_token as f64));
-    println!("  one sequence of {ctx} tokens: {}", human(kv_bytes_for_context(&cfg, ctx, kvbytes) as f64));
+    println!(
+        "  one sequence of {ctx} tokens: {}",
+        human(kv_bytes_for_context(&cfg, ctx, kvbytes) as f64)
+    );
     if let Some(mem) = &args.mem {
         let budget = parse_size(mem)?;
         let free = budget.saturating_sub(weights_per_rank);
         let scale = total_token as f64 / per_token_rank.max(1) as f64;
         let free_equiv = (free as f64 * scale) as usize;
-        println!("memory per device {}: weights {}, left for KV {}", human(budget as f64), human(weights_per_rank as f64), human(free as f64));
+        println!(
+            "memory per device {}: weights {}, left for KV {}",
+            human(budget as f64),
+            human(weights_per_rank as f64),
+            human(free as f64)
+        );
         if free == 0 {
             println!("  the weights do not fit: use more ranks (--tp) or a smaller --quant");
             return Ok(ExitCode::FAILURE);
         }
         let fit = tokens_that_fit(&cfg, free_equiv, kvbytes, usize::MAX / 2);
-        println!("  one sequence fits up to {} tokens", fit.min(cfg.max_position_embeddings));
+        println!(
+            "  one sequence fits up to {} tokens",
+            fit.min(cfg.max_position_embeddings)
+        );
         let per_seq = kv_bytes_for_context(&cfg, ctx, kvbytes).max(1);
-        println!("  sequences of {ctx} tokens at once: {}", free_equiv / per_seq);
+        println!(
+            "  sequences of {ctx} tokens at once: {}",
+            free_equiv / per_seq
+        );
     }
     Ok(ExitCode::SUCCESS)
 }

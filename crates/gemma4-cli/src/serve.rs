@@ -1,12 +1,216 @@
-//! `gemma4 serve`: placeholder until the server crate is wired in.
+//! `gemma4 serve`: the OpenAI-compatible HTTP server.
+//!
+//! The port is bound first, so `/health` answers 503 "loading" while the
+//! model loads on a separate thread. SIGTERM or SIGINT starts a drain: no new
+//! requests, running ones finish within `--drain-timeout`, then exit 0.
 
+use std::io::IsTerminal;
+use std::path::Path;
 use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
+use gemma4_engine::EngineConfig;
+use gemma4_server::{ModelContext, Server, ServerConfig, ServerError};
+use gemma4_text::ChatTemplate;
+use tokio::net::TcpListener;
+use tokio::signal::unix::{signal, Signal, SignalKind};
+use tokio::sync::oneshot;
+
+use crate::model_io::ModelArgs;
+
+/// Context length used when `--max-model-len` is not given (bounded by the model's own).
+const DEFAULT_MAX_MODEL_LEN: usize = 4096;
 
 #[derive(clap::Args)]
-pub struct Args {}
+pub struct Args {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to listen on (0 picks a free one).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Model id shown in /v1/models and expected in requests [default: the model's file or folder name].
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Require `Authorization: Bearer KEY` on /v1/* and /generate [env: GEMMA4_API_KEY].
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Sequences generated at once.
+    #[arg(long, default_value_t = 16)]
+    max_num_seqs: usize,
+    /// Requests that may wait beyond those; more get 429 with Retry-After.
+    #[arg(long, default_value_t = 64)]
+    max_queue: usize,
+    /// Prompt plus output tokens per request [default: the model's context length, at most 4096].
+    #[arg(long)]
+    max_model_len: Option<usize>,
+    /// Output tokens when a request gives no max_tokens (bounded by the remaining context).
+    #[arg(long, default_value_t = 256)]
+    default_max_tokens: usize,
+    /// Seconds a request may take from arrival to its last token (0: no limit).
+    #[arg(long, default_value_t = 600.0)]
+    request_timeout: f64,
+    /// Seconds running requests get to finish after SIGTERM/SIGINT.
+    #[arg(long, default_value_t = 30.0)]
+    drain_timeout: f64,
+    /// Largest request body in bytes; larger ones get 413.
+    #[arg(long, default_value_t = 2 * 1024 * 1024)]
+    max_body: usize,
+    /// Tokens per KV-cache block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Most tokens in one engine step (the prefill chunk size).
+    #[arg(long, default_value_t = 512)]
+    max_batch_tokens: usize,
+    /// KV-cache memory in MiB [default: enough for --max-num-seqs sequences of --max-model-len tokens].
+    #[arg(long)]
+    kv_memory_mib: Option<usize>,
+    /// Do not share KV blocks between requests with the same prompt prefix.
+    #[arg(long)]
+    no_prefix_caching: bool,
+}
 
-pub fn run(_args: Args) -> Result<ExitCode> {
-    bail!("serve is not available in this build")
+fn seconds(flag: &str, value: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(value)
+        .with_context(|| format!("{flag} must be a non-negative number of seconds"))
+}
+
+/// The model id: a GGUF file's stem or a checkpoint folder's name.
+fn model_name(path: &Path) -> String {
+    let path = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
+    let name = if path.is_dir() {
+        path.file_name()
+    } else {
+        path.file_stem()
+    };
+    name.map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "gemma4".into())
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let result = runtime.block_on(serve(args));
+    // A model still loading when a signal arrived is abandoned, not awaited.
+    runtime.shutdown_timeout(Duration::from_millis(200));
+    result
+}
+
+async fn serve(args: Args) -> Result<ExitCode> {
+    let path = args.model.path()?;
+    let request_timeout = seconds("--request-timeout", args.request_timeout)?;
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("GEMMA4_API_KEY").ok())
+        .filter(|k| !k.is_empty());
+    let config = ServerConfig {
+        served_model_name: args
+            .served_model_name
+            .clone()
+            .unwrap_or_else(|| model_name(&path)),
+        api_key,
+        max_body_bytes: args.max_body,
+        request_timeout: (!request_timeout.is_zero()).then_some(request_timeout),
+        drain_timeout: seconds("--drain-timeout", args.drain_timeout)?,
+        default_max_tokens: args.default_max_tokens.max(1),
+    };
+    if args.max_num_seqs == 0 {
+        bail!("--max-num-seqs must be at least 1");
+    }
+    let listener = TcpListener::bind((args.host.as_str(), args.port))
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    let server = Server::new(config).context("cannot set up metrics")?;
+    let (mut term, mut int) = install_signals()?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("received SIGTERM"),
+            _ = int.recv() => tracing::info!("received SIGINT"),
+        }
+        // A second signal while draining means: stop now.
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            tracing::warn!("second signal: exiting without waiting for running requests");
+            std::process::exit(1);
+        });
+    };
+    let mut http = tokio::spawn(gemma4_server::serve(listener, server.clone(), shutdown));
+
+    tracing::info!(model = %path.display(), "loading model");
+    let (tx, rx) = oneshot::channel();
+    let model_args = args.model.clone();
+    let engine_config = EngineConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_queue: args.max_queue,
+        max_model_len: args.max_model_len.unwrap_or(0),
+        block_size: args.block_size.max(1),
+        max_batch_tokens: args.max_batch_tokens.max(1),
+        kv_memory_bytes: args.kv_memory_mib.map(|m| m.saturating_mul(1024 * 1024)),
+        prefix_caching: !args.no_prefix_caching,
+    };
+    std::thread::Builder::new()
+        .name("gemma4-load".into())
+        .spawn(move || {
+            let _ = tx.send(load(&model_args, engine_config));
+        })
+        .context("cannot start the model-loading thread")?;
+    tokio::select! {
+        loaded = rx => {
+            let model = loaded.context("the model-loading thread failed")??;
+            server.set_ready(model);
+        }
+        done = &mut http => return finished(done),
+    }
+    finished(http.await)
+}
+
+fn finished(done: Result<Result<(), ServerError>, tokio::task::JoinError>) -> Result<ExitCode> {
+    done.context("the HTTP server task failed")??;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn install_signals() -> Result<(Signal, Signal)> {
+    let term = signal(SignalKind::terminate()).context("cannot handle SIGTERM")?;
+    let int = signal(SignalKind::interrupt()).context("cannot handle SIGINT")?;
+    Ok((term, int))
+}
+
+/// Loads the model and tokenizer and starts the engine.
+fn load(model_args: &ModelArgs, mut engine_config: EngineConfig) -> Result<ModelContext> {
+    let loaded = model_args.load()?;
+    let context_len = loaded.model.config().max_position_embeddings;
+    engine_config.max_model_len = match engine_config.max_model_len {
+        0 => DEFAULT_MAX_MODEL_LEN.min(context_len),
+        n if n > context_len => {
+            bail!("--max-model-len {n} is larger than the model's context length ({context_len}); lower it")
+        }
+        n => n,
+    };
+    // An explicit --chat-template must work; a checkpoint without one still serves completions.
+    let template = match &model_args.chat_template {
+        Some(_) => Ok(model_args.template(&loaded.tokenizer)?),
+        None => ChatTemplate::for_tokenizer(&loaded.tokenizer, None),
+    };
+    let eos_ids = loaded.model.config().eos_token_ids.clone();
+    let engine = gemma4_engine::start(loaded.model, Arc::new(loaded.tokenizer), engine_config)
+        .context("cannot start the engine")?;
+    Ok(ModelContext::new(engine, template, &eos_ids))
 }

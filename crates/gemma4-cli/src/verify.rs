@@ -24,9 +24,13 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode> {
     let golden = Golden::read(&args.golden)?;
     let path = args.model.path()?;
-    let mode = if args.model.exact { GgufMode::Dequantized } else { GgufMode::Quantized };
-    let model =
-        gemma4_model::load(&path, mode).with_context(|| format!("cannot load model from {}", path.display()))?;
+    let mode = if args.model.exact {
+        GgufMode::Dequantized
+    } else {
+        GgufMode::Quantized
+    };
+    let model = gemma4_model::load(&path, mode)
+        .with_context(|| format!("cannot load model from {}", path.display()))?;
     let tokenizer = crate::model_io::load_tokenizer(&path).ok();
     let tensors = args.golden.with_file_name("golden_tensors.safetensors");
     let mut all_match = true;
@@ -60,7 +64,10 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let ids = greedy(&model, &c.input_ids, c.generated_ids.len())?;
         let same = ids == c.generated_ids;
         all_match &= same;
-        let text = tokenizer.as_ref().and_then(|t| t.decode(&ids, false).ok()).unwrap_or_default();
+        let text = tokenizer
+            .as_ref()
+            .and_then(|t| t.decode(&ids, false).ok())
+            .unwrap_or_default();
         println!(
             "{} coherence prompt={:?} text={text:?} reference={:?}",
             if same { "MATCH" } else { "DIFF " },
@@ -69,5 +76,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         );
     }
     println!("SEQ_MATCH {all_match} max_abs_logit_diff={worst:.3e}");
-    Ok(if all_match { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if all_match {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }

@@ -18,7 +18,11 @@ fn fixture(v: &str) -> PathBuf {
 
 fn run(cmd: &mut Command) -> (Output, String) {
     let out = cmd.output().expect("run gemma4");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     (out, text)
 }
 
@@ -40,11 +44,26 @@ fn copy_dir(src: &Path, name: &str, skip: &[&str]) -> PathBuf {
 fn verify_passes_on_every_fixture() {
     for v in ["e-style", "dense-k-eq-v", "moe", "unified"] {
         let dir = fixture(v);
-        let (out, text) = run(bin().args(["verify", "--model"]).arg(&dir).arg("--golden").arg(dir.join("golden.json")));
+        let (out, text) = run(bin()
+            .args(["verify", "--model"])
+            .arg(&dir)
+            .arg("--golden")
+            .arg(dir.join("golden.json")));
         assert!(out.status.success(), "{v}: {text}");
-        let last = text.lines().rev().find(|l| l.starts_with("SEQ_MATCH")).expect("SEQ_MATCH line");
-        assert!(last.starts_with("SEQ_MATCH true max_abs_logit_diff="), "{v}: {last}");
-        assert_eq!(text.lines().filter(|l| l.starts_with("MATCH")).count(), 3, "{text}");
+        let last = text
+            .lines()
+            .rev()
+            .find(|l| l.starts_with("SEQ_MATCH"))
+            .expect("SEQ_MATCH line");
+        assert!(
+            last.starts_with("SEQ_MATCH true max_abs_logit_diff="),
+            "{v}: {last}"
+        );
+        assert_eq!(
+            text.lines().filter(|l| l.starts_with("MATCH")).count(),
+            3,
+            "{text}"
+        );
     }
 }
 
@@ -53,7 +72,8 @@ fn verify_fails_and_names_the_first_departing_layer() {
     // Another variant's golden file: same format, different model.
     let dir = copy_dir(&fixture("e-style"), "wrong-golden", &[]);
     let mut golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).expect("read")).expect("json");
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).expect("read"))
+            .expect("json");
     // Perturb layer 2's layer_scalar in the weights instead: rewrite the checkpoint.
     let bytes = std::fs::read(dir.join("model.safetensors")).expect("read");
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
@@ -62,22 +82,41 @@ fn verify_fails_and_names_the_first_departing_layer() {
         .tensors()
         .into_iter()
         .map(|(n, t)| {
-            let data = if n == "model.language_model.layers.2.layer_scalar" { scalar.to_vec() } else { t.data().to_vec() };
+            let data = if n == "model.language_model.layers.2.layer_scalar" {
+                scalar.to_vec()
+            } else {
+                t.data().to_vec()
+            };
             (n, data, t.dtype(), t.shape().to_vec())
         })
         .collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
         .iter()
-        .map(|(n, d, dt, s)| (n.clone(), safetensors::tensor::TensorView::new(*dt, s.clone(), d).expect("view")))
+        .map(|(n, d, dt, s)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*dt, s.clone(), d).expect("view"),
+            )
+        })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).expect("write");
-    golden["prompts"].as_array_mut().expect("prompts").truncate(1);
+    golden["prompts"]
+        .as_array_mut()
+        .expect("prompts")
+        .truncate(1);
     std::fs::write(dir.join("golden.json"), golden.to_string()).expect("write golden");
-    let (out, text) = run(bin().args(["verify", "--model"]).arg(&dir).arg("--golden").arg(dir.join("golden.json")));
+    let (out, text) = run(bin()
+        .args(["verify", "--model"])
+        .arg(&dir)
+        .arg("--golden")
+        .arg(dir.join("golden.json")));
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("SEQ_MATCH false"), "{text}");
-    assert!(text.contains("first departure at decoder layer 2 output"), "{text}");
+    assert!(
+        text.contains("first departure at decoder layer 2 output"),
+        "{text}"
+    );
     let _ = std::fs::remove_dir_all(dir);
 }
 
@@ -91,21 +130,35 @@ fn doctor_passes_on_fixtures_and_fails_clearly_on_broken_copies() {
     let no_tok = copy_dir(&fixture("e-style"), "no-tokenizer", &["tokenizer.json"]);
     let (out, text) = run(bin().args(["doctor", "--model"]).arg(&no_tok));
     assert!(!out.status.success());
-    assert!(text.lines().any(|l| l.starts_with("FAIL tokenizer") && l.contains("tokenizer.json")), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("FAIL tokenizer") && l.contains("tokenizer.json")),
+        "{text}"
+    );
 
     let no_template = copy_dir(&fixture("e-style"), "no-template", &["chat_template.jinja"]);
     let (out, text) = run(bin().args(["doctor", "--model"]).arg(&no_template));
     assert!(!out.status.success());
-    assert!(text.lines().any(|l| l.starts_with("FAIL chat template") && l.contains("--chat-template")), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("FAIL chat template") && l.contains("--chat-template")),
+        "{text}"
+    );
 
     let bad_config = copy_dir(&fixture("dense-k-eq-v"), "bad-config", &[]);
-    let mut cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(bad_config.join("config.json")).expect("read")).expect("json");
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(bad_config.join("config.json")).expect("read"),
+    )
+    .expect("json");
     cfg["text_config"]["num_key_value_heads"] = 4.into();
     std::fs::write(bad_config.join("config.json"), cfg.to_string()).expect("write");
     let (out, text) = run(bin().args(["doctor", "--model"]).arg(&bad_config));
     assert!(!out.status.success());
-    assert!(text.lines().any(|l| l.starts_with("FAIL weights") && l.contains("k_proj.weight")), "{text}");
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("FAIL weights") && l.contains("k_proj.weight")),
+        "{text}"
+    );
     for d in [no_tok, no_template, bad_config] {
         let _ = std::fs::remove_dir_all(d);
     }
@@ -113,21 +166,37 @@ fn doctor_passes_on_fixtures_and_fails_clearly_on_broken_copies() {
 
 #[test]
 fn bad_paths_and_files_give_one_line_errors() {
-    let (out, text) = run(bin().args(["generate", "--model", "/nonexistent/model", "--prompt-ids", "2,3"]));
+    let (out, text) = run(bin().args([
+        "generate",
+        "--model",
+        "/nonexistent/model",
+        "--prompt-ids",
+        "2,3",
+    ]));
     assert!(!out.status.success());
     assert_eq!(text.trim().lines().count(), 1, "{text}");
     assert!(text.contains("/nonexistent/model"), "{text}");
 
     let truncated = copy_dir(&fixture("moe"), "truncated", &[]);
     let bytes = std::fs::read(truncated.join("model.safetensors")).expect("read");
-    std::fs::write(truncated.join("model.safetensors"), &bytes[..bytes.len() / 3]).expect("write");
-    let (out, text) = run(bin().args(["generate", "--model"]).arg(&truncated).args(["--prompt-ids", "2,3"]));
+    std::fs::write(
+        truncated.join("model.safetensors"),
+        &bytes[..bytes.len() / 3],
+    )
+    .expect("write");
+    let (out, text) = run(bin()
+        .args(["generate", "--model"])
+        .arg(&truncated)
+        .args(["--prompt-ids", "2,3"]));
     assert!(!out.status.success());
     assert_eq!(text.trim().lines().count(), 1, "{text}");
     assert!(text.contains("truncated"), "{text}");
 
     std::fs::write(truncated.join("config.json"), "{not json").expect("write");
-    let (out, text) = run(bin().args(["generate", "--model"]).arg(&truncated).args(["--prompt-ids", "2,3"]));
+    let (out, text) = run(bin()
+        .args(["generate", "--model"])
+        .arg(&truncated)
+        .args(["--prompt-ids", "2,3"]));
     assert!(!out.status.success());
     assert_eq!(text.trim().lines().count(), 1, "{text}");
     assert!(text.contains("config.json"), "{text}");
@@ -138,24 +207,46 @@ fn bad_paths_and_files_give_one_line_errors() {
 fn generate_matches_the_reference_continuation() {
     let dir = fixture("unified");
     let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).expect("read")).expect("json");
+        serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).expect("read"))
+            .expect("json");
     let p = &golden["prompts"][2];
-    let ids: Vec<String> = p["input_ids"].as_array().expect("ids").iter().map(|v| v.to_string()).collect();
+    let ids: Vec<String> = p["input_ids"]
+        .as_array()
+        .expect("ids")
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
     let (out, text) = run(bin()
         .args(["generate", "--ignore-eos", "--max-tokens", "24", "--model"])
         .arg(&dir)
         .args(["--prompt-ids", &ids.join(",")]));
     assert!(out.status.success(), "{text}");
-    let want: Vec<String> = p["greedy"]["generated_ids"].as_array().expect("gen").iter().map(|v| v.to_string()).collect();
+    let want: Vec<String> = p["greedy"]["generated_ids"]
+        .as_array()
+        .expect("gen")
+        .iter()
+        .map(|v| v.to_string())
+        .collect();
     assert!(text.contains(&format!("ids: {}", want.join(","))), "{text}");
 }
 
 #[test]
 fn plan_prints_the_published_kv_sizes() {
-    for (name, kib) in [("gemma-4-E2B-it", "18.00"), ("gemma-4-E4B-it", "56.00"), ("gemma-4-12B-it", "336.00"), ("gemma-4-31B-it", "880.00"), ("gemma-4-26B-A4B-it", "220.00")] {
-        let (out, text) = run(bin().args(["plan", "--model"]).arg(root().join("tests/fixtures/configs").join(name)));
+    for (name, kib) in [
+        ("gemma-4-E2B-it", "18.00"),
+        ("gemma-4-E4B-it", "56.00"),
+        ("gemma-4-12B-it", "336.00"),
+        ("gemma-4-31B-it", "880.00"),
+        ("gemma-4-26B-A4B-it", "220.00"),
+    ] {
+        let (out, text) = run(bin()
+            .args(["plan", "--model"])
+            .arg(root().join("tests/fixtures/configs").join(name)));
         assert!(out.status.success(), "{text}");
-        assert!(text.contains(&format!("per token, all groups: {kib} KiB")), "{name}: {text}");
+        assert!(
+            text.contains(&format!("per token, all groups: {kib} KiB")),
+            "{name}: {text}"
+        );
     }
 }
 
@@ -163,7 +254,10 @@ fn plan_prints_the_published_kv_sizes() {
 #[test]
 fn demo_model_answers_paris() {
     let Some(gguf) = std::env::var_os("GEMMA4_DEMO_GGUF") else {
-        assert!(std::env::var_os("CI").is_none(), "CI must set GEMMA4_DEMO_GGUF");
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must set GEMMA4_DEMO_GGUF"
+        );
         eprintln!("skipped: set GEMMA4_DEMO_GGUF");
         return;
     };
@@ -174,7 +268,10 @@ fn demo_model_answers_paris() {
     assert!(out.status.success(), "{text}");
     assert!(text.contains("Paris"), "{text}");
     // The first 8 tokens of the reference continuation (quantized kernels).
-    assert!(text.contains("ids: 669,5279,529,7001,563,9079,236761,107"), "{text}");
+    assert!(
+        text.contains("ids: 669,5279,529,7001,563,9079,236761,107"),
+        "{text}"
+    );
     let (out, text) = run(bin()
         .args(["generate", "--max-tokens", "12", "--model"])
         .arg(&gguf)
@@ -183,5 +280,8 @@ fn demo_model_answers_paris() {
     assert!(text.contains("Berlin"), "{text}");
     let (out, text) = run(bin().args(["chat", "--model"]).arg(&gguf));
     assert!(!out.status.success());
-    assert!(text.contains("no chat template") && text.contains("generate"), "{text}");
+    assert!(
+        text.contains("no chat template") && text.contains("generate"),
+        "{text}"
+    );
 }

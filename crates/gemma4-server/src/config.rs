@@ -1,0 +1,33 @@
+//! Server settings that are not the engine's.
+
+use std::time::Duration;
+
+/// How the HTTP side behaves.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The model id clients see in `/v1/models` and must use (or leave empty) in requests.
+    pub served_model_name: String,
+    /// When set, `/v1/*` and `/generate` need `Authorization: Bearer KEY`.
+    pub api_key: Option<String>,
+    /// Largest accepted request body; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Each request ends (with an error) once this has passed since it arrived.
+    pub request_timeout: Option<Duration>,
+    /// After SIGTERM/SIGINT, how long running requests may take to finish.
+    pub drain_timeout: Duration,
+    /// Output length when a request gives no `max_tokens` (bounded by the remaining context).
+    pub default_max_tokens: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            served_model_name: "gemma4".into(),
+            api_key: None,
+            max_body_bytes: 2 * 1024 * 1024,
+            request_timeout: Some(Duration::from_secs(600)),
+            drain_timeout: Duration::from_secs(30),
+            default_max_tokens: 256,
+        }
+    }
+}

@@ -1,0 +1,171 @@
+//! Errors: [`ApiError`] is what a client sees (OpenAI's error JSON with a
+//! status code); [`ServerError`] is what the embedding program sees.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+/// An error answered to a client as `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub status: StatusCode,
+    pub message: String,
+    pub kind: &'static str,
+    pub param: Option<String>,
+    pub code: Option<&'static str>,
+    /// Seconds for a `Retry-After` header.
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// 400: the request is malformed or asks for something impossible.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "invalid_request_error", message)
+    }
+
+    /// 401: missing or wrong API key.
+    pub fn unauthorized(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::UNAUTHORIZED, "authentication_error", message)
+            .with_code("invalid_api_key")
+    }
+
+    /// 404: an unknown model or route.
+    pub fn not_found(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
+    }
+
+    /// 405: a known route called with the wrong method.
+    pub fn method_not_allowed(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            message,
+        )
+    }
+
+    /// 413: the body is larger than `--max-body`.
+    pub fn too_large(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            message,
+        )
+        .with_code("request_too_large")
+    }
+
+    /// 429: the wait queue is full.
+    pub fn rate_limited(message: impl Into<String>, retry_after: u64) -> Self {
+        let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
+            .with_code("rate_limit_exceeded");
+        e.retry_after = Some(retry_after);
+        e
+    }
+
+    /// 503: loading, draining, or the engine has stopped.
+    pub fn unavailable(message: impl Into<String>, code: &'static str) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "service_unavailable_error",
+            message,
+        )
+        .with_code(code)
+    }
+
+    /// 504: the request did not finish before its deadline.
+    pub fn timeout(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::GATEWAY_TIMEOUT, "timeout_error", message)
+            .with_code("request_timeout")
+    }
+
+    /// 500: the engine failed on this request.
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+    }
+
+    pub fn with_param(mut self, param: impl Into<String>) -> Self {
+        self.param = Some(param.into());
+        self
+    }
+
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+
+    /// The JSON body.
+    pub fn body(&self) -> serde_json::Value {
+        json!({
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.status.as_u16(), self.message)
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut response = (self.status, axum::Json(self.body())).into_response();
+        if let Some(secs) = self.retry_after {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        response
+    }
+}
+
+/// Failures of the server as a whole (binding, serving).
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("HTTP server failed: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("HTTP server task failed: {0}")]
+    Task(String),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_body_has_openai_shape() {
+        let e = ApiError::bad_request("`temperature` must be a number").with_param("temperature");
+        let body = e.body();
+        assert_eq!(body["error"]["message"], "`temperature` must be a number");
+        assert_eq!(body["error"]["type"], "invalid_request_error");
+        assert_eq!(body["error"]["param"], "temperature");
+        assert!(body["error"]["code"].is_null());
+    }
+
+    #[test]
+    fn rate_limit_sets_retry_after() {
+        let r = ApiError::rate_limited("queue full", 2).into_response();
+        assert_eq!(r.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            r.headers()
+                .get(header::RETRY_AFTER)
+                .and_then(|v| v.to_str().ok()),
+            Some("2")
+        );
+    }
+}

@@ -1,0 +1,321 @@
+//! From a parsed request to engine requests and back: prompts are rendered
+//! and tokenized, each choice becomes one engine request, and their event
+//! streams are merged. Dropping a [`Generation`] drops every engine stream,
+//! which cancels the requests and frees their KV blocks.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
+use gemma4_engine::{
+    EngineEvent, FinishReason, GenerationRequest, RequestStream, SamplingParams, TokenLogprob,
+    Usage,
+};
+
+use crate::admission::{check_choice_count, max_tokens_for, submit_error};
+use crate::error::ApiError;
+use crate::openai::{ChatRequest, Prompt, Sampling};
+use crate::server::{AppState, ModelContext};
+
+/// Runs `f` on the blocking pool (template rendering and tokenization are CPU work).
+pub async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
+}
+
+/// Renders a chat request with the model's template and tokenizes it.
+pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<Vec<u32>, ApiError> {
+    let template = model.chat_template.as_ref().map_err(|why| {
+        ApiError::bad_request(format!(
+            "this model cannot serve chat completions: {why}; or use /v1/completions"
+        ))
+        .with_param("messages")
+        .with_code("chat_template_missing")
+    })?;
+    let text = template
+        .render(
+            &req.messages,
+            req.tools.as_ref(),
+            req.add_generation_prompt,
+            &req.template_kwargs,
+        )
+        .map_err(|e| {
+            ApiError::bad_request(format!("the chat template rejected the messages: {e}"))
+                .with_param("messages")
+        })?;
+    let tokenizer = model.engine.tokenizer();
+    // Templates usually write the BOS token themselves; do not add a second one.
+    let has_bos = tokenizer
+        .bos_token()
+        .is_some_and(|bos| text.starts_with(bos));
+    tokenizer.encode(&text, !has_bos).map_err(|e| {
+        ApiError::bad_request(format!("cannot tokenize the chat prompt: {e}"))
+            .with_param("messages")
+    })
+}
+
+/// Tokenizes a completion prompt (text gets the tokenizer's usual BOS).
+pub fn text_prompt(model: &ModelContext, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+    match prompt {
+        Prompt::Ids(ids) => Ok(ids.clone()),
+        Prompt::Text(text) => model.engine.tokenizer().encode(text, true).map_err(|e| {
+            ApiError::bad_request(format!("cannot tokenize the prompt: {e}")).with_param("prompt")
+        }),
+    }
+}
+
+/// One engine request per (prompt, choice), checked against the limits.
+/// Choice `j` of prompt `p` gets index `p * n + j` and, with a seed, `seed + j`.
+pub fn build_requests(
+    state: &AppState,
+    model: &ModelContext,
+    prompts: &[Vec<u32>],
+    sampling: &Sampling,
+    logprobs: Option<usize>,
+    arrival: Instant,
+    prompt_param: &str,
+) -> Result<Vec<GenerationRequest>, ApiError> {
+    check_choice_count(prompts.len() * sampling.n, model.engine.config())?;
+    let vocab = model.engine.tokenizer().vocab_size();
+    let mut stop_token_ids = if sampling.ignore_eos {
+        Vec::new()
+    } else {
+        model.stop_token_ids.clone()
+    };
+    for &id in &sampling.stop_token_ids {
+        if id as usize >= vocab {
+            return Err(ApiError::bad_request(format!(
+                "`stop_token_ids` has {id}, outside the vocabulary (size {vocab})"
+            ))
+            .with_param("stop_token_ids"));
+        }
+        if !stop_token_ids.contains(&id) {
+            stop_token_ids.push(id);
+        }
+    }
+    let deadline = state.config.request_timeout.map(|t| arrival + t);
+    let mut requests = Vec::with_capacity(prompts.len() * sampling.n);
+    for prompt in prompts {
+        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(ApiError::bad_request(format!(
+                "the prompt has token id {bad}, outside the vocabulary (size {vocab})"
+            ))
+            .with_param(prompt_param));
+        }
+        let max_tokens = max_tokens_for(
+            sampling.max_tokens,
+            prompt.len(),
+            model.max_model_len(),
+            state.config.default_max_tokens,
+            prompt_param,
+        )?;
+        for j in 0..sampling.n {
+            let params = SamplingParams {
+                temperature: sampling.temperature,
+                top_k: sampling.top_k,
+                top_p: sampling.top_p,
+                min_p: sampling.min_p,
+                presence_penalty: sampling.presence_penalty,
+                frequency_penalty: sampling.frequency_penalty,
+                repetition_penalty: sampling.repetition_penalty,
+                seed: sampling.seed.map(|s| s.wrapping_add(j as u64)),
+                max_tokens,
+                stop_token_ids: stop_token_ids.clone(),
+                stop_strings: sampling.stop.clone(),
+                logprobs,
+            };
+            requests.push(GenerationRequest {
+                prompt_ids: prompt.clone(),
+                params,
+                deadline,
+            });
+        }
+    }
+    Ok(requests)
+}
+
+/// An engine event tagged with its choice index.
+pub struct ChoiceEvent {
+    pub index: usize,
+    pub event: EngineEvent,
+}
+
+/// The merged event streams of a request's choices.
+pub struct Generation {
+    streams: SelectAll<BoxStream<'static, ChoiceEvent>>,
+    /// Prompt tokens, counted once per prompt.
+    pub prompt_tokens: usize,
+    pub choices: usize,
+}
+
+struct Choice {
+    index: usize,
+    stream: RequestStream,
+    state: Arc<AppState>,
+    arrival: Instant,
+    last_token: Option<Instant>,
+    done: bool,
+}
+
+impl Choice {
+    async fn next(mut self) -> Option<(ChoiceEvent, Self)> {
+        if self.done {
+            return None;
+        }
+        let event = self
+            .stream
+            .next()
+            .await
+            .unwrap_or_else(|| EngineEvent::Finished {
+                reason: FinishReason::Error(
+                    "the engine stopped before finishing the request".into(),
+                ),
+                text: String::new(),
+                usage: Usage::default(),
+            });
+        let now = Instant::now();
+        let metrics = &self.state.metrics;
+        match &event {
+            EngineEvent::Token { .. } => {
+                match self.last_token {
+                    None => metrics.record_first_token(now - self.arrival),
+                    Some(t) => metrics.record_inter_token(now - t),
+                }
+                self.last_token = Some(now);
+            }
+            EngineEvent::Finished { reason, usage, .. } => {
+                metrics.record_finished(
+                    reason.as_openai(),
+                    usage.prompt_tokens,
+                    usage.completion_tokens,
+                    now - self.arrival,
+                );
+                self.done = true;
+            }
+        }
+        Some((
+            ChoiceEvent {
+                index: self.index,
+                event,
+            },
+            self,
+        ))
+    }
+}
+
+impl Generation {
+    /// Submits every request; if one is refused, the ones already queued are cancelled.
+    pub fn submit(
+        state: &Arc<AppState>,
+        model: &ModelContext,
+        requests: Vec<GenerationRequest>,
+        prompts: &[Vec<u32>],
+        arrival: Instant,
+    ) -> Result<Self, ApiError> {
+        let choices = requests.len();
+        let mut streams = SelectAll::new();
+        for (index, request) in requests.into_iter().enumerate() {
+            let stream = model.engine.submit(request).map_err(submit_error)?;
+            let choice = Choice {
+                index,
+                stream,
+                state: state.clone(),
+                arrival,
+                last_token: None,
+                done: false,
+            };
+            streams.push(stream::unfold(choice, Choice::next).boxed());
+        }
+        Ok(Self {
+            streams,
+            prompt_tokens: prompts.iter().map(Vec::len).sum(),
+            choices,
+        })
+    }
+
+    /// The next event of any choice; `None` once all have finished.
+    pub async fn next(&mut self) -> Option<ChoiceEvent> {
+        self.streams.next().await
+    }
+
+    /// Cancels every choice still running.
+    pub fn cancel(&mut self) {
+        self.streams.clear();
+    }
+}
+
+/// The error a client sees for a request that ended abnormally.
+pub fn finish_error(reason: &FinishReason, state: &AppState) -> Option<ApiError> {
+    match reason {
+        FinishReason::Stop | FinishReason::Length => None,
+        FinishReason::Timeout => {
+            let limit = state
+                .config
+                .request_timeout
+                .map(|t| format!(" of {} s", t.as_secs_f64()))
+                .unwrap_or_default();
+            Some(ApiError::timeout(format!(
+                "the request did not finish within the server's request timeout{limit} (--request-timeout); \
+                 ask for fewer tokens with max_tokens or retry later"
+            )))
+        }
+        FinishReason::Error(msg) => Some(ApiError::internal(format!("generation failed: {msg}"))),
+        FinishReason::Cancelled => Some(ApiError::unavailable(
+            "the request was cancelled by the server",
+            "cancelled",
+        )),
+    }
+}
+
+/// Everything one choice produced.
+#[derive(Debug, Default)]
+pub struct ChoiceOutput {
+    pub text: String,
+    pub token_ids: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    /// Character offset in `text` where each token's text starts.
+    pub offsets: Vec<usize>,
+    pub finish_reason: &'static str,
+    pub completion_tokens: usize,
+}
+
+/// Waits for every choice; the first abnormal end is the request's error.
+pub async fn collect(
+    mut generation: Generation,
+    state: &AppState,
+) -> Result<Vec<ChoiceOutput>, ApiError> {
+    let mut out: Vec<ChoiceOutput> = (0..generation.choices)
+        .map(|_| ChoiceOutput::default())
+        .collect();
+    while let Some(ChoiceEvent { index, event }) = generation.next().await {
+        let Some(choice) = out.get_mut(index) else {
+            continue;
+        };
+        match event {
+            EngineEvent::Token { id, text, logprob } => {
+                choice.token_ids.push(id);
+                if let Some(lp) = logprob {
+                    choice.offsets.push(choice.text.chars().count());
+                    choice.logprobs.push(lp);
+                }
+                choice.text.push_str(&text);
+            }
+            EngineEvent::Finished {
+                reason,
+                text,
+                usage,
+            } => {
+                if let Some(err) = finish_error(&reason, state) {
+                    return Err(err);
+                }
+                choice.text.push_str(&text);
+                choice.finish_reason = reason.as_openai();
+                choice.completion_tokens = usage.completion_tokens;
+            }
+        }
+    }
+    Ok(out)
+}

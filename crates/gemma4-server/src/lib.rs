@@ -1,0 +1,39 @@
+//! OpenAI-compatible HTTP server for the gemma4 engine.
+//!
+//! The engine thread owns the model and the KV cache; handlers only talk to
+//! it through its channels ([`gemma4_engine::EngineHandle`]) and never block
+//! it. The server binds its port before the model is loaded, so `/health`
+//! can answer 503 "loading" until [`Server::set_ready`].
+//!
+//! * [`routes`]: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
+//!   `/generate`, `/health`, `/metrics`.
+//! * [`openai`]: request parsing (unknown fields ignored, wrong types a 400
+//!   naming the field) and response and chunk shapes.
+//! * [`sse`]: streaming in OpenAI's chunk format, ending with `data: [DONE]`.
+//! * [`admission`]: body size (413), prompt and output length (400), queue
+//!   full (429 with `Retry-After`), draining (503).
+//! * [`auth`]: optional bearer key, compared in constant time.
+//! * [`metrics`]: Prometheus text.
+//! * [`drain`]: SIGTERM/SIGINT handling: stop admitting, finish running
+//!   requests up to a timeout, then return.
+//!
+//! Every error is OpenAI's error JSON, `{"error": {"message", "type", "param",
+//! "code"}}`, with a message that says how to fix the request.
+
+pub mod admission;
+pub mod auth;
+pub mod config;
+pub mod drain;
+pub mod error;
+mod fields;
+pub mod generation;
+pub mod metrics;
+pub mod openai;
+pub mod routes;
+pub mod server;
+pub mod sse;
+
+pub use config::ServerConfig;
+pub use drain::serve;
+pub use error::{ApiError, ServerError};
+pub use server::{ModelContext, Phase, Server};

@@ -1,0 +1,322 @@
+//! `/metrics` in Prometheus text format: HTTP requests by route and status,
+//! token counts, time to first token and inter-token latency, and a snapshot
+//! of the engine (queue, running sequences, KV blocks, prefix-cache hits,
+//! preemptions) and of the process (resident memory) taken at scrape time.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use gemma4_engine::EngineStats;
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+/// Every metric the server exports.
+pub struct Metrics {
+    registry: Registry,
+    requests: IntCounterVec,
+    finished: IntCounterVec,
+    prompt_tokens: IntCounter,
+    generation_tokens: IntCounter,
+    ttft: Histogram,
+    inter_token: Histogram,
+    duration: Histogram,
+    queue_depth: IntGauge,
+    running: IntGauge,
+    kv_used: IntGauge,
+    kv_free: IntGauge,
+    kv_block_size: IntGauge,
+    kv_cache_bytes: IntGauge,
+    resident: IntGauge,
+    active_http: IntGauge,
+    ready: IntGauge,
+    prefix_hits: IntCounter,
+    preemptions: IntCounter,
+    /// Serializes mirroring the engine's counters into ours.
+    mirror: Mutex<()>,
+}
+
+/// What the engine looks like at scrape time.
+pub struct EngineSnapshot {
+    pub stats: EngineStats,
+    pub kv_cache_bytes: usize,
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntGauge> {
+    let g = IntGauge::new(name, help)?;
+    registry.register(Box::new(g.clone()))?;
+    Ok(g)
+}
+
+fn counter(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntCounter> {
+    let c = IntCounter::new(name, help)?;
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+fn histogram(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    buckets: Vec<f64>,
+) -> prometheus::Result<Histogram> {
+    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))?;
+    registry.register(Box::new(h.clone()))?;
+    Ok(h)
+}
+
+fn counter_vec(
+    registry: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<IntCounterVec> {
+    let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+    registry.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+const LATENCY_BUCKETS: [f64; 16] = [
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+const DURATION_BUCKETS: [f64; 12] = [
+    0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
+];
+
+impl Metrics {
+    pub fn new() -> prometheus::Result<Self> {
+        let r = Registry::new();
+        Ok(Self {
+            requests: counter_vec(
+                &r,
+                "gemma4_http_requests_total",
+                "HTTP requests by route and status code",
+                &["route", "status"],
+            )?,
+            finished: counter_vec(
+                &r,
+                "gemma4_requests_finished_total",
+                "Generation requests by finish reason",
+                &["reason"],
+            )?,
+            prompt_tokens: counter(
+                &r,
+                "gemma4_prompt_tokens_total",
+                "Prompt tokens of finished generation requests",
+            )?,
+            generation_tokens: counter(&r, "gemma4_generation_tokens_total", "Generated tokens")?,
+            ttft: histogram(
+                &r,
+                "gemma4_time_to_first_token_seconds",
+                "From arrival of the request to its first generated token",
+                LATENCY_BUCKETS.to_vec(),
+            )?,
+            inter_token: histogram(
+                &r,
+                "gemma4_inter_token_latency_seconds",
+                "Time between consecutive generated tokens of a request",
+                LATENCY_BUCKETS.to_vec(),
+            )?,
+            duration: histogram(
+                &r,
+                "gemma4_request_duration_seconds",
+                "From arrival of a generation request to its last token",
+                DURATION_BUCKETS.to_vec(),
+            )?,
+            queue_depth: gauge(
+                &r,
+                "gemma4_queue_depth",
+                "Requests waiting for a sequence slot",
+            )?,
+            running: gauge(&r, "gemma4_running_sequences", "Sequences being generated")?,
+            kv_used: gauge(
+                &r,
+                "gemma4_kv_blocks_used",
+                "KV-cache blocks in use (all cache groups)",
+            )?,
+            kv_free: gauge(
+                &r,
+                "gemma4_kv_blocks_free",
+                "KV-cache blocks free (all cache groups)",
+            )?,
+            kv_block_size: gauge(
+                &r,
+                "gemma4_kv_block_size_tokens",
+                "Tokens per KV-cache block",
+            )?,
+            kv_cache_bytes: gauge(
+                &r,
+                "gemma4_kv_cache_bytes",
+                "Memory allocated to the KV cache",
+            )?,
+            resident: gauge(
+                &r,
+                "gemma4_resident_memory_bytes",
+                "Resident memory of the server process",
+            )?,
+            active_http: gauge(
+                &r,
+                "gemma4_active_http_requests",
+                "Requests being handled, streams included",
+            )?,
+            ready: gauge(
+                &r,
+                "gemma4_ready",
+                "1 when the model is loaded and requests are admitted",
+            )?,
+            prefix_hits: counter(
+                &r,
+                "gemma4_prefix_cache_hits_total",
+                "Prompt blocks reused from the prefix cache",
+            )?,
+            preemptions: counter(
+                &r,
+                "gemma4_preemptions_total",
+                "Sequences preempted to free KV-cache blocks",
+            )?,
+            mirror: Mutex::new(()),
+            registry: r,
+        })
+    }
+
+    pub fn record_request(&self, route: &str, status: u16) {
+        self.requests
+            .with_label_values(&[route, &status.to_string()])
+            .inc();
+    }
+
+    pub fn record_first_token(&self, since_arrival: Duration) {
+        self.ttft.observe(since_arrival.as_secs_f64());
+    }
+
+    pub fn record_inter_token(&self, gap: Duration) {
+        self.inter_token.observe(gap.as_secs_f64());
+    }
+
+    pub fn record_finished(
+        &self,
+        reason: &str,
+        prompt_tokens: usize,
+        completion_tokens: usize,
+        duration: Duration,
+    ) {
+        self.finished.with_label_values(&[reason]).inc();
+        self.prompt_tokens.inc_by(prompt_tokens as u64);
+        self.generation_tokens.inc_by(completion_tokens as u64);
+        self.duration.observe(duration.as_secs_f64());
+    }
+
+    /// The text exposition, after refreshing the gauges.
+    pub fn render(
+        &self,
+        engine: Option<EngineSnapshot>,
+        active_http: usize,
+        ready: bool,
+    ) -> String {
+        self.active_http.set(active_http as i64);
+        self.ready.set(i64::from(ready));
+        if let Some(rss) = resident_memory_bytes() {
+            self.resident.set(rss as i64);
+        }
+        if let Some(e) = engine {
+            let s = e.stats;
+            self.queue_depth.set(s.waiting as i64);
+            self.running.set(s.running as i64);
+            self.kv_used.set(s.kv_blocks_used as i64);
+            self.kv_free
+                .set(s.kv_blocks_total.saturating_sub(s.kv_blocks_used) as i64);
+            self.kv_block_size.set(s.kv_block_size as i64);
+            self.kv_cache_bytes.set(e.kv_cache_bytes as i64);
+            if let Ok(_lock) = self.mirror.lock() {
+                self.prefix_hits
+                    .inc_by(s.prefix_cache_hits.saturating_sub(self.prefix_hits.get()));
+                self.preemptions
+                    .inc_by(s.preemptions.saturating_sub(self.preemptions.get()));
+            }
+        }
+        let mut out = Vec::new();
+        if let Err(e) = TextEncoder::new().encode(&self.registry.gather(), &mut out) {
+            tracing::warn!("cannot encode metrics: {e}");
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+}
+
+/// Resident set size from `/proc/self/statm` (Linux); `None` elsewhere.
+fn resident_memory_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * page_size())
+}
+
+fn page_size() -> u64 {
+    // SAFETY: sysconf only reads a system constant; it has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    u64::try_from(size).ok().filter(|&s| s > 0).unwrap_or(4096)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_has_every_family() {
+        let m = Metrics::new().expect("metrics register");
+        m.record_request("/v1/completions", 200);
+        m.record_first_token(Duration::from_millis(5));
+        m.record_inter_token(Duration::from_millis(2));
+        m.record_finished("stop", 7, 3, Duration::from_millis(30));
+        let stats = EngineStats {
+            running: 2,
+            waiting: 1,
+            kv_blocks_total: 10,
+            kv_blocks_used: 4,
+            kv_block_size: 16,
+            prefix_cache_hits: 5,
+            preemptions: 1,
+            ..Default::default()
+        };
+        let text = m.render(
+            Some(EngineSnapshot {
+                stats,
+                kv_cache_bytes: 1024,
+            }),
+            1,
+            true,
+        );
+        for needle in [
+            "gemma4_http_requests_total{route=\"/v1/completions\",status=\"200\"} 1",
+            "gemma4_prompt_tokens_total 7",
+            "gemma4_generation_tokens_total 3",
+            "gemma4_time_to_first_token_seconds_count 1",
+            "gemma4_inter_token_latency_seconds_count 1",
+            "gemma4_queue_depth 1",
+            "gemma4_running_sequences 2",
+            "gemma4_kv_blocks_used 4",
+            "gemma4_kv_blocks_free 6",
+            "gemma4_prefix_cache_hits_total 5",
+            "gemma4_preemptions_total 1",
+            "gemma4_resident_memory_bytes",
+        ] {
+            assert!(text.contains(needle), "missing {needle} in\n{text}");
+        }
+        // Mirrored counters follow the engine's totals, not the number of scrapes.
+        let text = m.render(
+            Some(EngineSnapshot {
+                stats,
+                kv_cache_bytes: 1024,
+            }),
+            0,
+            true,
+        );
+        assert!(text.contains("gemma4_prefix_cache_hits_total 5"));
+    }
+
+    #[test]
+    fn resident_memory_is_plausible() {
+        if let Some(rss) = resident_memory_bytes() {
+            assert!(rss > 1 << 20, "rss {rss}");
+        }
+    }
+}

@@ -1,0 +1,316 @@
+//! The HTTP routes and their handlers.
+//!
+//! | route | auth | what |
+//! |---|---|---|
+//! | `POST /v1/chat/completions` | key | chat through the model's template |
+//! | `POST /v1/completions` | key | plain-text completion |
+//! | `GET /v1/models` | key | the served model |
+//! | `POST /generate` | key | `{"prompt", …}` → `{"response", "token_ids", "usage"}` |
+//! | `GET /health` | open | 200 ready, 503 loading or draining |
+//! | `GET /metrics` | open | Prometheus text |
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, Method, StatusCode, Uri};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::json;
+
+use crate::admission::read_body;
+use crate::auth;
+use crate::error::ApiError;
+use crate::generation::{blocking, build_requests, chat_prompt, collect, text_prompt, Generation};
+use crate::openai::response::{
+    ChatChoice, ChatCompletion, ChatLogprobs, ChatMessage, ChatTokenLogprob, CompletionLogprobs,
+    GenerateResponse, ModelCard, ModelList, TextChoice, TextCompletion, UsageJson,
+};
+use crate::openai::{ChatRequest, CompletionRequest, GenerateRequest};
+use crate::server::{AppState, Phase};
+use crate::sse::{self, Format, StreamMeta};
+
+const ROUTES: [&str; 6] = [
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/generate",
+    "/health",
+    "/metrics",
+];
+const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /generate, GET /health, GET /metrics";
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let keyed = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/generate", post(generate))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_key,
+        ));
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .merge(keyed)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_requests,
+        ))
+        .with_state(state)
+}
+
+/// Counts every answered request by route and status.
+async fn count_requests(
+    State(state): State<Arc<AppState>>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let path = request.uri().path();
+    let route = ROUTES
+        .iter()
+        .find(|r| **r == path)
+        .copied()
+        .unwrap_or("other");
+    let response = next.run(request).await;
+    state
+        .metrics
+        .record_request(route, response.status().as_u16());
+    response
+}
+
+async fn not_found(method: Method, uri: Uri) -> ApiError {
+    ApiError::not_found(format!(
+        "there is no route {method} {}; the routes are {ROUTE_LIST}",
+        uri.path()
+    ))
+}
+
+async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
+    ApiError::method_not_allowed(format!(
+        "{} does not accept {method}; the routes are {ROUTE_LIST}",
+        uri.path()
+    ))
+}
+
+async fn health(State(state): State<Arc<AppState>>) -> Response {
+    let phase = state.phase();
+    let status = if phase == Phase::Ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        Json(json!({ "status": phase.as_str(), "model": state.config.served_model_name })),
+    )
+        .into_response()
+}
+
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        state.render_metrics(),
+    )
+        .into_response()
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Result<Json<ModelList>, ApiError> {
+    let Some(model) = state.model() else {
+        return Err(ApiError::unavailable(
+            "the model is still loading; retry when GET /health returns 200",
+            "model_loading",
+        ));
+    };
+    Ok(Json(ModelList {
+        object: "list",
+        data: vec![ModelCard {
+            id: state.config.served_model_name.clone(),
+            object: "model",
+            created: state.created,
+            owned_by: "gemma4",
+            max_model_len: model.max_model_len(),
+        }],
+    }))
+}
+
+/// An absent or empty `model` means the served one; any other name is a 404.
+fn check_model_name(state: &AppState, requested: Option<&str>) -> Result<(), ApiError> {
+    let served = &state.config.served_model_name;
+    match requested {
+        None | Some("") => Ok(()),
+        Some(name) if name == served => Ok(()),
+        Some(name) => Err(ApiError::not_found(format!(
+            "the model `{name}` does not exist; this server serves `{served}` (see GET /v1/models)"
+        ))
+        .with_param("model")
+        .with_code("model_not_found")),
+    }
+}
+
+async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let (model, guard) = state.admit()?;
+    let bytes = read_body(body, state.config.max_body_bytes).await?;
+    let req = ChatRequest::parse(&bytes)?;
+    check_model_name(&state, req.model.as_deref())?;
+    let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
+    let prompt = {
+        let model = model.clone();
+        blocking(move || chat_prompt(&model, &req)).await?
+    };
+    let prompts = vec![prompt];
+    let requests = build_requests(
+        &state, &model, &prompts, &sampling, logprobs, arrival, "messages",
+    )?;
+    let generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
+    let id = state.response_id("chatcmpl");
+    let served = state.config.served_model_name.clone();
+    if streaming.stream {
+        let meta = StreamMeta {
+            id,
+            created: unix_now(),
+            model: served,
+            format: Format::Chat,
+            logprobs: logprobs.is_some(),
+            include_usage: streaming.include_usage,
+        };
+        return Ok(sse::respond(generation, meta, state.clone(), guard));
+    }
+    let prompt_tokens = generation.prompt_tokens;
+    let outputs = collect(generation, &state).await?;
+    let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
+    let choices = outputs
+        .into_iter()
+        .enumerate()
+        .map(|(index, o)| ChatChoice {
+            index,
+            logprobs: logprobs.map(|_| ChatLogprobs {
+                content: o
+                    .logprobs
+                    .iter()
+                    .map(ChatTokenLogprob::from_engine)
+                    .collect(),
+            }),
+            message: ChatMessage {
+                role: "assistant",
+                content: o.text,
+            },
+            finish_reason: o.finish_reason,
+        })
+        .collect();
+    drop(guard);
+    Ok(Json(ChatCompletion {
+        id,
+        object: "chat.completion",
+        created: unix_now(),
+        model: served,
+        choices,
+        usage: UsageJson::new(prompt_tokens, completion_tokens),
+    })
+    .into_response())
+}
+
+async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let (model, guard) = state.admit()?;
+    let bytes = read_body(body, state.config.max_body_bytes).await?;
+    let req = CompletionRequest::parse(&bytes)?;
+    check_model_name(&state, req.model.as_deref())?;
+    let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
+    let prompts: Vec<Vec<u32>> = {
+        let model = model.clone();
+        let texts = req.prompts.clone();
+        blocking(move || texts.iter().map(|p| text_prompt(&model, p)).collect()).await?
+    };
+    let requests = build_requests(
+        &state, &model, &prompts, &sampling, logprobs, arrival, "prompt",
+    )?;
+    let generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
+    let id = state.response_id("cmpl");
+    let served = state.config.served_model_name.clone();
+    if streaming.stream {
+        let meta = StreamMeta {
+            id,
+            created: unix_now(),
+            model: served,
+            format: Format::Completion,
+            logprobs: logprobs.is_some(),
+            include_usage: streaming.include_usage,
+        };
+        return Ok(sse::respond(generation, meta, state.clone(), guard));
+    }
+    let prompt_tokens = generation.prompt_tokens;
+    let outputs = collect(generation, &state).await?;
+    let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
+    let choices = outputs
+        .into_iter()
+        .enumerate()
+        .map(|(index, o)| TextChoice {
+            index,
+            logprobs: logprobs.map(|_| {
+                let mut l = CompletionLogprobs::default();
+                for (lp, &offset) in o.logprobs.iter().zip(&o.offsets) {
+                    l.push(lp, offset);
+                }
+                l
+            }),
+            text: o.text,
+            finish_reason: Some(o.finish_reason),
+        })
+        .collect();
+    drop(guard);
+    Ok(Json(TextCompletion {
+        id: &id,
+        object: "text_completion",
+        created: unix_now(),
+        model: &served,
+        choices,
+        usage: Some(UsageJson::new(prompt_tokens, completion_tokens)),
+    })
+    .into_response())
+}
+
+async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
+    let arrival = Instant::now();
+    let (model, guard) = state.admit()?;
+    let bytes = read_body(body, state.config.max_body_bytes).await?;
+    let req = GenerateRequest::parse(&bytes)?;
+    let sampling = req.sampling.clone();
+    let prompt = {
+        let model = model.clone();
+        blocking(move || text_prompt(&model, &req.prompt)).await?
+    };
+    let prompts = vec![prompt];
+    let requests = build_requests(&state, &model, &prompts, &sampling, None, arrival, "prompt")?;
+    let generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
+    let prompt_tokens = generation.prompt_tokens;
+    let mut outputs = collect(generation, &state).await?;
+    drop(guard);
+    let out = outputs
+        .pop()
+        .ok_or_else(|| ApiError::internal("the engine returned no output"))?;
+    Ok(Json(GenerateResponse {
+        usage: UsageJson::new(prompt_tokens, out.completion_tokens),
+        response: out.text,
+        token_ids: out.token_ids,
+        finish_reason: out.finish_reason,
+    })
+    .into_response())
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}

@@ -1,0 +1,219 @@
+//! The server object: its state (loading, ready, draining), the loaded model
+//! with its chat template and stop tokens, and the router.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use gemma4_engine::EngineHandle;
+use gemma4_text::{ChatTemplate, TextError};
+
+use crate::config::ServerConfig;
+use crate::drain::{Active, ActiveGuard};
+use crate::error::ApiError;
+use crate::metrics::{EngineSnapshot, Metrics};
+use crate::routes;
+
+/// A loaded model, ready to serve.
+pub struct ModelContext {
+    pub engine: EngineHandle,
+    /// The chat template, or why chat requests cannot be served (shown to clients).
+    pub chat_template: Result<ChatTemplate, String>,
+    /// Default stop tokens: the tokenizer's stop tokens plus the model config's EOS ids.
+    pub stop_token_ids: Vec<u32>,
+}
+
+impl ModelContext {
+    /// `config_eos_ids` are the model config's `eos_token_id`s; a missing chat
+    /// template is kept as an error for chat requests, not a startup failure.
+    pub fn new(
+        engine: EngineHandle,
+        chat_template: Result<ChatTemplate, TextError>,
+        config_eos_ids: &[u32],
+    ) -> Self {
+        let mut stop_token_ids = engine.tokenizer().stop_token_ids();
+        for &id in config_eos_ids {
+            if !stop_token_ids.contains(&id) {
+                stop_token_ids.push(id);
+            }
+        }
+        Self {
+            engine,
+            chat_template: chat_template.map_err(|e| e.to_string()),
+            stop_token_ids,
+        }
+    }
+
+    pub fn max_model_len(&self) -> usize {
+        self.engine.config().max_model_len
+    }
+}
+
+/// Where the server is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Loading,
+    Ready,
+    Draining,
+}
+
+impl Phase {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Loading => "loading",
+            Phase::Ready => "ready",
+            Phase::Draining => "draining",
+        }
+    }
+}
+
+/// State shared by all handlers.
+pub struct AppState {
+    pub config: ServerConfig,
+    pub metrics: Metrics,
+    pub created: u64,
+    model: OnceLock<Arc<ModelContext>>,
+    draining: AtomicBool,
+    active: Arc<Active>,
+    next_id: AtomicU64,
+}
+
+impl AppState {
+    pub fn phase(&self) -> Phase {
+        if self.draining.load(Ordering::SeqCst) {
+            Phase::Draining
+        } else if self.model.get().is_some() {
+            Phase::Ready
+        } else {
+            Phase::Loading
+        }
+    }
+
+    pub fn model(&self) -> Option<&Arc<ModelContext>> {
+        self.model.get()
+    }
+
+    /// Admits a request for the model: 503 while loading or draining.
+    pub fn admit(&self) -> Result<(Arc<ModelContext>, ActiveGuard), ApiError> {
+        let guard = self.active.enter();
+        match (self.phase(), self.model.get()) {
+            (Phase::Ready, Some(model)) => Ok((model.clone(), guard)),
+            (Phase::Draining, _) => Err(draining()),
+            _ => Err(ApiError::unavailable(
+                "the model is still loading; retry when GET /health returns 200",
+                "model_loading",
+            )),
+        }
+    }
+
+    /// A new response id such as `chatcmpl-…`.
+    pub fn response_id(&self, prefix: &str) -> String {
+        let n = self.next_id.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:x}{n:06x}", self.created)
+    }
+
+    /// The `/metrics` text.
+    pub fn render_metrics(&self) -> String {
+        let engine = self.model.get().map(|m| EngineSnapshot {
+            stats: m.engine.stats(),
+            kv_cache_bytes: m.engine.kv_plan().total_bytes,
+        });
+        self.metrics
+            .render(engine, self.active.count(), self.phase() == Phase::Ready)
+    }
+}
+
+pub fn draining() -> ApiError {
+    ApiError::unavailable(
+        "the server is shutting down and accepts no new requests; retry against another instance",
+        "server_draining",
+    )
+}
+
+/// An OpenAI-compatible server for one model. Cheap to clone.
+#[derive(Clone)]
+pub struct Server {
+    state: Arc<AppState>,
+}
+
+impl Server {
+    /// A server that answers `/health` with 503 "loading" until [`Server::set_ready`].
+    pub fn new(config: ServerConfig) -> Result<Self, prometheus::Error> {
+        let created = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        Ok(Self {
+            state: Arc::new(AppState {
+                config,
+                metrics: Metrics::new()?,
+                created,
+                model: OnceLock::new(),
+                draining: AtomicBool::new(false),
+                active: Arc::new(Active::default()),
+                next_id: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    pub fn config(&self) -> &ServerConfig {
+        &self.state.config
+    }
+
+    /// Installs the loaded model and starts admitting requests. Logs the model,
+    /// its KV plan and a ready line. A second call is ignored.
+    pub fn set_ready(&self, model: ModelContext) {
+        let plan = model.engine.kv_plan();
+        let engine = model.engine.config();
+        for (kind, layers, bytes_per_token, blocks) in &plan.groups {
+            tracing::info!(
+                group = %kind,
+                layers,
+                bytes_per_token,
+                blocks,
+                "KV cache group"
+            );
+        }
+        tracing::info!(
+            block_size = plan.block_size,
+            total_mib = format_args!("{:.1}", plan.total_bytes as f64 / (1024.0 * 1024.0)),
+            max_model_len = engine.max_model_len,
+            max_num_seqs = engine.max_num_seqs,
+            max_queue = engine.max_queue,
+            "KV cache plan"
+        );
+        if let Err(why) = &model.chat_template {
+            tracing::warn!("chat completions are disabled: {why}");
+        }
+        if self.state.model.set(Arc::new(model)).is_ok() {
+            tracing::info!(model = %self.state.config.served_model_name, "ready");
+        }
+    }
+
+    /// Stops admitting requests; running ones continue.
+    pub fn begin_drain(&self) {
+        self.state.draining.store(true, Ordering::SeqCst);
+        if let Some(m) = self.state.model.get() {
+            m.engine.start_draining();
+        }
+    }
+
+    pub fn phase(&self) -> Phase {
+        self.state.phase()
+    }
+
+    /// Requests being handled, response streams included.
+    pub fn active_requests(&self) -> usize {
+        self.state.active.count()
+    }
+
+    /// Waits until no request is being handled, or `limit` passes; true when idle.
+    pub async fn wait_idle(&self, limit: Duration) -> bool {
+        self.state.active.wait_idle(limit).await
+    }
+
+    pub fn router(&self) -> Router {
+        routes::router(self.state.clone())
+    }
+}

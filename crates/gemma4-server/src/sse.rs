@@ -1,0 +1,257 @@
+//! Server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+//! A request that ends abnormally (timeout, engine error) sends an
+//! `{"error": …}` event before `[DONE]`. The stream owns the engine streams:
+//! a client that disconnects drops it, which cancels the requests.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream;
+use gemma4_engine::{EngineEvent, TokenLogprob};
+use serde::Serialize;
+
+use crate::drain::ActiveGuard;
+use crate::generation::{finish_error, ChoiceEvent, Generation};
+use crate::openai::response::{
+    ChatChunk, ChatChunkChoice, ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, Delta,
+    TextChoice, TextCompletion, UsageJson,
+};
+use crate::server::AppState;
+
+/// Which chunk layout to send.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Chat,
+    Completion,
+}
+
+/// What every chunk repeats.
+pub struct StreamMeta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub format: Format,
+    pub logprobs: bool,
+    pub include_usage: bool,
+}
+
+struct Streamer {
+    generation: Generation,
+    meta: StreamMeta,
+    state: Arc<AppState>,
+    pending: VecDeque<Event>,
+    /// Characters sent so far per choice (completions' `text_offset`).
+    offsets: Vec<usize>,
+    completion_tokens: usize,
+    finished: bool,
+    _guard: ActiveGuard,
+}
+
+fn data(value: &impl Serialize) -> Event {
+    let text = serde_json::to_string(value).unwrap_or_else(|e| {
+        format!(r#"{{"error":{{"message":"cannot encode a chunk: {e}","type":"server_error"}}}}"#)
+    });
+    Event::default().data(text)
+}
+
+impl Streamer {
+    fn chat_chunk(&self, choice: ChatChunkChoice) -> Event {
+        data(&ChatChunk {
+            id: &self.meta.id,
+            object: "chat.completion.chunk",
+            created: self.meta.created,
+            model: &self.meta.model,
+            choices: vec![choice],
+            usage: None,
+        })
+    }
+
+    fn text_chunk(&self, choice: TextChoice) -> Event {
+        data(&TextCompletion {
+            id: &self.meta.id,
+            object: "text_completion",
+            created: self.meta.created,
+            model: &self.meta.model,
+            choices: vec![choice],
+            usage: None,
+        })
+    }
+
+    /// The opening chunks: chat announces the assistant role for each choice.
+    fn start(&mut self) {
+        if self.meta.format == Format::Chat {
+            for index in 0..self.generation.choices {
+                let e = self.chat_chunk(ChatChunkChoice {
+                    index,
+                    delta: Delta {
+                        role: Some("assistant"),
+                        content: Some(String::new()),
+                    },
+                    logprobs: None,
+                    finish_reason: None,
+                });
+                self.pending.push_back(e);
+            }
+        }
+    }
+
+    fn token(&mut self, index: usize, text: String, logprob: Option<TokenLogprob>) {
+        let logprob = logprob.filter(|_| self.meta.logprobs);
+        if text.is_empty() && logprob.is_none() {
+            return;
+        }
+        let offset = self.offsets.get(index).copied().unwrap_or(0);
+        if let Some(o) = self.offsets.get_mut(index) {
+            *o += text.chars().count();
+        }
+        let event = match self.meta.format {
+            Format::Chat => self.chat_chunk(ChatChunkChoice {
+                index,
+                delta: Delta {
+                    role: None,
+                    content: Some(text),
+                },
+                logprobs: logprob.map(|lp| ChatLogprobs {
+                    content: vec![ChatTokenLogprob::from_engine(&lp)],
+                }),
+                finish_reason: None,
+            }),
+            Format::Completion => self.text_chunk(TextChoice {
+                index,
+                text,
+                logprobs: logprob.map(|lp| {
+                    let mut l = CompletionLogprobs::default();
+                    l.push(&lp, offset);
+                    l
+                }),
+                finish_reason: None,
+            }),
+        };
+        self.pending.push_back(event);
+    }
+
+    fn finish(&mut self, index: usize, text: String, reason: &'static str) {
+        let event = match self.meta.format {
+            Format::Chat => self.chat_chunk(ChatChunkChoice {
+                index,
+                delta: Delta {
+                    role: None,
+                    content: (!text.is_empty()).then_some(text),
+                },
+                logprobs: None,
+                finish_reason: Some(reason),
+            }),
+            Format::Completion => self.text_chunk(TextChoice {
+                index,
+                text,
+                logprobs: None,
+                finish_reason: Some(reason),
+            }),
+        };
+        self.pending.push_back(event);
+    }
+
+    fn usage(&mut self) {
+        let usage = Some(UsageJson::new(
+            self.generation.prompt_tokens,
+            self.completion_tokens,
+        ));
+        let event = match self.meta.format {
+            Format::Chat => data(&ChatChunk {
+                id: &self.meta.id,
+                object: "chat.completion.chunk",
+                created: self.meta.created,
+                model: &self.meta.model,
+                choices: Vec::new(),
+                usage,
+            }),
+            Format::Completion => data(&TextCompletion {
+                id: &self.meta.id,
+                object: "text_completion",
+                created: self.meta.created,
+                model: &self.meta.model,
+                choices: Vec::new(),
+                usage,
+            }),
+        };
+        self.pending.push_back(event);
+    }
+
+    fn done(&mut self) {
+        self.pending.push_back(Event::default().data("[DONE]"));
+        self.finished = true;
+    }
+
+    async fn next_event(&mut self) -> Option<Event> {
+        loop {
+            if let Some(e) = self.pending.pop_front() {
+                return Some(e);
+            }
+            if self.finished {
+                return None;
+            }
+            match self.generation.next().await {
+                Some(ChoiceEvent {
+                    index,
+                    event: EngineEvent::Token { text, logprob, .. },
+                }) => {
+                    self.token(index, text, logprob);
+                }
+                Some(ChoiceEvent {
+                    index,
+                    event:
+                        EngineEvent::Finished {
+                            reason,
+                            text,
+                            usage,
+                        },
+                }) => {
+                    self.completion_tokens += usage.completion_tokens;
+                    if let Some(err) = finish_error(&reason, &self.state) {
+                        tracing::info!(id = %self.meta.id, "stream ended early: {}", err.message);
+                        self.generation.cancel();
+                        self.pending.push_back(data(&err.body()));
+                        self.done();
+                    } else {
+                        self.finish(index, text, reason.as_openai());
+                    }
+                }
+                None => {
+                    if self.meta.include_usage {
+                        self.usage();
+                    }
+                    self.done();
+                }
+            }
+        }
+    }
+}
+
+/// The streaming response of a submitted generation.
+pub fn respond(
+    generation: Generation,
+    meta: StreamMeta,
+    state: Arc<AppState>,
+    guard: ActiveGuard,
+) -> Response {
+    let choices = generation.choices;
+    let mut streamer = Streamer {
+        generation,
+        meta,
+        state,
+        pending: VecDeque::new(),
+        offsets: vec![0; choices],
+        completion_tokens: 0,
+        finished: false,
+        _guard: guard,
+    };
+    streamer.start();
+    let events = stream::unfold(streamer, |mut s| async move {
+        let e = s.next_event().await?;
+        Some((Ok::<_, Infallible>(e), s))
+    });
+    Sse::new(events).into_response()
+}

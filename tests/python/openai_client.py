@@ -1,0 +1,257 @@
+#!/usr/bin/env python3
+"""Drives a gemma4 server with the official `openai` Python client.
+
+Each scenario prints one JSON object on stdout describing what the client
+saw; the Rust tests (crates/gemma4-cli/tests/server.rs) check it. The script
+itself only fails (non-zero exit) when the client could not run at all.
+
+    python3 tests/python/openai_client.py --base-url http://127.0.0.1:8000/v1 \
+        --scenario basic --prompt "Hello world" --max-tokens 8
+"""
+
+import argparse
+import json
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+
+# Extensions the server understands; the openai client passes them through.
+GREEDY_EXTRA = {"ignore_eos": True}
+
+
+def client(args, api_key=None):
+    return openai.OpenAI(
+        base_url=args.base_url,
+        api_key=api_key if api_key is not None else (args.api_key or "unused"),
+        max_retries=0,
+        timeout=120,
+    )
+
+
+def error_info(err):
+    info = {"class": type(err).__name__, "message": str(getattr(err, "message", err))}
+    status = getattr(err, "status_code", None)
+    if status is not None:
+        info["status"] = status
+        info["retry_after"] = err.response.headers.get("retry-after")
+    body = getattr(err, "body", None)
+    if isinstance(body, dict):
+        info["body"] = body
+    return info
+
+
+def chat_once(c, args, prompt, **kw):
+    r = c.chat.completions.create(
+        model=args.model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=args.max_tokens,
+        temperature=0,
+        extra_body=GREEDY_EXTRA,
+        **kw,
+    )
+    return {
+        "id": r.id,
+        "object": r.object,
+        "model": r.model,
+        "n": len(r.choices),
+        "text": r.choices[0].message.content,
+        "texts": [ch.message.content for ch in r.choices],
+        "indexes": [ch.index for ch in r.choices],
+        "finish_reason": r.choices[0].finish_reason,
+        "usage": r.usage.model_dump(exclude_none=True) if r.usage else None,
+    }
+
+
+def chat_stream(c, args, prompt, include_usage=False):
+    kw = {"stream_options": {"include_usage": True}} if include_usage else {}
+    stream = c.chat.completions.create(
+        model=args.model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=args.max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body=GREEDY_EXTRA,
+        **kw,
+    )
+    text, finish, usage, chunks, role = "", None, None, 0, None
+    for chunk in stream:
+        chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump(exclude_none=True)
+        for ch in chunk.choices:
+            if ch.delta.role:
+                role = ch.delta.role
+            if ch.delta.content:
+                text += ch.delta.content
+            if ch.finish_reason:
+                finish = ch.finish_reason
+    return {"text": text, "finish_reason": finish, "usage": usage, "chunks": chunks, "role": role}
+
+
+def completion_once(c, args, prompt):
+    r = c.completions.create(
+        model=args.model, prompt=prompt, max_tokens=args.max_tokens, temperature=0, extra_body=GREEDY_EXTRA
+    )
+    return {
+        "id": r.id,
+        "object": r.object,
+        "text": r.choices[0].text,
+        "finish_reason": r.choices[0].finish_reason,
+        "usage": r.usage.model_dump(exclude_none=True) if r.usage else None,
+    }
+
+
+def completion_stream(c, args, prompt, include_usage=False):
+    kw = {"stream_options": {"include_usage": True}} if include_usage else {}
+    stream = c.completions.create(
+        model=args.model,
+        prompt=prompt,
+        max_tokens=args.max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body=GREEDY_EXTRA,
+        **kw,
+    )
+    text, finish, usage, chunks = "", None, None, 0
+    for chunk in stream:
+        chunks += 1
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump(exclude_none=True)
+        for ch in chunk.choices:
+            text += ch.text or ""
+            if ch.finish_reason:
+                finish = ch.finish_reason
+    return {"text": text, "finish_reason": finish, "usage": usage, "chunks": chunks}
+
+
+def scenario_basic(args):
+    c = client(args)
+    prompt = args.prompt[0]
+    return {
+        "models": [m.id for m in c.models.list().data],
+        "chat": chat_once(c, args, prompt),
+        "chat_n2": chat_once(c, args, prompt, n=2),
+        "chat_stream": chat_stream(c, args, prompt, include_usage=True),
+        "completion": completion_once(c, args, prompt),
+        "completion_stream": completion_stream(c, args, prompt, include_usage=True),
+    }
+
+
+def scenario_concurrent(args):
+    """Each prompt as a completion and as a chat: alone first, then all streams at once."""
+    c = client(args)
+    jobs = [(kind, p) for p in args.prompt for kind in ("completion", "chat")]
+    solo = []
+    for kind, p in jobs:
+        r = completion_once(c, args, p) if kind == "completion" else chat_once(c, args, p)
+        solo.append({"kind": kind, "prompt": p, "text": r["text"], "finish_reason": r["finish_reason"]})
+    start = threading.Barrier(len(jobs))
+
+    def run(job):
+        kind, p = job
+        start.wait()
+        r = completion_stream(c, args, p) if kind == "completion" else chat_stream(c, args, p)
+        return {"kind": kind, "prompt": p, "text": r["text"], "finish_reason": r["finish_reason"]}
+
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        concurrent = list(pool.map(run, jobs))
+    return {"solo": solo, "concurrent": concurrent}
+
+
+def scenario_queue(args):
+    """More simultaneous requests than running slots plus queue places."""
+    c = client(args)
+    start = threading.Barrier(args.count)
+
+    def run(_):
+        start.wait()
+        try:
+            r = completion_once(c, args, args.prompt[0])
+            return {"status": 200, "finish_reason": r["finish_reason"]}
+        except openai.APIStatusError as e:
+            return error_info(e)
+
+    with ThreadPoolExecutor(max_workers=args.count) as pool:
+        outcomes = list(pool.map(run, range(args.count)))
+    return {"outcomes": outcomes}
+
+
+def scenario_timeout(args):
+    c = client(args)
+    out = {}
+    try:
+        out["plain"] = {"unexpected_success": completion_once(c, args, args.prompt[0])}
+    except openai.APIStatusError as e:
+        out["plain"] = error_info(e)
+    try:
+        out["stream"] = {"unexpected_success": chat_stream(c, args, args.prompt[0])}
+    except openai.APIError as e:
+        out["stream"] = error_info(e)
+    return out
+
+
+def scenario_errors(args):
+    """Bad requests as the client library reports them."""
+    c = client(args)
+    out = {}
+    cases = {
+        "unknown_model": lambda: c.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        ),
+        "empty_messages": lambda: c.chat.completions.create(model=args.model, messages=[], max_tokens=2),
+        "wrong_type": lambda: c.completions.create(
+            model=args.model, prompt="hi", max_tokens=2, extra_body={"temperature": "hot"}
+        ),
+        "max_tokens_over_context": lambda: c.completions.create(model=args.model, prompt="hi", max_tokens=10**7),
+    }
+    for name, call in cases.items():
+        try:
+            call()
+            out[name] = {"unexpected_success": True}
+        except openai.APIStatusError as e:
+            out[name] = error_info(e)
+    return out
+
+
+def scenario_auth(args):
+    """The configured key works; a wrong one is refused."""
+    out = {}
+    try:
+        client(args, api_key="wrong-key").models.list()
+        out["wrong_key"] = {"unexpected_success": True}
+    except openai.APIStatusError as e:
+        out["wrong_key"] = error_info(e)
+    out["right_key"] = completion_once(client(args), args, args.prompt[0])
+    return out
+
+
+SCENARIOS = {
+    "basic": scenario_basic,
+    "concurrent": scenario_concurrent,
+    "queue": scenario_queue,
+    "timeout": scenario_timeout,
+    "errors": scenario_errors,
+    "auth": scenario_auth,
+}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
+    p.add_argument("--model", default="", help="model id to send (empty: the served one)")
+    p.add_argument("--api-key", default="")
+    p.add_argument("--prompt", action="append", default=[], help="repeatable")
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--count", type=int, default=4, help="simultaneous requests (queue scenario)")
+    args = p.parse_args()
+    if not args.prompt:
+        args.prompt = ["Hello world"]
+    json.dump(SCENARIOS[args.scenario](args), sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()
