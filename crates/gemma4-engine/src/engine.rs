@@ -445,6 +445,8 @@ impl Worker {
             if !l.admitted {
                 self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
             }
+            // Callers that read the stats after `Finished` see the blocks freed.
+            self.publish_stats();
             let text = l.output.flush();
             let usage = Usage {
                 prompt_tokens: l.prompt_len,
