@@ -272,12 +272,29 @@ fn demo_model_answers_paris() {
         text.contains("ids: 669,5279,529,7001,563,9079,236761,107"),
         "{text}"
     );
-    let (out, text) = run(bin()
-        .args(["generate", "--max-tokens", "12", "--model"])
-        .arg(&gguf)
-        .args(["--prompt", "Q: What is the capital of Germany?\nA:"]));
-    assert!(out.status.success(), "{text}");
-    assert!(text.contains("Berlin"), "{text}");
+    // Other factual prompts of the same kind: exact arithmetic (the reference's) and the
+    // quantized kernels both answer correctly where the f32 reference does.
+    for (country, capital, quantized_too) in [
+        ("Japan", "Tokyo", true),
+        ("England", "London", true),
+        ("Egypt", "Cairo", false),
+    ] {
+        let prompt = format!("Q: What is the capital of {country}?\nA:");
+        let mut modes = vec![vec!["--exact"]];
+        if quantized_too {
+            modes.push(vec![]);
+        }
+        for flags in modes {
+            let (out, text) = run(bin()
+                .args(["generate", "--max-tokens", "10"])
+                .args(&flags)
+                .arg("--model")
+                .arg(&gguf)
+                .args(["--prompt", &prompt]));
+            assert!(out.status.success(), "{text}");
+            assert!(text.contains(capital), "{country} {flags:?}: {text}");
+        }
+    }
     let (out, text) = run(bin().args(["chat", "--model"]).arg(&gguf));
     assert!(!out.status.success());
     assert!(
