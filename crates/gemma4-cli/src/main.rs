@@ -24,6 +24,10 @@ use clap::{Parser, Subcommand};
     about = "Inference engine and tools for Google's Gemma 4 models"
 )]
 struct Cli {
+    /// CPU threads for tensor operations (default: one per core). On small
+    /// machines one thread can be faster: matrix-vector work is memory-bound.
+    #[arg(long, global = true, env = "GEMMA4_THREADS")]
+    threads: Option<usize>,
     #[command(subcommand)]
     command: Command,
 }
@@ -53,6 +57,11 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(n) = cli.threads {
+        // The tensor library sizes its thread pool from this variable on first use;
+        // nothing has run yet.
+        std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string());
+    }
     let result = match cli.command {
         Command::Serve(a) => serve::run(a),
         Command::Bench(c) => bench::run(c),
