@@ -23,13 +23,18 @@ use serde_json::json;
 
 use crate::admission::read_body;
 use crate::auth;
+use crate::drain::ActiveGuard;
 use crate::error::ApiError;
-use crate::generation::{blocking, build_requests, chat_prompt, collect, text_prompt, Generation};
+use crate::generation::{
+    blocking, build_requests, chat_prompt, collect, text_prompt, ChoiceOutput, Generation,
+};
+use crate::openai::request::{Sampling, Streaming};
 use crate::openai::response::{
     ChatChoice, ChatCompletion, ChatLogprobs, ChatMessage, ChatTokenLogprob, CompletionLogprobs,
     GenerateResponse, ModelCard, ModelList, TextChoice, TextCompletion, UsageJson,
 };
 use crate::openai::{ChatRequest, CompletionRequest, GenerateRequest};
+use crate::server::ModelContext;
 use crate::server::{AppState, Phase};
 use crate::sse::{self, Format, StreamMeta};
 
@@ -168,26 +173,25 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
         let model = model.clone();
         blocking(move || chat_prompt(&model, &req)).await?
     };
-    let prompts = vec![prompt];
-    let requests = build_requests(
-        &state, &model, &prompts, &sampling, logprobs, arrival, "messages",
-    )?;
-    let generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
-    let id = state.response_id("chatcmpl");
-    let served = state.config.served_model_name.clone();
-    if streaming.stream {
-        let meta = StreamMeta {
-            id,
-            created: unix_now(),
-            model: served,
-            format: Format::Chat,
-            logprobs: logprobs.is_some(),
-            include_usage: streaming.include_usage,
+    let job = OpenAiJob {
+        prompts: vec![prompt],
+        sampling,
+        logprobs,
+        streaming,
+        arrival,
+        prompt_param: "messages",
+    };
+    let (id, served, prompt_tokens, outputs, guard) =
+        match run_openai(&state, &model, job, guard, Format::Chat).await? {
+            Ran::Streamed(response) => return Ok(response),
+            Ran::Collected {
+                id,
+                served,
+                prompt_tokens,
+                outputs,
+                guard,
+            } => (id, served, prompt_tokens, outputs, guard),
         };
-        return Ok(sse::respond(generation, meta, state.clone(), guard));
-    }
-    let prompt_tokens = generation.prompt_tokens;
-    let outputs = collect(generation, &state).await?;
     let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
     let choices = outputs
         .into_iter()
@@ -232,25 +236,25 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
         let texts = req.prompts.clone();
         blocking(move || texts.iter().map(|p| text_prompt(&model, p)).collect()).await?
     };
-    let requests = build_requests(
-        &state, &model, &prompts, &sampling, logprobs, arrival, "prompt",
-    )?;
-    let generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
-    let id = state.response_id("cmpl");
-    let served = state.config.served_model_name.clone();
-    if streaming.stream {
-        let meta = StreamMeta {
-            id,
-            created: unix_now(),
-            model: served,
-            format: Format::Completion,
-            logprobs: logprobs.is_some(),
-            include_usage: streaming.include_usage,
+    let job = OpenAiJob {
+        prompts,
+        sampling,
+        logprobs,
+        streaming,
+        arrival,
+        prompt_param: "prompt",
+    };
+    let (id, served, prompt_tokens, outputs, guard) =
+        match run_openai(&state, &model, job, guard, Format::Completion).await? {
+            Ran::Streamed(response) => return Ok(response),
+            Ran::Collected {
+                id,
+                served,
+                prompt_tokens,
+                outputs,
+                guard,
+            } => (id, served, prompt_tokens, outputs, guard),
         };
-        return Ok(sse::respond(generation, meta, state.clone(), guard));
-    }
-    let prompt_tokens = generation.prompt_tokens;
-    let outputs = collect(generation, &state).await?;
     let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
     let choices = outputs
         .into_iter()
@@ -306,6 +310,79 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
         finish_reason: out.finish_reason,
     })
     .into_response())
+}
+
+/// The parts of an OpenAI chat or completion request that drive generation.
+struct OpenAiJob {
+    prompts: Vec<Vec<u32>>,
+    sampling: Sampling,
+    logprobs: Option<usize>,
+    streaming: Streaming,
+    arrival: Instant,
+    /// The request field blamed when a prompt breaks a limit.
+    prompt_param: &'static str,
+}
+
+/// A generation either answered as a stream, or collected for a JSON response.
+enum Ran {
+    Streamed(Response),
+    Collected {
+        id: String,
+        served: String,
+        prompt_tokens: usize,
+        outputs: Vec<ChoiceOutput>,
+        guard: ActiveGuard,
+    },
+}
+
+/// Submits a chat or completion job and streams it, or waits for all its choices.
+async fn run_openai(
+    state: &Arc<AppState>,
+    model: &ModelContext,
+    job: OpenAiJob,
+    guard: ActiveGuard,
+    format: Format,
+) -> Result<Ran, ApiError> {
+    let requests = build_requests(
+        state,
+        model,
+        &job.prompts,
+        &job.sampling,
+        job.logprobs,
+        job.arrival,
+        job.prompt_param,
+    )?;
+    let generation = Generation::submit(state, model, requests, &job.prompts, job.arrival)?;
+    let id = state.response_id(match format {
+        Format::Chat => "chatcmpl",
+        Format::Completion => "cmpl",
+    });
+    let served = state.config.served_model_name.clone();
+    if job.streaming.stream {
+        let meta = StreamMeta {
+            id,
+            created: unix_now(),
+            model: served,
+            format,
+            logprobs: job.logprobs.is_some(),
+            include_usage: job.streaming.include_usage,
+        };
+        return Ok(Ran::Streamed(sse::respond(
+            generation,
+            meta,
+            state.clone(),
+            guard,
+        )));
+    }
+    let prompt_tokens = generation.prompt_tokens;
+    let outputs = collect(generation, state).await?;
+    Ok(Ran::Collected {
+        id,
+        served,
+        prompt_tokens,
+        outputs,
+        guard,
+    })
 }
 
 fn unix_now() -> u64 {
