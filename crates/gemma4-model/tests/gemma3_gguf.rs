@@ -79,3 +79,115 @@ fn quantized_kernels_agree_on_the_first_tokens() {
         assert_eq!(ids, c.generated_ids[..8], "{:?}", c.text);
     }
 }
+
+/// The same weights in the Hugging Face Gemma 3 layout (`model.layers.N.…`,
+/// norm weights stored as `w` with `1 + w` applied at load, `config.json`)
+/// load through the safetensors path and give the reference outputs.
+#[test]
+fn hugging_face_gemma3_layout_matches_the_reference() {
+    use gemma4_model::{GgufSource, WeightSource};
+    use safetensors::tensor::TensorView;
+
+    let Some(path) = demo_gguf() else { return };
+    let src = GgufSource::open(&path, GgufMode::Dequantized).expect("open");
+    let cfg = src.config().expect("config");
+    let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+    let nh = cfg.num_attention_heads;
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, norm: bool| {
+        let mut t = src.tensor(&name, &shape).expect("tensor");
+        if norm {
+            // GGUF stores 1 + w; Hugging Face stores w.
+            t = (t - 1.0).expect("shift");
+        }
+        let data: Vec<u8> = t
+            .flatten_all()
+            .expect("flat")
+            .to_vec1::<f32>()
+            .expect("vec")
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        tensors.push((format!("model.{name}"), shape, data));
+    };
+    add("embed_tokens.weight".into(), vec![v, h], false);
+    add("norm.weight".into(), vec![h], true);
+    for (i, l) in cfg.layers.iter().enumerate() {
+        let (hd, kv, inter) = (l.head_dim, l.num_kv_heads, l.intermediate_size);
+        let p = format!("layers.{i}.");
+        for n in [
+            "input_layernorm",
+            "post_attention_layernorm",
+            "pre_feedforward_layernorm",
+            "post_feedforward_layernorm",
+        ] {
+            add(format!("{p}{n}.weight"), vec![h], true);
+        }
+        add(format!("{p}self_attn.q_norm.weight"), vec![hd], true);
+        add(format!("{p}self_attn.k_norm.weight"), vec![hd], true);
+        add(
+            format!("{p}self_attn.q_proj.weight"),
+            vec![nh * hd, h],
+            false,
+        );
+        add(
+            format!("{p}self_attn.k_proj.weight"),
+            vec![kv * hd, h],
+            false,
+        );
+        add(
+            format!("{p}self_attn.v_proj.weight"),
+            vec![kv * hd, h],
+            false,
+        );
+        add(
+            format!("{p}self_attn.o_proj.weight"),
+            vec![h, nh * hd],
+            false,
+        );
+        add(format!("{p}mlp.gate_proj.weight"), vec![inter, h], false);
+        add(format!("{p}mlp.up_proj.weight"), vec![inter, h], false);
+        add(format!("{p}mlp.down_proj.weight"), vec![h, inter], false);
+    }
+    let dir = std::env::temp_dir().join(format!("gemma4-gemma3-hf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(n, s, d)| {
+            (
+                n.clone(),
+                TensorView::new(safetensors::Dtype::F32, s.clone(), d).expect("view"),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).expect("write");
+    drop(tensors);
+    // The reference's own config, less the keys that describe how it was loaded.
+    let golden_json: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures/oracle/gemma3-270m/golden.json"),
+        )
+        .expect("read"),
+    )
+    .expect("json");
+    let mut config = golden_json["config"].as_object().expect("config").clone();
+    for k in [
+        "quantization_config",
+        "_model_name_or_path",
+        "use_bidirectional_attention",
+    ] {
+        config.remove(k);
+    }
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::Value::Object(config).to_string(),
+    )
+    .expect("config");
+    let model = gemma4_model::load_hf_dir(&dir).expect("load HF layout");
+    let _ = std::fs::remove_dir_all(&dir);
+    for p in &golden().prompts {
+        let r = verify_prompt(&model, p, DEFAULT_TOLERANCE).expect("verify");
+        assert!(r.seq_match, "{}: {r:?}", p.name);
+    }
+}

@@ -144,3 +144,44 @@ fn malformed_config_and_missing_dir() {
         "{err}"
     );
 }
+
+/// A checkpoint split into shards with `model.safetensors.index.json` loads
+/// and gives the reference outputs.
+#[test]
+fn sharded_checkpoints_load() {
+    let src = fixture("moe");
+    let dst = scratch("sharded");
+    for f in ["config.json", "golden.json"] {
+        std::fs::copy(src.join(f), dst.join(f)).expect("copy");
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let mut names: Vec<String> = st.names().into_iter().map(str::to_string).collect();
+    names.sort();
+    let mut weight_map = serde_json::Map::new();
+    for (i, part) in names.chunks(names.len().div_ceil(3)).enumerate() {
+        let file = format!("model-{:05}-of-00003.safetensors", i + 1);
+        let views: Vec<(String, TensorView)> = part
+            .iter()
+            .map(|n| (n.clone(), st.tensor(n).expect("tensor")))
+            .collect();
+        safetensors::serialize_to_file(views, None, &dst.join(&file)).expect("write shard");
+        for n in part {
+            weight_map.insert(n.clone(), serde_json::Value::from(file.clone()));
+        }
+    }
+    let index = serde_json::json!({"metadata": {}, "weight_map": weight_map});
+    std::fs::write(dst.join("model.safetensors.index.json"), index.to_string()).expect("index");
+    let model = load_hf_dir(&dst).expect("sharded checkpoint loads");
+    let golden = Golden::read(&dst.join("golden.json")).expect("golden");
+    for p in &golden.prompts {
+        assert!(
+            verify_prompt(&model, p, DEFAULT_TOLERANCE)
+                .expect("verify")
+                .seq_match,
+            "{}",
+            p.name
+        );
+    }
+    let _ = std::fs::remove_dir_all(dst);
+}
