@@ -192,6 +192,26 @@ fn bad_paths_and_files_give_one_line_errors() {
     assert_eq!(text.trim().lines().count(), 1, "{text}");
     assert!(text.contains("truncated"), "{text}");
 
+    // Damaged GGUF files: one line, no backtrace even when backtraces are on.
+    let vocab =
+        std::fs::read(root().join("tests/fixtures/text/ggml-vocab-gemma-4.gguf")).expect("read");
+    for (name, bytes) in [
+        ("garbage.gguf", b"hello".to_vec()),
+        ("short.gguf", vocab[..1_000_000].to_vec()),
+    ] {
+        let path = truncated.join(name);
+        std::fs::write(&path, bytes).expect("write");
+        let (out, text) = run(bin()
+            .env("RUST_BACKTRACE", "1")
+            .args(["generate", "--model"])
+            .arg(&path)
+            .args(["--prompt-ids", "2"]));
+        assert!(!out.status.success());
+        assert_eq!(text.trim().lines().count(), 1, "{text}");
+        assert!(text.contains("not a readable GGUF file"), "{text}");
+        std::fs::remove_file(path).expect("remove");
+    }
+
     std::fs::write(truncated.join("config.json"), "{not json").expect("write");
     let (out, text) = run(bin()
         .args(["generate", "--model"])

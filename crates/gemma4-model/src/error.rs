@@ -63,10 +63,18 @@ pub enum ModelError {
     Config(#[from] ConfigError),
     #[error(transparent)]
     Weights(#[from] WeightError),
-    #[error("tensor computation failed: {0}")]
+    #[error("tensor computation failed: {}", tensor_message(.0))]
     Tensor(#[from] candle_core::Error),
     #[error("{0}")]
     Input(String),
 }
 
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+/// candle's message without the backtrace it attaches when `RUST_BACKTRACE` is set.
+pub fn tensor_message(e: &candle_core::Error) -> String {
+    match e {
+        candle_core::Error::WithBacktrace { inner, .. } => tensor_message(inner),
+        other => other.to_string(),
+    }
+}

@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value as Json};
 
 use crate::config::TextConfig;
-use crate::error::{ModelError, Result, WeightError};
+use crate::error::{tensor_message, ModelError, Result, WeightError};
 use crate::layers::{Linear, LinearWeight};
 use crate::source::WeightSource;
 
@@ -50,7 +50,7 @@ impl GgufSource {
         let mut reader = BufReader::new(file);
         let content = Content::read(&mut reader).map_err(|e| WeightError::Format {
             path: shown.clone(),
-            message: format!("not a readable GGUF file: {e}"),
+            message: format!("not a readable GGUF file: {}", tensor_message(&e)),
         })?;
         Ok(Self {
             path: path.to_path_buf(),
@@ -342,7 +342,7 @@ impl GgufSource {
             .map_err(|e| {
                 WeightError::Format {
                     path: self.path.display().to_string(),
-                    message: format!("tensor `{gguf_name}`: {e}"),
+                    message: format!("tensor `{gguf_name}`: {}", tensor_message(&e)),
                 }
                 .into()
             })

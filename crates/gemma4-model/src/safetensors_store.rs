@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
 use safetensors::tensor::{Dtype, SafeTensors};
 
-use crate::error::WeightError;
+use crate::error::{tensor_message, WeightError};
 
 struct Entry {
     file: usize,
@@ -186,7 +186,7 @@ impl SafetensorsStore {
             .unwrap_or_default();
         WeightError::Format {
             path,
-            message: format!("tensor `{name}`: {err}"),
+            message: format!("tensor `{name}`: {}", tensor_message(&err)),
         }
     }
 }
