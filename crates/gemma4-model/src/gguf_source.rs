@@ -20,6 +20,7 @@ use serde_json::{json, Value as Json};
 use crate::config::TextConfig;
 use crate::error::{tensor_message, ModelError, Result, WeightError};
 use crate::layers::{Linear, LinearWeight};
+use crate::q8::Q8Matrix;
 use crate::source::WeightSource;
 
 /// How weight matrices are kept in memory.
@@ -349,6 +350,13 @@ impl GgufSource {
     }
 }
 
+fn q8_matrix(q: &QTensor, rows: usize, cols: usize) -> Result<Q8Matrix> {
+    let data = q.data()?.into_owned();
+    Q8Matrix::new(data, rows, cols).ok_or_else(|| {
+        ModelError::Input(format!("Q8_0 data does not hold a [{rows}, {cols}] matrix"))
+    })
+}
+
 /// Hugging Face text-model tensor name → llama.cpp GGUF name.
 pub fn gguf_name(hf: &str) -> Option<String> {
     let global = match hf {
@@ -422,6 +430,25 @@ impl WeightSource for GgufSource {
             )),
             _ => Linear::dense(q.dequantize(&Device::Cpu)?),
         }
+    }
+
+    fn tied_head(&self, embed: &Tensor) -> Result<Linear> {
+        let q8 = self
+            .content
+            .tensor_infos
+            .get("token_embd.weight")
+            .is_some_and(|t| t.ggml_dtype == GgmlDType::Q8_0);
+        if self.mode == GgufMode::Quantized && q8 {
+            // The stored Q8_0 table through our exact kernel: a quarter of the
+            // bytes of an f32 copy, and the same logits up to summation order.
+            let (v, h) = embed.dims2()?;
+            let q = self.qtensor("token_embd.weight", &[v, h])?;
+            return Ok(Linear::new(
+                LinearWeight::Q8(Arc::new(q8_matrix(&q, v, h)?)),
+                v,
+            ));
+        }
+        Linear::dense(embed.clone())
     }
 
     fn contains(&self, name: &str) -> bool {

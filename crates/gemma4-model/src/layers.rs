@@ -15,6 +15,8 @@ pub enum LinearWeight {
     Dense(Tensor),
     /// GGUF k-quant (or other ggml) blocks through candle's quantized matmul.
     Quantized(std::sync::Arc<QMatMul>),
+    /// GGUF Q8_0 blocks through our exact kernel (f32 activations).
+    Q8(std::sync::Arc<crate::q8::Q8Matrix>),
 }
 
 /// `y = x · Wᵀ`, no bias (Gemma has none).
@@ -46,6 +48,17 @@ impl Linear {
         Ok(match &self.weight {
             LinearWeight::Dense(w) => x.matmul(&w.t()?)?,
             LinearWeight::Quantized(q) => q.forward(x)?,
+            LinearWeight::Q8(m) => {
+                let (n, inp) = x.dims2()?;
+                if inp != m.cols() {
+                    return Err(crate::error::ModelError::Input(format!(
+                        "input width {inp} does not match the weight's {}",
+                        m.cols()
+                    )));
+                }
+                let y = m.matmul(&x.flatten_all()?.to_vec1::<f32>()?, n);
+                Tensor::from_vec(y, (n, m.rows()), x.device())?
+            }
         })
     }
 }

@@ -12,6 +12,7 @@ pub mod golden;
 pub mod layers;
 pub mod paged;
 pub mod plan;
+pub mod q8;
 pub mod safetensors_store;
 pub mod source;
 
