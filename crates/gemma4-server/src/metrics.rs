@@ -25,6 +25,9 @@ pub struct Metrics {
     queue_depth: IntGauge,
     running: IntGauge,
     kv_used: IntGauge,
+    kv_sliding_used: IntGauge,
+    kv_full_used: IntGauge,
+    kv_sliding_peak: IntGauge,
     kv_free: IntGauge,
     kv_block_size: IntGauge,
     kv_cache_bytes: IntGauge,
@@ -135,6 +138,21 @@ impl Metrics {
                 "gemma4_kv_blocks_used",
                 "KV-cache blocks in use (all cache groups)",
             )?,
+            kv_sliding_used: gauge(
+                &r,
+                "gemma4_kv_sliding_blocks_used",
+                "KV-cache blocks in use by sliding-window layers",
+            )?,
+            kv_full_used: gauge(
+                &r,
+                "gemma4_kv_full_blocks_used",
+                "KV-cache blocks in use by full-attention layers",
+            )?,
+            kv_sliding_peak: gauge(
+                &r,
+                "gemma4_kv_sliding_blocks_per_sequence_peak",
+                "Most sliding-window blocks one sequence has held at once",
+            )?,
             kv_free: gauge(
                 &r,
                 "gemma4_kv_blocks_free",
@@ -224,6 +242,10 @@ impl Metrics {
             self.queue_depth.set(s.waiting as i64);
             self.running.set(s.running as i64);
             self.kv_used.set(s.kv_blocks_used as i64);
+            self.kv_sliding_used.set(s.kv_sliding_blocks_used as i64);
+            self.kv_full_used.set(s.kv_full_blocks_used as i64);
+            self.kv_sliding_peak
+                .set(s.kv_sliding_blocks_per_seq_peak as i64);
             self.kv_free
                 .set(s.kv_blocks_total.saturating_sub(s.kv_blocks_used) as i64);
             self.kv_block_size.set(s.kv_block_size as i64);
@@ -272,6 +294,8 @@ mod tests {
             waiting: 1,
             kv_blocks_total: 10,
             kv_blocks_used: 4,
+            kv_sliding_blocks_used: 3,
+            kv_full_blocks_used: 1,
             kv_block_size: 16,
             prefix_cache_hits: 5,
             preemptions: 1,
@@ -295,6 +319,8 @@ mod tests {
             "gemma4_running_sequences 2",
             "gemma4_kv_blocks_used 4",
             "gemma4_kv_blocks_free 6",
+            "gemma4_kv_sliding_blocks_used 3",
+            "gemma4_kv_full_blocks_used 1",
             "gemma4_prefix_cache_hits_total 5",
             "gemma4_preemptions_total 1",
             "gemma4_resident_memory_bytes",
