@@ -6,7 +6,7 @@
 //! writes into the pools those ids address.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::hash::{Hash, Hasher};
+use std::hash::BuildHasher;
 
 use gemma4_model::config::AttentionKind;
 use gemma4_model::paged::{GroupBlocks, KvGroup};
@@ -98,6 +98,9 @@ pub struct KvManager {
     block_size: usize,
     groups: Vec<GroupState>,
     prefix_caching: bool,
+    /// Keys of the prefix hash, random per process, so no client can craft a
+    /// prompt whose blocks collide with another request's.
+    hash_keys: std::collections::hash_map::RandomState,
 }
 
 impl KvManager {
@@ -125,6 +128,7 @@ impl KvManager {
             block_size,
             groups,
             prefix_caching,
+            hash_keys: std::collections::hash_map::RandomState::new(),
         }
     }
 
@@ -228,10 +232,8 @@ impl KvManager {
     }
 
     /// Hash of block `index` given its parent's hash and its tokens.
-    fn chain(parent: u64, index: usize, tokens: &[u32]) -> u64 {
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (parent, index, tokens).hash(&mut h);
-        h.finish()
+    fn chain(&self, parent: u64, index: usize, tokens: &[u32]) -> u64 {
+        self.hash_keys.hash_one((parent, index, tokens))
     }
 
     /// Reuses cached blocks for the longest block-aligned prefix of `tokens`
@@ -247,7 +249,7 @@ impl KvManager {
         let mut hashes = Vec::with_capacity(max_blocks);
         let mut parent = 0u64;
         for b in 0..max_blocks {
-            parent = Self::chain(parent, b, &tokens[b * bs..(b + 1) * bs]);
+            parent = self.chain(parent, b, &tokens[b * bs..(b + 1) * bs]);
             hashes.push(parent);
         }
         // Longest k such that each group has the blocks it needs for a resume at k·bs.
@@ -291,7 +293,7 @@ impl KvManager {
         let full = computed.min(tokens.len()) / bs;
         while seq.registered_blocks < full {
             let b = seq.registered_blocks;
-            let h = Self::chain(seq.last_hash, b, &tokens[b * bs..(b + 1) * bs]);
+            let h = self.chain(seq.last_hash, b, &tokens[b * bs..(b + 1) * bs]);
             for (g, t) in self.groups.iter_mut().zip(&seq.tables) {
                 let Some(&phys) = b.checked_sub(t.first_block).and_then(|i| t.blocks.get(i)) else {
                     continue;
