@@ -10,7 +10,7 @@
 use candle_core::{Device, Tensor, D};
 
 use crate::cache::{KvCache, KvStore};
-use crate::config::{AttentionKind, KvSource, LayerSpec, MoeSpec, TextConfig};
+use crate::config::{AttentionKind, KvSource, LayerSpec, MoeSpec, RopeSpec, TextConfig};
 use crate::error::{ModelError, Result};
 use crate::layers::{gated_gelu, ids_tensor, softcap, softmax_last_dim, Linear, RmsNorm, Rotary};
 use crate::source::WeightSource;
@@ -42,6 +42,19 @@ struct Span {
     offset: usize,
     len: usize,
     start: usize,
+}
+
+/// cos/sin of one RoPE kind for every position of a step.
+struct RopeTable {
+    spec: RopeSpec,
+    cos: Tensor,
+    sin: Tensor,
+}
+
+/// What every layer of one step shares.
+struct Step<'a> {
+    spans: &'a [Span],
+    rope: &'a [RopeTable],
 }
 
 /// Intermediate values recorded during a forward pass, for diagnosing a
@@ -87,7 +100,6 @@ struct DecoderLayer {
     moe: Option<MoeBlock>,
     ple: Option<LayerPle>,
     layer_scalar: Option<f64>,
-    rotary: Rotary,
 }
 
 struct Attention {
@@ -233,7 +245,6 @@ impl Gemma4 {
                 moe,
                 ple,
                 layer_scalar,
-                rotary: Rotary::new(&spec.rope),
             });
         }
         let norm = norm("norm.weight", h)?;
@@ -323,19 +334,28 @@ impl Gemma4 {
         if let Some(t) = trace.as_deref_mut() {
             t.hidden.push(h.clone());
         }
+        // cos/sin once per distinct RoPE (sliding, full), not once per layer.
+        let mut rope: Vec<RopeTable> = Vec::new();
+        for layer in &self.layers {
+            if !rope.iter().any(|r| r.spec == layer.spec.rope) {
+                let (cos, sin) = Rotary::new(&layer.spec.rope).cos_sin(&positions, &self.device)?;
+                rope.push(RopeTable {
+                    spec: layer.spec.rope,
+                    cos,
+                    sin,
+                });
+            }
+        }
+        let step = Step {
+            spans: &spans,
+            rope: &rope,
+        };
         for layer in &self.layers {
             let ple_i = match &ple {
                 Some(p) => Some(p.narrow(1, layer.index, 1)?.squeeze(1)?),
                 None => None,
             };
-            h = layer.forward(
-                &h,
-                &positions,
-                &spans,
-                kv,
-                ple_i.as_ref(),
-                trace.as_deref_mut(),
-            )?;
+            h = layer.forward(&h, &step, kv, ple_i.as_ref(), trace.as_deref_mut())?;
             if let Some(t) = trace.as_deref_mut() {
                 t.hidden.push(h.clone());
             }
@@ -425,14 +445,13 @@ impl DecoderLayer {
     fn forward(
         &self,
         h: &Tensor,
-        positions: &[usize],
-        spans: &[Span],
+        step: &Step<'_>,
         kv: &mut dyn KvStore,
         ple: Option<&Tensor>,
         trace: Option<&mut ForwardTrace>,
     ) -> Result<Tensor> {
         let residual = h;
-        let a = self.attention(&self.input_norm.forward(h)?, positions, spans, kv)?;
+        let a = self.attention(&self.input_norm.forward(h)?, step, kv)?;
         let h = (residual + self.post_attention_norm.forward(&a)?)?;
         let residual = &h;
         let mut m = self.mlp.forward(&self.pre_ffn_norm.forward(&h)?)?;
@@ -455,27 +474,27 @@ impl DecoderLayer {
         Ok(h)
     }
 
-    fn attention(
-        &self,
-        x: &Tensor,
-        positions: &[usize],
-        spans: &[Span],
-        kv: &mut dyn KvStore,
-    ) -> Result<Tensor> {
+    fn attention(&self, x: &Tensor, step: &Step<'_>, kv: &mut dyn KvStore) -> Result<Tensor> {
         let at = &self.attn;
         let n = x.dim(0)?;
         let hd = self.spec.head_dim;
         let kvh = self.spec.num_kv_heads;
-        let (cos, sin) = self.rotary.cos_sin(positions, x.device())?;
+        let spans = step.spans;
+        let table = step
+            .rope
+            .iter()
+            .find(|r| r.spec == self.spec.rope)
+            .ok_or_else(|| ModelError::Input(format!("no RoPE table for layer {}", self.index)))?;
+        let (cos, sin) = (&table.cos, &table.sin);
         let q = at.q_proj.forward(x)?.reshape((n, at.num_heads, hd))?;
-        let q = Rotary::apply(&at.q_norm.forward(&q)?, &cos, &sin)?;
+        let q = Rotary::apply(&at.q_norm.forward(&q)?, cos, sin)?;
         if let Some(p) = &at.own_kv {
             let raw_k = p.k_proj.forward(x)?.reshape((n, kvh, hd))?;
             let v = match &p.v_proj {
                 Some(vp) => vp.forward(x)?.reshape((n, kvh, hd))?,
                 None => raw_k.clone(),
             };
-            let k = Rotary::apply(&p.k_norm.forward(&raw_k)?, &cos, &sin)?;
+            let k = Rotary::apply(&p.k_norm.forward(&raw_k)?, cos, sin)?;
             let v = match &p.v_norm {
                 Some(vn) => vn.forward(&v)?,
                 None => v,
@@ -511,12 +530,7 @@ impl DecoderLayer {
             if at.scale != 1.0 {
                 scores = (scores * at.scale)?;
             }
-            let mask = self.mask(
-                &positions[sp.offset..sp.offset + n],
-                first,
-                total,
-                x.device(),
-            )?;
+            let mask = self.mask(sp.start..sp.start + n, first, total, x.device())?;
             let scores = scores
                 .reshape((kvh, group, n, total))?
                 .broadcast_add(&mask)?;
@@ -541,21 +555,22 @@ impl DecoderLayer {
     /// a query at position p sees key j iff j ≤ p and, on sliding layers, j > p − window.
     fn mask(
         &self,
-        positions: &[usize],
+        queries: std::ops::Range<usize>,
         first: usize,
         total: usize,
         device: &Device,
     ) -> Result<Tensor> {
         let window = self.attn.sliding_window;
         let sliding = self.spec.kind == AttentionKind::Sliding;
-        let mut m = Vec::with_capacity(positions.len() * total);
-        for &p in positions {
+        let n = queries.len();
+        let mut m = Vec::with_capacity(n * total);
+        for p in queries {
             for j in first..first + total {
                 let visible = j <= p && (!sliding || j + window > p);
                 m.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
             }
         }
-        Ok(Tensor::from_vec(m, (positions.len(), total), device)?)
+        Ok(Tensor::from_vec(m, (n, total), device)?)
     }
 }
 
