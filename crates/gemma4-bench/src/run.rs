@@ -373,28 +373,25 @@ pub async fn run_bench(opts: &BenchOptions, cancel: watch::Receiver<bool>) -> Re
                 &completion_body(&opts.model, &p.text, max, extras),
             )
             .await;
-        if is_rejection(&timing.error) && extras.ignore_eos {
-            let fewer = Extras {
-                ignore_eos: false,
-                ..extras
-            };
-            let retry = endpoint
-                .stream(
-                    COMPLETIONS_PATH,
-                    &completion_body(&opts.model, &p.text, max, fewer),
-                )
-                .await;
-            if retry.error.is_none() {
-                notes.push("The server rejected ignore_eos/min_tokens; requests send max_tokens only, so outputs may stop early at end-of-sequence.".to_owned());
-                extras = fewer;
+        // Drop one optional field at a time while the server rejects the request.
+        type Fallback = (fn(Extras) -> bool, fn(Extras) -> Extras, &'static str);
+        let fallbacks: [Fallback; 2] = [
+            (
+                |e| e.ignore_eos,
+                |e| Extras { ignore_eos: false, ..e },
+                "The server rejected ignore_eos/min_tokens; requests send max_tokens only, so outputs may stop early at end-of-sequence.",
+            ),
+            (
+                |e| e.usage,
+                |e| Extras { usage: false, ..e },
+                "The server rejected stream_options.include_usage; output tokens are counted from stream chunks.",
+            ),
+        ];
+        for (enabled, without, note) in fallbacks {
+            if !(is_rejection(&timing.error) && enabled(extras)) {
+                continue;
             }
-            timing = retry;
-        }
-        if is_rejection(&timing.error) && extras.usage {
-            let fewer = Extras {
-                usage: false,
-                ..extras
-            };
+            let fewer = without(extras);
             let retry = endpoint
                 .stream(
                     COMPLETIONS_PATH,
@@ -402,7 +399,7 @@ pub async fn run_bench(opts: &BenchOptions, cancel: watch::Receiver<bool>) -> Re
                 )
                 .await;
             if retry.error.is_none() {
-                notes.push("The server rejected stream_options.include_usage; output tokens are counted from stream chunks.".to_owned());
+                notes.push(note.to_owned());
                 extras = fewer;
             }
             timing = retry;
