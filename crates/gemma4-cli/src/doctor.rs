@@ -6,7 +6,6 @@ use std::process::ExitCode;
 
 use anyhow::Result;
 use gemma4_model::config::TextConfig;
-use gemma4_model::GgufMode;
 use gemma4_text::{ChatTemplate, Tokenizer};
 use serde_json::json;
 
@@ -55,7 +54,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         check_template(&mut r, &args.model, tok, gguf);
     }
     if let Some(cfg) = &config {
-        check_weights(&mut r, &path, cfg);
+        check_weights(&mut r, &path, cfg, args.model.policy());
     }
     if r.failures == 0 {
         println!("doctor: all checks passed");
@@ -68,9 +67,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
 
 fn check_config(r: &mut Report, path: &Path) -> Option<TextConfig> {
     let cfg = match gemma4_model::gguf_file(path) {
-        Ok(Some(file)) => {
-            gemma4_model::GgufSource::open(&file, GgufMode::Quantized).and_then(|s| s.config())
-        }
+        Ok(Some(file)) => gemma4_model::GgufSource::open(&file).and_then(|s| s.config()),
         Ok(None) => TextConfig::from_dir(path).map_err(Into::into),
         Err(e) => Err(e),
     };
@@ -270,9 +267,23 @@ fn render_check(r: &mut Report, template: &ChatTemplate, tok: &Tokenizer) {
     }
 }
 
-fn check_weights(r: &mut Report, path: &Path, cfg: &TextConfig) {
-    match gemma4_model::load_reporting_unused(path, GgufMode::Quantized) {
-        Ok((_, unused)) => {
+fn check_weights(r: &mut Report, path: &Path, cfg: &TextConfig, policy: gemma4_model::LoadPolicy) {
+    match gemma4_model::load_with(path, policy, None) {
+        Ok(loaded) => {
+            let unused = loaded.unused;
+            let rep = &loaded.report;
+            let mut storage = format!(
+                "weights load as {}; quantization: {}; resident ≈ {:.0} MiB, tables read by row {:.0} MiB",
+                rep.storage_summary(),
+                policy.quant.name(),
+                rep.resident_bytes as f64 / (1 << 20) as f64,
+                rep.table_bytes as f64 / (1 << 20) as f64,
+            );
+            if policy.quant == gemma4_model::Quant::Q4 && rep.q4_grid_detected() {
+                storage
+                    .push_str("; on a Q4_0 grid already (quantization-aware training): lossless");
+            }
+            r.pass("storage", storage);
             r.pass(
                 "weights",
                 format!(

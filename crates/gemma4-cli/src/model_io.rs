@@ -3,8 +3,10 @@
 
 use std::path::{Path, PathBuf};
 
+use std::io::IsTerminal;
+
 use anyhow::{Context, Result};
-use gemma4_model::{Gemma4, GgufMode};
+use gemma4_model::{Gemma4, LoadPolicy, LoadReport, Quant};
 use gemma4_text::{ChatTemplate, Tokenizer};
 
 use crate::demo;
@@ -16,10 +18,16 @@ pub struct ModelArgs {
     /// Defaults to the demo model (see `gemma4 fetch-demo`).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// GGUF only: dequantize every weight to f32 for exact arithmetic
-    /// (slower, more memory) instead of running the quantized kernels.
+    /// GGUF only: f32 activations against the stored blocks (exact against
+    /// the widened weights; slower) instead of the kernels that round
+    /// activations to 8 bits.
     #[arg(long)]
     pub exact: bool,
+    /// Quantize matrices stored as floats (safetensors, f16/bf16 GGUF) on
+    /// load: `int8` (per output channel), `q4` (4-bit groups of 32 on the
+    /// Q4_0 grid; `q4_0` is the same), or `none` (keep them as stored).
+    #[arg(long, default_value = "none", value_parser = parse_quant)]
+    pub quant: Quant,
     /// Jinja chat template to use instead of (or in the absence of) the checkpoint's own.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
@@ -32,6 +40,10 @@ pub struct Loaded {
     pub tokenizer: Tokenizer,
 }
 
+fn parse_quant(s: &str) -> std::result::Result<Quant, String> {
+    s.parse()
+}
+
 impl ModelArgs {
     /// The model path: `--model`, or the installed demo model.
     pub fn path(&self) -> Result<PathBuf> {
@@ -41,16 +53,20 @@ impl ModelArgs {
         }
     }
 
+    pub fn policy(&self) -> LoadPolicy {
+        LoadPolicy {
+            quant: self.quant,
+            exact: self.exact,
+        }
+    }
+
+    /// Loads the model (a progress bar on a terminal, else one summary line
+    /// on stderr) and its tokenizer.
     pub fn load(&self) -> Result<Loaded> {
         let path = self.path()?;
-        let mode = if self.exact {
-            GgufMode::Dequantized
-        } else {
-            GgufMode::Quantized
-        };
-        let model = gemma4_model::load(&path, mode)
-            .with_context(|| format!("cannot load model from {}", path.display()))?;
+        let (model, _) = load_model(&path, self.policy())?;
         let tokenizer = load_tokenizer(&path)?;
+        release_freed_memory();
         Ok(Loaded {
             path,
             model,
@@ -72,6 +88,58 @@ impl ModelArgs {
             tokenizer,
             override_source.as_deref(),
         )?)
+    }
+}
+
+/// Loads a model with load progress on stderr and a one-line summary.
+pub fn load_model(path: &Path, policy: LoadPolicy) -> Result<(Gemma4, LoadReport)> {
+    let started = std::time::Instant::now();
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let bar = indicatif::ProgressBar::new(0);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "loading {bar:30} {binary_bytes}/{binary_total_bytes} ({eta})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        bar
+    });
+    let progress = |done: u64, total: u64| {
+        if let Some(b) = &bar {
+            b.set_length(total.max(done));
+            b.set_position(done);
+        }
+    };
+    let loaded = gemma4_model::load_with(path, policy, Some(&progress))
+        .with_context(|| format!("cannot load model from {}", path.display()))?;
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    let r = &loaded.report;
+    let mut line = format!(
+        "loaded {} in {:.1}s: weights {} (quantization: {}); resident ≈ {:.0} MiB, mapped tables {:.0} MiB read by row",
+        path.display(),
+        started.elapsed().as_secs_f64(),
+        r.storage_summary(),
+        policy.quant.name(),
+        r.resident_bytes as f64 / (1 << 20) as f64,
+        r.table_bytes as f64 / (1 << 20) as f64,
+    );
+    if policy.quant == Quant::Q4 && r.q4_grid_detected() {
+        line.push_str("; the weights were already on a Q4_0 grid (quantization-aware training): quantized without changing their levels");
+    }
+    eprintln!("{line}");
+    Ok((loaded.model, loaded.report))
+}
+
+/// Hands memory freed during loading back to the system. Building a
+/// 262k-entry tokenizer leaves tens of MiB of freed temporaries that the
+/// allocator would otherwise keep for the life of the process.
+pub fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free heap pages to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
     }
 }
 

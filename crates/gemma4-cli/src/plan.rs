@@ -78,9 +78,7 @@ fn human(bytes: f64) -> String {
 
 fn config_of(path: &Path) -> Result<TextConfig> {
     match gemma4_model::gguf_file(path)? {
-        Some(file) => Ok(
-            gemma4_model::GgufSource::open(&file, gemma4_model::GgufMode::Quantized)?.config()?,
-        ),
+        Some(file) => Ok(gemma4_model::GgufSource::open(&file)?.config()?),
         None => Ok(TextConfig::from_dir(path)?),
     }
 }

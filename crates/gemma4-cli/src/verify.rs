@@ -3,9 +3,8 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use gemma4_model::golden::{greedy, locate_divergence, verify_prompt, Golden, DEFAULT_TOLERANCE};
-use gemma4_model::GgufMode;
 
 use crate::model_io::ModelArgs;
 
@@ -24,13 +23,7 @@ pub struct Args {
 pub fn run(args: Args) -> Result<ExitCode> {
     let golden = Golden::read(&args.golden)?;
     let path = args.model.path()?;
-    let mode = if args.model.exact {
-        GgufMode::Dequantized
-    } else {
-        GgufMode::Quantized
-    };
-    let model = gemma4_model::load(&path, mode)
-        .with_context(|| format!("cannot load model from {}", path.display()))?;
+    let (model, _) = crate::model_io::load_model(&path, args.model.policy())?;
     let tokenizer = crate::model_io::load_tokenizer(&path).ok();
     let tensors = args.golden.with_file_name("golden_tensors.safetensors");
     let mut all_match = true;

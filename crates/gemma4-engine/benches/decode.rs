@@ -6,20 +6,29 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
 use gemma4_engine::{start, EngineConfig, EngineEvent, GenerationRequest, SamplingParams};
 use gemma4_model::config::TextConfig;
-use gemma4_model::{Gemma4, Result, WeightSource};
+use gemma4_model::storage::{StoredDtype, StoredTensor};
+use gemma4_model::{Gemma4, LoadPolicy, Result, WeightSource, Weights};
 use gemma4_text::Tokenizer;
 
 /// Deterministic random weights for whatever the model asks for.
 struct RandomWeights;
 
 impl WeightSource for RandomWeights {
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor> {
         let n: usize = shape.iter().product();
+        let f32s = |v: Vec<f32>| {
+            let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            StoredTensor::new(
+                name.to_string(),
+                StoredDtype::Float(gemma4_kernels::float::FloatType::F32),
+                shape.to_vec(),
+                gemma4_kernels::Bytes::from_vec(bytes),
+            )
+        };
         if name.ends_with("layer_scalar") || name.contains("norm") || name.ends_with("scale") {
-            return Ok(Tensor::ones(shape, candle_core::DType::F32, &Device::Cpu)?);
+            return Ok(f32s(vec![1.0; n]));
         }
         let fan_in = *shape.last().unwrap_or(&1) as f32;
         let mut state = name.bytes().fold(0x9E37_79B9_7F4A_7C15u64, |h, b| {
@@ -33,7 +42,7 @@ impl WeightSource for RandomWeights {
                 ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 / fan_in.sqrt()
             })
             .collect();
-        Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+        Ok(f32s(data))
     }
 
     fn contains(&self, _name: &str) -> bool {
@@ -55,7 +64,8 @@ fn model() -> (Gemma4, Arc<Tokenizer>) {
     t["global_head_dim"] = 128.into();
     t["sliding_window"] = 128.into();
     let cfg = TextConfig::from_hf_json(&json).expect("config");
-    let model = Gemma4::load(cfg, &RandomWeights).expect("model");
+    let model =
+        Gemma4::load(cfg, &Weights::new(&RandomWeights, LoadPolicy::default())).expect("model");
     (
         model,
         Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer")),

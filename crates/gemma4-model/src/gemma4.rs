@@ -12,8 +12,9 @@ use candle_core::{Device, Tensor, D};
 use crate::cache::{KvCache, KvStore};
 use crate::config::{AttentionKind, KvSource, LayerSpec, MoeSpec, RopeSpec, TextConfig};
 use crate::error::{ModelError, Result};
-use crate::layers::{gated_gelu, ids_tensor, softcap, softmax_last_dim, Linear, RmsNorm, Rotary};
-use crate::source::WeightSource;
+use crate::layers::{gated_gelu, ids_tensor, softcap, softmax_last_dim, RmsNorm, Rotary};
+use crate::loader::Weights;
+use crate::storage::{Embedding, Experts, Linear};
 
 /// Which positions need logits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,7 +72,7 @@ pub struct ForwardTrace {
 /// The text model with its weights.
 pub struct Gemma4 {
     cfg: TextConfig,
-    embed: Tensor,
+    embed: Embedding,
     embed_scale: f64,
     head: Linear,
     ple: Option<PerLayerEmbeddings>,
@@ -81,8 +82,8 @@ pub struct Gemma4 {
 }
 
 struct PerLayerEmbeddings {
-    /// `[vocab, layers · dim]`.
-    table: Tensor,
+    /// `[vocab, layers · dim]`, read by row.
+    table: Embedding,
     projection: Linear,
     norm: RmsNorm,
     dim: usize,
@@ -133,10 +134,9 @@ struct MoeBlock {
     router_scale: Tensor,
     router_proj: Linear,
     per_expert_scale: Vec<f32>,
-    /// `[experts, 2 · moe_intermediate, hidden]`: gate rows, then up rows.
-    gate_up: Tensor,
-    /// `[experts, hidden, moe_intermediate]`.
-    down: Tensor,
+    /// Per expert: `gate_up` `[2 · moe_intermediate, hidden]` (gate rows, then
+    /// up rows) and `down` `[hidden, moe_intermediate]`.
+    experts: Experts,
     pre_ffn_norm_2: RmsNorm,
     post_ffn_norm_1: RmsNorm,
     post_ffn_norm_2: RmsNorm,
@@ -149,30 +149,33 @@ struct LayerPle {
 }
 
 impl Gemma4 {
-    /// Builds the model from a configuration and a weight source.
-    pub fn load(cfg: TextConfig, src: &dyn WeightSource) -> Result<Self> {
+    /// Builds the model from a configuration and a loader context.
+    pub fn load(cfg: TextConfig, src: &Weights<'_>) -> Result<Self> {
         let device = Device::Cpu;
         let h = cfg.hidden_size;
         let eps = cfg.rms_norm_eps;
         let gemma3_offset = cfg.is_gemma3() && !src.norms_include_gemma3_offset();
         let norm = |name: &str, dim: usize| -> Result<RmsNorm> {
-            let mut w = src.tensor(name, &[dim])?;
+            let mut w = src.vector(name, &[dim])?;
             if gemma3_offset {
                 w = (w + 1.0)?;
             }
             Ok(RmsNorm::new(Some(w), eps))
         };
-        let embed = src.tensor("embed_tokens.weight", &[cfg.vocab_size, h])?;
+        let (embed, embed_stored) = src.embedding("embed_tokens.weight", cfg.vocab_size, h)?;
         // The reference multiplies by sqrt(H) cast to the compute dtype (f32 here).
         let embed_scale = f64::from((h as f32).sqrt());
         let n_layers = cfg.num_layers();
         let ple = if cfg.ple_dim > 0 {
             let d = cfg.ple_dim;
             Some(PerLayerEmbeddings {
-                table: src.tensor(
-                    "embed_tokens_per_layer.weight",
-                    &[cfg.vocab_size, n_layers * d],
-                )?,
+                table: src
+                    .embedding(
+                        "embed_tokens_per_layer.weight",
+                        cfg.vocab_size,
+                        n_layers * d,
+                    )?
+                    .0,
                 projection: src.linear("per_layer_model_projection.weight", n_layers * d, h)?,
                 norm: norm("per_layer_projection_norm.weight", d)?,
                 dim: d,
@@ -228,7 +231,7 @@ impl Gemma4 {
                 None => None,
             };
             let layer_scalar = if cfg.conventions.layer_scalar {
-                let s = src.tensor(&format!("{p}layer_scalar"), &[1])?;
+                let s = src.vector(&format!("{p}layer_scalar"), &[1])?;
                 Some(f64::from(s.to_vec1::<f32>()?[0]))
             } else {
                 None
@@ -248,7 +251,7 @@ impl Gemma4 {
             });
         }
         let norm = norm("norm.weight", h)?;
-        let head = src.tied_head(&embed)?;
+        let head = src.tied_head(&embed_stored)?;
         Ok(Self {
             cfg,
             embed,
@@ -325,10 +328,9 @@ impl Gemma4 {
                 self.cfg.vocab_size
             )));
         }
-        let idx = ids_tensor(&ids, &self.device)?;
-        let mut h = (self.embed.index_select(&idx, 0)? * self.embed_scale)?;
+        let mut h = (self.embed.lookup(&ids, &self.device)? * self.embed_scale)?;
         let ple = match &self.ple {
-            Some(p) => Some(self.per_layer_inputs(p, &idx, &h)?),
+            Some(p) => Some(self.per_layer_inputs(p, &ids, &h)?),
             None => None,
         };
         if let Some(t) = trace.as_deref_mut() {
@@ -399,15 +401,10 @@ impl Gemma4 {
     }
 
     /// `(RMSNorm(proj(h0) · H^-½) + table[ids] · √d) · 2^-½`, as `[n, layers, d]`.
-    fn per_layer_inputs(
-        &self,
-        p: &PerLayerEmbeddings,
-        idx: &Tensor,
-        h0: &Tensor,
-    ) -> Result<Tensor> {
+    fn per_layer_inputs(&self, p: &PerLayerEmbeddings, ids: &[u32], h0: &Tensor) -> Result<Tensor> {
         let n = h0.dim(0)?;
         let layers = self.cfg.num_layers();
-        let token = (p.table.index_select(idx, 0)? * f64::from((p.dim as f32).sqrt()))?;
+        let token = (p.table.lookup(ids, &self.device)? * f64::from((p.dim as f32).sqrt()))?;
         let token = token.reshape((n, layers, p.dim))?;
         let context = (p.projection.forward(h0)? * (self.cfg.hidden_size as f64).powf(-0.5))?;
         let context = p.norm.forward(&context.reshape((n, layers, p.dim))?)?;
@@ -416,7 +413,7 @@ impl Gemma4 {
 }
 
 fn load_moe(
-    src: &dyn WeightSource,
+    src: &Weights<'_>,
     p: &str,
     m: MoeSpec,
     h: usize,
@@ -428,13 +425,18 @@ fn load_moe(
     Ok(MoeBlock {
         spec: m,
         router_norm: RmsNorm::new(None, eps),
-        router_scale: src.tensor(&format!("{p}router.scale"), &[h])?,
+        router_scale: src.vector(&format!("{p}router.scale"), &[h])?,
         router_proj: src.linear(&format!("{p}router.proj.weight"), e, h)?,
         per_expert_scale: src
-            .tensor(&format!("{p}router.per_expert_scale"), &[e])?
+            .vector(&format!("{p}router.per_expert_scale"), &[e])?
             .to_vec1()?,
-        gate_up: src.tensor(&format!("{p}experts.gate_up_proj"), &[e, 2 * i, h])?,
-        down: src.tensor(&format!("{p}experts.down_proj"), &[e, h, i])?,
+        experts: src.experts(
+            &format!("{p}experts.gate_up_proj"),
+            &format!("{p}experts.down_proj"),
+            e,
+            i,
+            h,
+        )?,
         pre_ffn_norm_2: norm(&format!("{p}pre_feedforward_layernorm_2.weight"), h)?,
         post_ffn_norm_1: norm(&format!("{p}post_feedforward_layernorm_1.weight"), h)?,
         post_ffn_norm_2: norm(&format!("{p}post_feedforward_layernorm_2.weight"), h)?,
@@ -618,12 +620,12 @@ impl MoeBlock {
             }
             let idx = ids_tensor(tokens, r.device())?;
             let xs = x2.index_select(&idx, 0)?;
-            let gu = xs.matmul(&self.gate_up.get(e)?.t()?)?;
+            let gu = self.experts.gate_up[e].forward(&xs)?;
             let act = gated_gelu(
                 &gu.narrow(D::Minus1, 0, inter)?,
                 &gu.narrow(D::Minus1, inter, inter)?,
             )?;
-            let y = act.matmul(&self.down.get(e)?.t()?)?;
+            let y = self.experts.down[e].forward(&act.contiguous()?)?;
             let w = Tensor::from_slice(weights, (weights.len(), 1), r.device())?;
             out = out.index_add(&idx, &y.broadcast_mul(&w)?, 0)?;
         }

@@ -2,53 +2,36 @@
 //!
 //! The hyper-parameters come from `gemma3.*` / `gemma4.*` metadata and are turned into
 //! the same [`TextConfig`] a Hugging Face `config.json` gives; tensors are
-//! found under their GGUF names (`blk.N.attn_q.weight`, …). Matrices stay
-//! quantized and run through candle's quantized matmul, unless the source is
-//! opened with [`GgufMode::Dequantized`] for exact f32 arithmetic.
+//! found under their GGUF names (`blk.N.attn_q.weight`, …) and handed out
+//! as stored: views of the memory-mapped file in their ggml block type.
+//! What runs them is the loader's choice ([`crate::loader`]).
 
 use std::collections::{BTreeSet, HashMap};
-use std::fs::File;
-use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
 use candle_core::quantized::gguf_file::{Content, Value};
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Tensor};
 use serde_json::{json, Value as Json};
 
 use crate::config::TextConfig;
 use crate::error::{tensor_message, ModelError, Result, WeightError};
-use crate::layers::{Linear, LinearWeight};
-use crate::q8::Q8Matrix;
+use crate::mapped::MappedFile;
 use crate::source::WeightSource;
-
-/// How weight matrices are kept in memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GgufMode {
-    /// Quantized blocks, computed with candle's quantized kernels (fast, small).
-    Quantized,
-    /// Every tensor dequantized to f32 at load (exact against an f32 reference).
-    Dequantized,
-}
+use crate::storage::{StoredDtype, StoredTensor};
 
 /// An open GGUF file.
 pub struct GgufSource {
     path: PathBuf,
     content: Content,
-    reader: Mutex<BufReader<File>>,
-    mode: GgufMode,
+    file: Arc<MappedFile>,
     used: Mutex<BTreeSet<String>>,
 }
 
 impl GgufSource {
-    pub fn open(path: &Path, mode: GgufMode) -> Result<Self> {
+    pub fn open(path: &Path) -> Result<Self> {
         let shown = path.display().to_string();
-        let file = File::open(path).map_err(|source| WeightError::Io {
-            path: shown.clone(),
-            source,
-        })?;
-        let mut reader = BufReader::new(file);
+        let file = MappedFile::open(path)?;
+        let mut reader = std::io::Cursor::new((*file).as_ref());
         let content = Content::read(&mut reader).map_err(|e| WeightError::Format {
             path: shown.clone(),
             message: format!("not a readable GGUF file: {}", tensor_message(&e)),
@@ -56,8 +39,7 @@ impl GgufSource {
         Ok(Self {
             path: path.to_path_buf(),
             content,
-            reader: Mutex::new(reader),
-            mode,
+            file,
             used: Mutex::new(BTreeSet::new()),
         })
     }
@@ -299,10 +281,7 @@ impl GgufSource {
             return Ok(0.25);
         }
         let half = full_head_dim / 2;
-        let factors = self
-            .qtensor("rope_freqs.weight", &[half])?
-            .dequantize(&Device::Cpu)?
-            .to_vec1::<f32>()?;
+        let factors = self.raw("rope_freqs.weight", &[half])?.to_f32()?;
         let rotating = factors.iter().take_while(|&&f| f == 1.0).count();
         Ok(2.0 * rotating as f64 / full_head_dim as f64)
     }
@@ -315,7 +294,8 @@ impl GgufSource {
         .into()
     }
 
-    fn qtensor(&self, gguf_name: &str, shape: &[usize]) -> Result<QTensor> {
+    /// A tensor by its GGUF name, as stored.
+    fn raw(&self, gguf_name: &str, shape: &[usize]) -> Result<StoredTensor> {
         let info =
             self.content
                 .tensor_infos
@@ -334,27 +314,26 @@ impl GgufSource {
         if let Ok(mut used) = self.used.lock() {
             used.insert(gguf_name.to_string());
         }
-        let mut reader = self
-            .reader
-            .lock()
-            .map_err(|_| ModelError::Input("GGUF reader lock poisoned".into()))?;
-        self.content
-            .tensor(&mut *reader, gguf_name, &Device::Cpu)
-            .map_err(|e| {
-                WeightError::Format {
-                    path: self.path.display().to_string(),
-                    message: format!("tensor `{gguf_name}`: {}", tensor_message(&e)),
-                }
-                .into()
-            })
+        let dtype = StoredDtype::Ggml(info.ggml_dtype);
+        let len =
+            crate::storage::expected_bytes(dtype, shape).ok_or_else(|| WeightError::Format {
+                path: self.path.display().to_string(),
+                message: format!(
+                    "tensor `{gguf_name}` of shape {shape:?} does not divide into {} blocks",
+                    dtype.name()
+                ),
+            })?;
+        let start = usize::try_from(self.content.tensor_data_offset.saturating_add(info.offset))
+            .unwrap_or(usize::MAX);
+        let range = start..start.saturating_add(len);
+        Ok(StoredTensor::mapped(
+            gguf_name.to_string(),
+            dtype,
+            shape.to_vec(),
+            &self.file,
+            range,
+        )?)
     }
-}
-
-fn q8_matrix(q: &QTensor, rows: usize, cols: usize) -> Result<Q8Matrix> {
-    let data = q.data()?.into_owned();
-    Q8Matrix::new(data, rows, cols).ok_or_else(|| {
-        ModelError::Input(format!("Q8_0 data does not hold a [{rows}, {cols}] matrix"))
-    })
 }
 
 /// Hugging Face text-model tensor name → llama.cpp GGUF name.
@@ -404,51 +383,15 @@ pub fn gguf_name(hf: &str) -> Option<String> {
 }
 
 impl WeightSource for GgufSource {
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor> {
         let g = gguf_name(name).ok_or_else(|| WeightError::Missing {
             name: name.to_string(),
         })?;
-        let q = self.qtensor(&g, shape)?;
-        Ok(q.dequantize(&Device::Cpu)?.to_dtype(DType::F32)?)
+        self.raw(&g, shape)
     }
 
-    fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear> {
-        let g = gguf_name(name).ok_or_else(|| WeightError::Missing {
-            name: name.to_string(),
-        })?;
-        let q = self.qtensor(&g, &[out, inp])?;
-        // candle's dot products for these legacy block types are scalar code;
-        // its f32 matmul is several times faster, so they are widened at load.
-        let slow_kernel = matches!(
-            q.dtype(),
-            GgmlDType::Q4_1 | GgmlDType::Q5_0 | GgmlDType::Q5_1
-        );
-        match self.mode {
-            GgufMode::Quantized if !slow_kernel => Ok(Linear::new(
-                LinearWeight::Quantized(Arc::new(QMatMul::from_qtensor(q)?)),
-                out,
-            )),
-            _ => Linear::dense(q.dequantize(&Device::Cpu)?),
-        }
-    }
-
-    fn tied_head(&self, embed: &Tensor) -> Result<Linear> {
-        let q8 = self
-            .content
-            .tensor_infos
-            .get("token_embd.weight")
-            .is_some_and(|t| t.ggml_dtype == GgmlDType::Q8_0);
-        if self.mode == GgufMode::Quantized && q8 {
-            // The stored Q8_0 table through our exact kernel: a quarter of the
-            // bytes of an f32 copy, and the same logits up to summation order.
-            let (v, h) = embed.dims2()?;
-            let q = self.qtensor("token_embd.weight", &[v, h])?;
-            return Ok(Linear::new(
-                LinearWeight::Q8(Arc::new(q8_matrix(&q, v, h)?)),
-                v,
-            ));
-        }
-        Linear::dense(embed.clone())
+    fn total_bytes(&self) -> u64 {
+        self.file.len() as u64
     }
 
     fn contains(&self, name: &str) -> bool {
@@ -485,11 +428,8 @@ mod tests {
     /// in llama.cpp's layout; they must resolve to the published config.
     #[test]
     fn gemma4_metadata_resolves_to_the_published_26b_config() {
-        let src = GgufSource::open(
-            &root().join("tests/fixtures/text/ggml-vocab-gemma-4.gguf"),
-            GgufMode::Quantized,
-        )
-        .expect("open");
+        let src = GgufSource::open(&root().join("tests/fixtures/text/ggml-vocab-gemma-4.gguf"))
+            .expect("open");
         let from_gguf = src.config().expect("config");
         let published =
             TextConfig::from_dir(&root().join("tests/fixtures/configs/gemma-4-26B-A4B-it"))

@@ -1,67 +1,10 @@
-//! Building blocks shared by the decoder: linear layers over any weight
-//! storage, RMSNorm, rotary embeddings and the numerically careful softmax.
+//! Building blocks shared by the decoder: RMSNorm, rotary embeddings and
+//! the numerically careful softmax. Linear layers and embedding tables are
+//! in [`crate::storage`].
 
-use candle_core::quantized::QMatMul;
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Tensor, D};
 
 use crate::error::Result;
-
-/// Storage behind a weight matrix `[out, in]`. The model only calls
-/// [`Linear::forward`], so a storage type's kernel can change without
-/// touching the model code.
-#[derive(Debug, Clone)]
-pub enum LinearWeight {
-    /// f32 in memory, exact against the reference.
-    Dense(Tensor),
-    /// GGUF k-quant (or other ggml) blocks through candle's quantized matmul.
-    Quantized(std::sync::Arc<QMatMul>),
-    /// GGUF Q8_0 blocks through our exact kernel (f32 activations).
-    Q8(std::sync::Arc<crate::q8::Q8Matrix>),
-}
-
-/// `y = x · Wᵀ`, no bias (Gemma has none).
-#[derive(Debug, Clone)]
-pub struct Linear {
-    weight: LinearWeight,
-    out_features: usize,
-}
-
-impl Linear {
-    pub fn new(weight: LinearWeight, out_features: usize) -> Self {
-        Self {
-            weight,
-            out_features,
-        }
-    }
-
-    pub fn dense(w: Tensor) -> Result<Self> {
-        let out = w.dim(0)?;
-        Ok(Self::new(LinearWeight::Dense(w), out))
-    }
-
-    pub fn out_features(&self) -> usize {
-        self.out_features
-    }
-
-    /// `x`: `[n, in]` → `[n, out]`.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(match &self.weight {
-            LinearWeight::Dense(w) => x.matmul(&w.t()?)?,
-            LinearWeight::Quantized(q) => q.forward(x)?,
-            LinearWeight::Q8(m) => {
-                let (n, inp) = x.dims2()?;
-                if inp != m.cols() {
-                    return Err(crate::error::ModelError::Input(format!(
-                        "input width {inp} does not match the weight's {}",
-                        m.cols()
-                    )));
-                }
-                let y = m.matmul(&x.flatten_all()?.to_vec1::<f32>()?, n);
-                Tensor::from_vec(y, (n, m.rows()), x.device())?
-            }
-        })
-    }
-}
 
 /// RMSNorm over the last dimension, computed in f32:
 /// `x · (mean(x²) + eps)^-½ · w`. `weight = None` is the scale-less variant

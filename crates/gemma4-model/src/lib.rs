@@ -10,43 +10,66 @@ pub mod gemma4;
 pub mod gguf_source;
 pub mod golden;
 pub mod layers;
+pub mod loader;
+pub mod mapped;
 pub mod paged;
 pub mod plan;
-pub mod q8;
 pub mod safetensors_store;
 pub mod source;
+pub mod storage;
 
 pub use cache::{KvCache, KvStore};
 pub use config::TextConfig;
 pub use error::{ConfigError, ModelError, Result, WeightError};
 pub use gemma4::{BatchSeq, ForwardTrace, Gemma4, LogitsFor};
-pub use gguf_source::{GgufMode, GgufSource};
+pub use gguf_source::GgufSource;
+pub use loader::{LoadPolicy, LoadReport, Progress, Quant, Weights};
 pub use source::{HfSafetensors, WeightSource};
+pub use storage::{Embedding, Linear};
 
 use std::path::Path;
 
-/// Loads a model from a Hugging Face checkpoint directory or a GGUF file
-/// (or a directory holding exactly one `.gguf` and no `config.json`).
-pub fn load(path: &Path, gguf_mode: GgufMode) -> Result<Gemma4> {
-    load_reporting_unused(path, gguf_mode).map(|(m, _)| m)
+/// A loaded model with what the load did.
+pub struct Loaded {
+    pub model: Gemma4,
+    pub report: LoadReport,
+    /// Stored tensors the text model never read (vision and audio towers excluded).
+    pub unused: Vec<String>,
 }
 
-/// [`load`], also returning the stored tensors the text model never read
-/// (vision and audio towers excluded).
-pub fn load_reporting_unused(path: &Path, gguf_mode: GgufMode) -> Result<(Gemma4, Vec<String>)> {
-    match gguf_file(path)? {
+/// Loads a model from a Hugging Face checkpoint directory or a GGUF file
+/// (or a directory holding exactly one `.gguf` and no `config.json`).
+pub fn load(path: &Path, policy: LoadPolicy) -> Result<Gemma4> {
+    load_with(path, policy, None).map(|l| l.model)
+}
+
+/// [`load`], reporting progress and returning what the load did.
+pub fn load_with(
+    path: &Path,
+    policy: LoadPolicy,
+    progress: Option<Progress<'_>>,
+) -> Result<Loaded> {
+    let (cfg, src): (TextConfig, Box<dyn WeightSource>) = match gguf_file(path)? {
         Some(file) => {
-            let src = GgufSource::open(&file, gguf_mode)?;
-            let model = Gemma4::load(src.config()?, &src)?;
-            Ok((model, src.unused()))
+            let src = GgufSource::open(&file)?;
+            (src.config()?, Box::new(src))
         }
-        None => {
-            let cfg = TextConfig::from_dir(path)?;
-            let src = HfSafetensors::open(path)?;
-            let model = Gemma4::load(cfg, &src)?;
-            Ok((model, src.unused()))
-        }
+        None => (
+            TextConfig::from_dir(path)?,
+            Box::new(HfSafetensors::open(path)?),
+        ),
+    };
+    let mut weights = Weights::new(src.as_ref(), policy);
+    if let Some(p) = progress {
+        weights = weights.with_progress(p);
     }
+    let model = Gemma4::load(cfg, &weights)?;
+    let report = weights.report();
+    Ok(Loaded {
+        model,
+        report,
+        unused: src.unused(),
+    })
 }
 
 /// The GGUF file `path` designates, if it designates one.
@@ -78,7 +101,7 @@ pub fn gguf_file(path: &Path) -> Result<Option<std::path::PathBuf>> {
     }
 }
 
-/// Loads a Hugging Face checkpoint directory (config + safetensors).
+/// Loads a Hugging Face checkpoint directory (config + safetensors) as stored.
 pub fn load_hf_dir(dir: &Path) -> Result<Gemma4> {
     if !dir.is_dir() {
         return Err(ModelError::Input(format!(
@@ -86,7 +109,5 @@ pub fn load_hf_dir(dir: &Path) -> Result<Gemma4> {
             dir.display()
         )));
     }
-    let cfg = TextConfig::from_dir(dir)?;
-    let src = HfSafetensors::open(dir)?;
-    Gemma4::load(cfg, &src)
+    load(dir, LoadPolicy::default())
 }

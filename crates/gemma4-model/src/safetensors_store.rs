@@ -1,18 +1,20 @@
 //! Memory-mapped safetensors checkpoints, single-file or sharded.
 //!
-//! Files are mapped, never read whole; a tensor's bytes are converted to an
-//! f32 tensor only when the model asks for it. Every lookup is recorded so
-//! that unused tensors can be reported.
+//! Files are mapped, never read whole; the model reads tensors in place
+//! ([`SafetensorsStore::stored`]) or converted to f32 on request. Every
+//! lookup is recorded so that unused tensors can be reported.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use candle_core::{DType, Device, Tensor};
-use memmap2::Mmap;
+use gemma4_kernels::float::FloatType;
 use safetensors::tensor::{Dtype, SafeTensors};
 
 use crate::error::{tensor_message, WeightError};
+use crate::mapped::MappedFile;
+use crate::storage::{StoredDtype, StoredTensor};
 
 struct Entry {
     file: usize,
@@ -25,7 +27,7 @@ struct Entry {
 
 /// All tensors of a checkpoint, by name.
 pub struct SafetensorsStore {
-    maps: Vec<Mmap>,
+    maps: Vec<Arc<MappedFile>>,
     paths: Vec<PathBuf>,
     entries: HashMap<String, Entry>,
     used: Mutex<BTreeSet<String>>,
@@ -60,18 +62,9 @@ impl SafetensorsStore {
         };
         for path in files {
             let shown = path.display().to_string();
-            let file = std::fs::File::open(path).map_err(|source| WeightError::Io {
-                path: shown.clone(),
-                source,
-            })?;
-            // SAFETY: the map is read-only; a checkpoint modified while in use is
-            // outside what any loader can defend against.
-            let map = unsafe { Mmap::map(&file) }.map_err(|source| WeightError::Io {
-                path: shown.clone(),
-                source,
-            })?;
+            let map = MappedFile::open(path)?;
             let (header_len, meta) =
-                SafeTensors::read_metadata(&map).map_err(|e| WeightError::Format {
+                SafeTensors::read_metadata((*map).as_ref()).map_err(|e| WeightError::Format {
                     path: shown.clone(),
                     message: format!("{e} (is the file truncated or not safetensors?)"),
                 })?;
@@ -132,6 +125,54 @@ impl SafetensorsStore {
             .collect()
     }
 
+    /// Total bytes of tensor data in the checkpoint's files.
+    pub fn total_bytes(&self) -> u64 {
+        self.entries
+            .values()
+            .map(|e| (e.end - e.start) as u64)
+            .sum()
+    }
+
+    /// A floating-point tensor as stored (a view of the mapping), checking its shape.
+    pub fn stored(&self, name: &str, expected: &[usize]) -> Result<StoredTensor, WeightError> {
+        let e = self.entry(name, expected)?;
+        let ty = match e.dtype {
+            Dtype::BF16 => FloatType::Bf16,
+            Dtype::F16 => FloatType::F16,
+            Dtype::F32 => FloatType::F32,
+            other => {
+                return Err(WeightError::Dtype {
+                    name: name.into(),
+                    dtype: format!("{other:?}"),
+                })
+            }
+        };
+        StoredTensor::mapped(
+            name.to_string(),
+            StoredDtype::Float(ty),
+            e.shape.clone(),
+            &self.maps[e.file],
+            e.start..e.end,
+        )
+    }
+
+    fn entry(&self, name: &str, expected: &[usize]) -> Result<&Entry, WeightError> {
+        let e = self.entries.get(name).ok_or_else(|| WeightError::Missing {
+            name: name.to_string(),
+        })?;
+        if e.shape != expected {
+            return Err(WeightError::Shape {
+                name: name.into(),
+                expected: expected.to_vec(),
+                found: e.shape.clone(),
+            });
+        }
+        if let Ok(mut used) = self.used.lock() {
+            used.insert(name.to_string());
+        }
+        Ok(e)
+    }
+
     /// Loads a floating-point tensor as f32 on the CPU, checking its shape.
     pub fn get(&self, name: &str, expected: &[usize]) -> Result<Tensor, WeightError> {
         let t = self.get_raw(name, expected)?;
@@ -147,20 +188,8 @@ impl SafetensorsStore {
 
     /// Loads a tensor in its stored dtype (bf16, f16, f32, i64), checking its shape.
     pub fn get_raw(&self, name: &str, expected: &[usize]) -> Result<Tensor, WeightError> {
-        let e = self.entries.get(name).ok_or_else(|| WeightError::Missing {
-            name: name.to_string(),
-        })?;
-        if e.shape != expected {
-            return Err(WeightError::Shape {
-                name: name.into(),
-                expected: expected.to_vec(),
-                found: e.shape.clone(),
-            });
-        }
-        if let Ok(mut used) = self.used.lock() {
-            used.insert(name.to_string());
-        }
-        let bytes = &self.maps[e.file][e.start..e.end];
+        let e = self.entry(name, expected)?;
+        let bytes = &(*self.maps[e.file]).as_ref()[e.start..e.end];
         let dtype = match e.dtype {
             Dtype::BF16 => DType::BF16,
             Dtype::F16 => DType::F16,

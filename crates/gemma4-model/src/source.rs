@@ -4,26 +4,24 @@
 
 use std::path::Path;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 
 use crate::error::{Result, WeightError};
-use crate::layers::Linear;
 use crate::safetensors_store::SafetensorsStore;
+use crate::storage::StoredTensor;
 
-/// A provider of the text model's tensors.
+/// A provider of the text model's tensors, as stored.
 pub trait WeightSource {
-    /// A tensor of the given shape, as f32.
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor>;
-    /// A weight matrix `[out, in]` in whatever storage the source keeps it.
-    fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear> {
-        Linear::dense(self.tensor(name, &[out, inp])?)
-    }
-    /// The output head, tied to the (unscaled) embedding table.
-    fn tied_head(&self, embed: &Tensor) -> Result<Linear> {
-        Linear::dense(embed.clone())
-    }
+    /// A tensor of the given shape in its stored encoding (usually a view
+    /// of a mapped file; nothing is converted).
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor>;
     /// Whether the tensor exists.
     fn contains(&self, name: &str) -> bool;
+    /// A tensor of the given shape widened to f32 (norm weights, scalars).
+    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.stored(name, shape)?;
+        Ok(Tensor::from_vec(t.to_f32()?, shape, &Device::Cpu)?)
+    }
     /// Whether norm weights already include Gemma 3's `+1` (llama.cpp's GGUF export does).
     fn norms_include_gemma3_offset(&self) -> bool {
         false
@@ -31,6 +29,10 @@ pub trait WeightSource {
     /// Tensors present but never requested (tower weights excluded), for `doctor`.
     fn unused(&self) -> Vec<String> {
         Vec::new()
+    }
+    /// Bytes of tensor data the source holds (for load progress).
+    fn total_bytes(&self) -> u64 {
+        0
     }
 }
 
@@ -86,8 +88,14 @@ impl HfSafetensors {
 }
 
 impl WeightSource for HfSafetensors {
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        Ok(self.store.get(&format!("{}{name}", self.prefix), shape)?)
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor> {
+        Ok(self
+            .store
+            .stored(&format!("{}{name}", self.prefix), shape)?)
+    }
+
+    fn total_bytes(&self) -> u64 {
+        self.store.total_bytes()
     }
 
     fn contains(&self, name: &str) -> bool {

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use gemma4_model::config::{AttentionKind, KvSource, TextConfig};
 use gemma4_model::gguf_source::gguf_name;
 use gemma4_model::golden::{verify_prompt, Golden, DEFAULT_TOLERANCE};
-use gemma4_model::{load, GgufMode};
+use gemma4_model::{load, LoadPolicy};
 
 fn fixture(v: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -152,7 +152,7 @@ fn write_gguf(variant: &str) -> PathBuf {
 fn gemma4_gguf_matches_the_reference() {
     for v in ["e-style", "dense-k-eq-v", "moe"] {
         let path = write_gguf(v);
-        let model = load(&path, GgufMode::Quantized).unwrap_or_else(|e| panic!("{v}: {e}"));
+        let model = load(&path, LoadPolicy::default()).unwrap_or_else(|e| panic!("{v}: {e}"));
         let hf = TextConfig::from_dir(&fixture(v)).expect("config");
         assert_eq!(model.config().layers, hf.layers, "{v}");
         let golden = Golden::read(&fixture(v).join("golden.json")).expect("golden");

@@ -72,7 +72,8 @@ async fn loading_then_ready_then_shutdown() {
     assert_eq!(body["error"]["code"], "model_loading");
 
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/oracle/e-style");
-    let model = gemma4_model::load(&dir, gemma4_model::GgufMode::Quantized).expect("load fixture");
+    let model =
+        gemma4_model::load(&dir, gemma4_model::LoadPolicy::default()).expect("load fixture");
     let eos = model.config().eos_token_ids.clone();
     let tokenizer = Tokenizer::from_dir(&dir).expect("tokenizer");
     let template = ChatTemplate::for_tokenizer(&tokenizer, None);

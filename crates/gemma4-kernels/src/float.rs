@@ -1,0 +1,282 @@
+//! f32, bf16 and f16 matrices, read in place (e.g. from a memory-mapped
+//! safetensors file) and widened in registers.
+
+use std::ops::Range;
+
+use half::f16;
+
+use crate::dispatch::multiversion;
+use crate::{Bytes, WeightMatrix};
+
+/// Lanes of independent partial sums: enough for the compiler to fill a
+/// vector register and hide the add latency.
+const LANES: usize = 16;
+
+/// Element types a float matrix can hold, stored little-endian.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloatType {
+    F32,
+    Bf16,
+    F16,
+}
+
+impl FloatType {
+    pub fn size(self) -> usize {
+        match self {
+            FloatType::F32 => 4,
+            FloatType::Bf16 | FloatType::F16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            FloatType::F32 => "f32",
+            FloatType::Bf16 => "bf16",
+            FloatType::F16 => "f16",
+        }
+    }
+}
+
+/// A `[rows, cols]` matrix of f32, bf16 or f16 values.
+#[derive(Debug, Clone)]
+pub struct FloatMatrix {
+    bytes: Bytes,
+    ty: FloatType,
+    rows: usize,
+    cols: usize,
+}
+
+impl FloatMatrix {
+    /// `None` when the byte count does not match the shape.
+    pub fn new(bytes: Bytes, ty: FloatType, rows: usize, cols: usize) -> Option<Self> {
+        (bytes.len() == rows.checked_mul(cols)?.checked_mul(ty.size())?).then_some(Self {
+            bytes,
+            ty,
+            rows,
+            cols,
+        })
+    }
+
+    pub fn from_f32(values: &[f32], rows: usize, cols: usize) -> Option<Self> {
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        Self::new(Bytes::from_vec(bytes), FloatType::F32, rows, cols)
+    }
+
+    pub fn float_type(&self) -> FloatType {
+        self.ty
+    }
+
+    fn row_bytes(&self, r: usize) -> &[u8] {
+        let w = self.cols * self.ty.size();
+        &self.bytes.as_slice()[r * w..(r + 1) * w]
+    }
+}
+
+impl WeightMatrix for FloatMatrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn storage(&self) -> &'static str {
+        self.ty.name()
+    }
+    fn stored_bytes(&self) -> usize {
+        self.bytes.len()
+    }
+    fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
+        let w = self.cols * self.ty.size();
+        let src = &self.bytes.as_slice()[rows.start * w..rows.end * w];
+        widen(self.ty, src, out);
+    }
+    fn dots(&self, rows: Range<usize>, x: &[f32], n: usize, out: &mut [f32]) {
+        let len = rows.len();
+        let cols = self.cols;
+        for (i, r) in rows.enumerate() {
+            let row = self.row_bytes(r);
+            for t in 0..n {
+                let xs = &x[t * cols..(t + 1) * cols];
+                out[t * len + i] = match self.ty {
+                    FloatType::F32 => dot_f32_bytes(xs, row),
+                    FloatType::Bf16 => dot_bf16(xs, row),
+                    FloatType::F16 => dot_f16(xs, row),
+                };
+            }
+        }
+    }
+}
+
+/// Widens stored values to f32.
+pub fn widen(ty: FloatType, src: &[u8], out: &mut [f32]) {
+    match ty {
+        FloatType::F32 => {
+            for (o, b) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+            }
+        }
+        FloatType::Bf16 => widen_bf16(src, out),
+        FloatType::F16 => {
+            for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+                *o = f16::from_le_bytes([b[0], b[1]]).to_f32();
+            }
+        }
+    }
+}
+
+#[inline(always)]
+fn bf16_bits(b: &[u8]) -> f32 {
+    f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16)
+}
+
+#[inline(always)]
+fn widen_bf16_body(src: &[u8], out: &mut [f32]) {
+    for (o, b) in out.iter_mut().zip(src.chunks_exact(2)) {
+        *o = bf16_bits(b);
+    }
+}
+
+multiversion!(
+    /// bf16 bytes → f32.
+    pub fn widen_bf16(src: &[u8], out: &mut [f32]) => widen_bf16_body
+);
+
+#[inline(always)]
+fn dot_f32_body(x: &[f32], w: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (xc, wc) = (x.chunks_exact(LANES), w.chunks_exact(LANES));
+    let (xr, wr) = (xc.remainder(), wc.remainder());
+    for (xs, ws) in xc.zip(wc) {
+        for k in 0..LANES {
+            acc[k] += xs[k] * ws[k];
+        }
+    }
+    let tail: f32 = xr.iter().zip(wr).map(|(a, b)| a * b).sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+multiversion!(
+    /// `Σ x[i] · w[i]` over f32 slices of equal length.
+    pub fn dot_f32(x: &[f32], w: &[f32]) -> f32 => dot_f32_body
+);
+
+#[inline(always)]
+fn dot_f32_bytes_body(x: &[f32], w: &[u8]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (xc, wc) = (x.chunks_exact(LANES), w.chunks_exact(LANES * 4));
+    let (xr, wr) = (xc.remainder(), wc.remainder());
+    for (xs, ws) in xc.zip(wc) {
+        for k in 0..LANES {
+            let b = &ws[4 * k..4 * k + 4];
+            acc[k] += xs[k] * f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+    }
+    let tail: f32 = xr
+        .iter()
+        .zip(wr.chunks_exact(4))
+        .map(|(a, b)| a * f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+multiversion!(
+    /// `Σ x[i] · w[i]` with `w` as little-endian f32 bytes.
+    pub fn dot_f32_bytes(x: &[f32], w: &[u8]) -> f32 => dot_f32_bytes_body
+);
+
+#[inline(always)]
+fn dot_bf16_body(x: &[f32], w: &[u8]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (xc, wc) = (x.chunks_exact(LANES), w.chunks_exact(LANES * 2));
+    let (xr, wr) = (xc.remainder(), wc.remainder());
+    for (xs, ws) in xc.zip(wc) {
+        for k in 0..LANES {
+            acc[k] += xs[k] * bf16_bits(&ws[2 * k..2 * k + 2]);
+        }
+    }
+    let tail: f32 = xr
+        .iter()
+        .zip(wr.chunks_exact(2))
+        .map(|(a, b)| a * bf16_bits(b))
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+multiversion!(
+    /// `Σ x[i] · w[i]` with `w` as little-endian bf16 bytes.
+    pub fn dot_bf16(x: &[f32], w: &[u8]) -> f32 => dot_bf16_body
+);
+
+#[inline(always)]
+fn dot_f16_body(x: &[f32], w: &[u8]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut buf = [0f32; LANES];
+    let (xc, wc) = (x.chunks_exact(LANES), w.chunks_exact(LANES * 2));
+    let (xr, wr) = (xc.remainder(), wc.remainder());
+    for (xs, ws) in xc.zip(wc) {
+        for k in 0..LANES {
+            buf[k] = crate::f16_to_f32(u16::from_le_bytes([ws[2 * k], ws[2 * k + 1]]));
+        }
+        for k in 0..LANES {
+            acc[k] += xs[k] * buf[k];
+        }
+    }
+    let tail: f32 = xr
+        .iter()
+        .zip(wr.chunks_exact(2))
+        .map(|(a, b)| a * f16::from_le_bytes([b[0], b[1]]).to_f32())
+        .sum();
+    acc.iter().sum::<f32>() + tail
+}
+
+multiversion!(
+    /// `Σ x[i] · w[i]` with `w` as little-endian f16 bytes.
+    pub fn dot_f16(x: &[f32], w: &[u8]) -> f32 => dot_f16_body
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{check_matmul, values};
+
+    fn matrix(ty: FloatType, rows: usize, cols: usize) -> FloatMatrix {
+        let v = values(rows * cols, 3, 0.5);
+        let bytes: Vec<u8> = match ty {
+            FloatType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            FloatType::Bf16 => v
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect(),
+            FloatType::F16 => v
+                .iter()
+                .flat_map(|x| f16::from_f32(*x).to_le_bytes())
+                .collect(),
+        };
+        FloatMatrix::new(Bytes::from_vec(bytes), ty, rows, cols).expect("shape")
+    }
+
+    #[test]
+    fn every_float_type_matches_the_reference_product() {
+        for ty in [FloatType::F32, FloatType::Bf16, FloatType::F16] {
+            // Odd sizes exercise the remainders and a partial last tile.
+            check_matmul(&matrix(ty, 131, 77));
+            check_matmul(&matrix(ty, 8, 256));
+        }
+    }
+
+    #[test]
+    fn bf16_widening_is_exact() {
+        let m = matrix(FloatType::Bf16, 4, 33);
+        let mut out = vec![0f32; 4 * 33];
+        m.dequantize_rows(0..4, &mut out);
+        let v = values(4 * 33, 3, 0.5);
+        for (o, x) in out.iter().zip(&v) {
+            assert_eq!(*o, half::bf16::from_f32(*x).to_f32());
+        }
+    }
+
+    #[test]
+    fn wrong_sizes_are_refused() {
+        assert!(FloatMatrix::new(Bytes::from_vec(vec![0; 10]), FloatType::Bf16, 2, 3).is_none());
+    }
+}

@@ -1,0 +1,232 @@
+//! CPU kernels over weight matrices kept in their stored form.
+//!
+//! A [`WeightMatrix`] is a row-major `[rows, cols]` matrix in some storage
+//! (bf16 bytes of a memory-mapped checkpoint, GGUF blocks, our int8 or 4-bit
+//! layouts). Each storage type knows two things: how to widen a range of rows
+//! to f32, and (where it has a fused kernel) how to take dot products of its
+//! rows with f32 activations directly. [`matmul`] builds `y = x · Wᵀ` from
+//! those: fused dot products for a few activation rows (decode), dequantized
+//! tiles multiplied with the `gemm` crate for many (prefill). Every product
+//! accumulates in f32 and keeps activations in f32, so results match the
+//! widened f32 product up to summation order.
+//!
+//! Embedding tables use the same interface: a lookup widens only the rows
+//! of the step's tokens.
+
+mod bytes;
+mod dispatch;
+pub mod float;
+pub mod int8;
+pub mod kquant;
+pub mod legacy;
+pub mod q4;
+pub mod q8_0;
+
+pub use bytes::Bytes;
+
+use rayon::prelude::*;
+use std::ops::Range;
+
+/// A row-major `[rows, cols]` weight matrix in some storage.
+pub trait WeightMatrix: Send + Sync + std::fmt::Debug {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// Short name of the storage (`bf16`, `int8`, `q4`, `Q6K`, …).
+    fn storage(&self) -> &'static str;
+    /// Bytes this matrix keeps in memory (or maps), for planning and reports.
+    fn stored_bytes(&self) -> usize;
+    /// Rows `rows` widened to f32, row-major, into `out` (`rows.len() · cols` values).
+    fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]);
+    /// `out[t · rows.len() + (r − rows.start)] = Σ_c x[t · cols + c] · W[r, c]`
+    /// for `n` activation rows. The default widens each row, then takes f32
+    /// dot products; storage types with a fused kernel override it.
+    fn dots(&self, rows: Range<usize>, x: &[f32], n: usize, out: &mut [f32]) {
+        let cols = self.cols();
+        let len = rows.len();
+        let mut row = vec![0f32; cols];
+        for (i, r) in rows.enumerate() {
+            self.dequantize_rows(r..r + 1, &mut row);
+            for t in 0..n {
+                out[t * len + i] = float::dot_f32(&x[t * cols..(t + 1) * cols], &row);
+            }
+        }
+    }
+}
+
+/// IEEE half → f32, exact, branch-light (inlined into kernels, unlike a
+/// library call per block scale).
+#[inline(always)]
+pub fn f16_to_f32(h: u16) -> f32 {
+    let sign = u32::from(h & 0x8000) << 16;
+    let exp = u32::from((h >> 10) & 0x1f);
+    let mant = u32::from(h & 0x3ff);
+    let bits = match exp {
+        0 => {
+            // Zero or subnormal: mant · 2^-24, exactly representable.
+            let v = mant as f32 * (1.0 / 16_777_216.0);
+            return if sign != 0 { -v } else { v };
+        }
+        31 => sign | 0x7f80_0000 | (mant << 13),
+        _ => sign | ((exp + 112) << 23) | (mant << 13),
+    };
+    f32::from_bits(bits)
+}
+
+/// From this many activation rows on, [`matmul`] multiplies dequantized
+/// tiles with `gemm` instead of taking fused dot products row by row.
+pub const GEMM_MIN_ROWS: usize = 8;
+/// Weight rows widened at a time on the tiled path.
+const TILE_ROWS: usize = 64;
+
+/// `y[t, r] = Σ_c x[t, c] · W[r, c]` for `x` of `n` rows; returns `[n, rows]`.
+///
+/// Weight rows are split across the thread pool once, so every weight byte
+/// is read once per call whatever `n` is.
+pub fn matmul(w: &dyn WeightMatrix, x: &[f32], n: usize) -> Vec<f32> {
+    let (rows, cols) = (w.rows(), w.cols());
+    assert_eq!(
+        x.len(),
+        n * cols,
+        "activations do not match the weight's width"
+    );
+    let mut y = vec![0f32; n * rows];
+    if n == 0 || rows == 0 {
+        return y;
+    }
+    let threads = rayon::current_num_threads().max(1);
+    // Several chunks per thread balance uneven progress; on the tiled path a
+    // chunk is a whole number of tiles.
+    let granule = if n >= GEMM_MIN_ROWS { TILE_ROWS } else { 16 };
+    let chunk = rows.div_ceil(threads * 4).div_ceil(granule).max(1) * granule;
+    let starts: Vec<usize> = (0..rows).step_by(chunk).collect();
+    let parts: Vec<Vec<f32>> = starts
+        .par_iter()
+        .map(|&start| {
+            let range = start..(start + chunk).min(rows);
+            let mut out = vec![0f32; n * range.len()];
+            if n >= GEMM_MIN_ROWS {
+                tiled_product(w, range, x, n, &mut out);
+            } else {
+                w.dots(range, x, n, &mut out);
+            }
+            out
+        })
+        .collect();
+    for (&start, part) in starts.iter().zip(&parts) {
+        let len = part.len() / n;
+        for t in 0..n {
+            y[t * rows + start..t * rows + start + len]
+                .copy_from_slice(&part[t * len..(t + 1) * len]);
+        }
+    }
+    y
+}
+
+/// `out` (`[n, rows.len()]`) for weight rows `rows`, tile by tile: widen
+/// `TILE_ROWS` rows, then one `gemm` call per tile.
+fn tiled_product(w: &dyn WeightMatrix, rows: Range<usize>, x: &[f32], n: usize, out: &mut [f32]) {
+    let cols = w.cols();
+    let len = rows.len();
+    let mut tile = vec![0f32; TILE_ROWS.min(len) * cols];
+    let mut r = rows.start;
+    while r < rows.end {
+        let t_rows = TILE_ROWS.min(rows.end - r);
+        let tile = &mut tile[..t_rows * cols];
+        w.dequantize_rows(r..r + t_rows, tile);
+        let col0 = r - rows.start;
+        // dst[t, j] = Σ_k x[t, k] · tile[j, k], written into out's columns col0..col0+t_rows.
+        // SAFETY: every pointer/stride pair stays inside its slice: x is
+        // [n, cols], tile is [t_rows, cols], out is [n, len] with
+        // col0 + t_rows ≤ len.
+        unsafe {
+            gemm::gemm(
+                n,
+                t_rows,
+                cols,
+                out.as_mut_ptr().add(col0),
+                1,
+                len as isize,
+                false,
+                x.as_ptr(),
+                1,
+                cols as isize,
+                tile.as_ptr(),
+                cols as isize,
+                1,
+                0.0f32,
+                1.0f32,
+                false,
+                false,
+                false,
+                gemm::Parallelism::None,
+            );
+        }
+        r += t_rows;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn half_conversion_is_exact_for_every_value() {
+        for h in 0..=u16::MAX {
+            let want = half::f16::from_bits(h).to_f32();
+            let got = super::f16_to_f32(h);
+            assert!(
+                got == want || (got.is_nan() && want.is_nan()),
+                "{h:#x}: {got} vs {want}"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    /// Deterministic values in [-scale, scale).
+    pub fn values(len: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (0..len)
+            .map(|_| {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect()
+    }
+
+    /// The f64 product of `x` `[n, cols]` and the widened rows of `w`.
+    pub fn reference(w: &dyn super::WeightMatrix, x: &[f32], n: usize) -> Vec<f64> {
+        let (rows, cols) = (w.rows(), w.cols());
+        let mut deq = vec![0f32; rows * cols];
+        w.dequantize_rows(0..rows, &mut deq);
+        let mut y = vec![0f64; n * rows];
+        for t in 0..n {
+            for r in 0..rows {
+                y[t * rows + r] = (0..cols)
+                    .map(|c| f64::from(x[t * cols + c]) * f64::from(deq[r * cols + c]))
+                    .sum();
+            }
+        }
+        y
+    }
+
+    /// Checks `matmul` on both paths (fused dots and tiles) against the f64 reference.
+    pub fn check_matmul(w: &dyn super::WeightMatrix) {
+        for n in [1, 3, super::GEMM_MIN_ROWS + 1] {
+            let x = values(n * w.cols(), n as u64 + 7, 1.0);
+            let y = super::matmul(w, &x, n);
+            let want = reference(w, &x, n);
+            for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+                let tol = 1e-5 * (1.0 + want.abs()) * (w.cols() as f64).sqrt();
+                assert!(
+                    (f64::from(got) - want).abs() <= tol,
+                    "{} n={n} element {i}: {got} vs {want}",
+                    w.storage()
+                );
+            }
+        }
+    }
+}

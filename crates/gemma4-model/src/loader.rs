@@ -1,0 +1,328 @@
+//! The loader context: a weight source plus the storage policy.
+//!
+//! The model asks for "the linear `layers.3.self_attn.q_proj.weight`" or
+//! "the embedding table `embed_tokens.weight`" and gets an operation; which
+//! storage and kernel serve it is decided here, from how the tensor is
+//! stored and from the [`LoadPolicy`] (as stored, int8 or 4-bit; exact f32
+//! activations or candle's 8-bit-activation GGUF kernels). A device or
+//! tensor-parallel shard choice would live here too.
+
+use std::cell::{Cell, RefCell};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use candle_core::quantized::GgmlDType;
+use candle_core::Tensor;
+use gemma4_kernels::int8::Int8Matrix;
+use gemma4_kernels::q4::{Q4Matrix, Q4Report, GROUP};
+use gemma4_kernels::WeightMatrix;
+
+use crate::error::{ModelError, Result};
+use crate::source::WeightSource;
+use crate::storage::{
+    CandleQuantLinear, Embedding, Experts, KernelLinear, Linear, RowsEmbedding, StoredDtype,
+    StoredTensor,
+};
+
+/// What matrices stored as floats become in memory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Quant {
+    /// As stored (bf16 stays bf16, mapped from the file).
+    #[default]
+    AsStored,
+    /// Symmetric int8, one scale per output channel.
+    Int8,
+    /// 4-bit groups of 32 on the Q4_0 grid, one f32 scale per group.
+    Q4,
+}
+
+impl Quant {
+    pub fn name(self) -> &'static str {
+        match self {
+            Quant::AsStored => "as stored",
+            Quant::Int8 => "int8",
+            Quant::Q4 => "q4",
+        }
+    }
+}
+
+impl std::str::FromStr for Quant {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "none" | "as-stored" => Ok(Quant::AsStored),
+            "int8" => Ok(Quant::Int8),
+            "q4" | "q4_0" => Ok(Quant::Q4),
+            other => Err(format!(
+                "unknown quantization `{other}` (choose none, int8, q4 or q4_0)"
+            )),
+        }
+    }
+}
+
+/// How a load keeps and runs weights.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoadPolicy {
+    /// Quantization of matrices stored as floats (GGUF blocks stay as they are).
+    pub quant: Quant,
+    /// Every GGUF block type with f32 activations (exact against the widened
+    /// weights). Without it, the types our kernels lack (Q2_K, Q3_K) run
+    /// through candle's kernels, which round activations to 8 bits.
+    pub exact: bool,
+}
+
+/// Where a load's bytes went, by storage.
+#[derive(Debug, Clone, Default)]
+pub struct LoadReport {
+    /// Per storage name: matrices and bytes.
+    pub by_storage: BTreeMap<&'static str, (usize, u64)>,
+    /// Bytes of weights every step reads (they become resident).
+    pub resident_bytes: u64,
+    /// Bytes of tables read by row from the mapping (only looked-up rows become resident).
+    pub table_bytes: u64,
+    /// Bytes of floats that were quantized on load.
+    pub quantized_from_bytes: u64,
+    /// 4-bit quantization: groups, and those already on their grid.
+    pub q4: Q4Report,
+}
+
+impl LoadReport {
+    /// `storage: matrices` per storage, for one-line summaries.
+    pub fn storage_summary(&self) -> String {
+        self.by_storage
+            .iter()
+            .map(|(k, (n, b))| format!("{k} ×{n} ({:.1} MiB)", *b as f64 / (1 << 20) as f64))
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    /// Whether the 4-bit quantization found the weights already on a Q4_0
+    /// grid (a quantization-aware-trained checkpoint), so nothing was lost.
+    pub fn q4_grid_detected(&self) -> bool {
+        self.q4.groups > 0 && self.q4.on_grid * 100 >= self.q4.groups * 99
+    }
+}
+
+/// Progress of a load: bytes of stored tensors handled so far, and in all.
+pub type Progress<'a> = &'a dyn Fn(u64, u64);
+
+/// The loader context handed to the model's constructor.
+pub struct Weights<'a> {
+    src: &'a dyn WeightSource,
+    policy: LoadPolicy,
+    report: RefCell<LoadReport>,
+    progress: Option<Progress<'a>>,
+    done: Cell<u64>,
+}
+
+impl<'a> Weights<'a> {
+    pub fn new(src: &'a dyn WeightSource, policy: LoadPolicy) -> Self {
+        Self {
+            src,
+            policy,
+            report: RefCell::new(LoadReport::default()),
+            progress: None,
+            done: Cell::new(0),
+        }
+    }
+
+    pub fn with_progress(mut self, progress: Progress<'a>) -> Self {
+        self.progress = Some(progress);
+        self
+    }
+
+    pub fn policy(&self) -> LoadPolicy {
+        self.policy
+    }
+
+    pub fn report(&self) -> LoadReport {
+        self.report.borrow().clone()
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.src.contains(name)
+    }
+
+    pub fn norms_include_gemma3_offset(&self) -> bool {
+        self.src.norms_include_gemma3_offset()
+    }
+
+    fn advance(&self, t: &StoredTensor) {
+        self.done.set(self.done.get() + t.bytes.len() as u64);
+        if let Some(p) = self.progress {
+            p(self.done.get(), self.src.total_bytes());
+        }
+    }
+
+    fn record(&self, storage: &'static str, bytes: usize, resident: bool) {
+        let mut r = self.report.borrow_mut();
+        let e = r.by_storage.entry(storage).or_default();
+        e.0 += 1;
+        e.1 += bytes as u64;
+        if resident {
+            r.resident_bytes += bytes as u64;
+        } else {
+            r.table_bytes += bytes as u64;
+        }
+    }
+
+    /// A small tensor (norm weights, scales) widened to f32.
+    pub fn vector(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
+        let t = self.src.stored(name, shape)?;
+        self.advance(&t);
+        self.report.borrow_mut().resident_bytes += 4 * t.elements() as u64;
+        Ok(Tensor::from_vec(
+            t.to_f32()?,
+            shape,
+            &candle_core::Device::Cpu,
+        )?)
+    }
+
+    /// The weight matrix `[out, in]` of a linear layer.
+    pub fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear> {
+        let t = self.src.stored(name, &[out, inp])?;
+        self.advance(&t);
+        self.linear_from(&t, out, inp)
+    }
+
+    /// An embedding table `[rows, dim]`, read by row from its mapping. The
+    /// stored tensor is returned too, for a head tied to it.
+    pub fn embedding(
+        &self,
+        name: &str,
+        rows: usize,
+        dim: usize,
+    ) -> Result<(Embedding, StoredTensor)> {
+        let t = self.src.stored(name, &[rows, dim])?;
+        self.advance(&t);
+        let m = t.matrix(rows, dim)?;
+        self.record(m.storage(), m.stored_bytes(), false);
+        Ok((Embedding::new(Arc::new(RowsEmbedding::new(m))), t))
+    }
+
+    /// The output head tied to an embedding table: the same bytes as stored,
+    /// or their quantized copy.
+    pub fn tied_head(&self, table: &StoredTensor) -> Result<Linear> {
+        let (rows, cols) = match table.shape[..] {
+            [r, c] => (r, c),
+            _ => {
+                return Err(ModelError::Input(format!(
+                    "`{}` is not a matrix",
+                    table.name
+                )))
+            }
+        };
+        // Read in full every step, so no longer a by-row table.
+        {
+            let mut r = self.report.borrow_mut();
+            r.table_bytes = r.table_bytes.saturating_sub(table.bytes.len() as u64);
+            if let Some(e) = r.by_storage.get_mut(table.dtype.name()) {
+                e.0 = e.0.saturating_sub(1);
+                e.1 = e.1.saturating_sub(table.bytes.len() as u64);
+            }
+        }
+        let head = self.linear_from(table, rows, cols)?;
+        if head.storage() != table.dtype.name() {
+            // Quantized or copied: the lookups read the table by row again.
+            let mut r = self.report.borrow_mut();
+            r.table_bytes += table.bytes.len() as u64;
+        }
+        Ok(head)
+    }
+
+    /// The experts of an MoE layer: `gate_up` `[e, 2·inter, hidden]` and
+    /// `down` `[e, hidden, inter]`, one matrix per expert.
+    pub fn experts(
+        &self,
+        gate_up: &str,
+        down: &str,
+        e: usize,
+        inter: usize,
+        h: usize,
+    ) -> Result<Experts> {
+        let gu = self.src.stored(gate_up, &[e, 2 * inter, h])?;
+        let dn = self.src.stored(down, &[e, h, inter])?;
+        self.advance(&gu);
+        self.advance(&dn);
+        let mut out = Experts {
+            gate_up: Vec::with_capacity(e),
+            down: Vec::with_capacity(e),
+        };
+        for i in 0..e {
+            out.gate_up
+                .push(self.linear_from(&gu.index_first(i)?, 2 * inter, h)?);
+            out.down
+                .push(self.linear_from(&dn.index_first(i)?, h, inter)?);
+        }
+        Ok(out)
+    }
+
+    /// The linear op for a stored matrix, by the policy.
+    fn linear_from(&self, t: &StoredTensor, rows: usize, cols: usize) -> Result<Linear> {
+        let float = match t.dtype {
+            StoredDtype::Float(_) => true,
+            StoredDtype::Ggml(d) => matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16),
+        };
+        let matrix: Arc<dyn WeightMatrix> = match t.dtype {
+            StoredDtype::Float(_) | StoredDtype::Ggml(_) if float => {
+                let m = t.matrix(rows, cols)?;
+                match self.policy.quant {
+                    Quant::AsStored => m,
+                    Quant::Int8 => self.quantized(t, Arc::new(Int8Matrix::quantize(m.as_ref()))),
+                    Quant::Q4 if cols.is_multiple_of(GROUP) => {
+                        let (q, rep) = Q4Matrix::quantize(m.as_ref()).ok_or_else(|| {
+                            ModelError::Input(format!(
+                                "`{}`: width {cols} is not a multiple of {GROUP}",
+                                t.name
+                            ))
+                        })?;
+                        {
+                            let mut r = self.report.borrow_mut();
+                            r.q4.groups += rep.groups;
+                            r.q4.on_grid += rep.on_grid;
+                        }
+                        self.quantized(t, Arc::new(q))
+                    }
+                    // A width 4-bit groups cannot tile keeps 8 bits.
+                    Quant::Q4 => self.quantized(t, Arc::new(Int8Matrix::quantize(m.as_ref()))),
+                }
+            }
+            // Our kernels over the blocks in place, f32 activations (exact);
+            // exact mode takes the remaining types through widened tiles.
+            StoredDtype::Ggml(d) if self.policy.exact || has_kernel(d) => t.matrix(rows, cols)?,
+            StoredDtype::Float(_) => t.matrix(rows, cols)?,
+            StoredDtype::Ggml(d) => {
+                let op = CandleQuantLinear::new(t.bytes.as_slice(), d, rows, cols)?;
+                // The blocks now live in candle's copy.
+                t.release();
+                self.record(crate::storage::ggml_name(d), t.bytes.len(), true);
+                return Ok(Linear::new(Arc::new(op)));
+            }
+        };
+        self.record(matrix.storage(), matrix.stored_bytes(), true);
+        Ok(Linear::new(Arc::new(KernelLinear::new(matrix))))
+    }
+
+    fn quantized(&self, t: &StoredTensor, q: Arc<dyn WeightMatrix>) -> Arc<dyn WeightMatrix> {
+        // The float bytes are no longer needed in memory.
+        t.release();
+        self.report.borrow_mut().quantized_from_bytes += t.bytes.len() as u64;
+        q
+    }
+}
+
+/// GGUF block types our kernels run in place; the rest (Q2_K, Q3_K) go
+/// through candle's quantized matmul unless exact mode is asked for.
+fn has_kernel(d: GgmlDType) -> bool {
+    matches!(
+        d,
+        GgmlDType::Q8_0
+            | GgmlDType::Q4_0
+            | GgmlDType::Q4_1
+            | GgmlDType::Q5_0
+            | GgmlDType::Q5_1
+            | GgmlDType::Q4K
+            | GgmlDType::Q5K
+            | GgmlDType::Q6K
+    )
+}

@@ -1,0 +1,560 @@
+//! Weight storage behind the model's operations.
+//!
+//! The model sees three interfaces: [`LinearOp`] (`y = x · Wᵀ`),
+//! [`EmbeddingOp`] (rows of a table for the step's tokens) and a set of
+//! expert matrices ([`Experts`], one [`Linear`] per expert). Each storage
+//! type implements them: our kernels over weights in place
+//! ([`KernelLinear`], [`RowsEmbedding`], any [`WeightMatrix`]), and candle's
+//! quantized matmul for GGUF k-quants ([`CandleQuantLinear`]). Which one a
+//! tensor gets is decided by the loader ([`crate::loader`]), never by the
+//! model.
+
+use std::borrow::Cow;
+use std::ops::Range;
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
+use candle_core::{Device, Module, Tensor};
+use gemma4_kernels::float::{FloatMatrix, FloatType};
+use gemma4_kernels::kquant::{self, SuperBlockMatrix};
+use gemma4_kernels::legacy::{self, BlockMatrix};
+use gemma4_kernels::q8_0::Q8_0Matrix;
+use gemma4_kernels::{Bytes, WeightMatrix};
+
+use crate::error::{ModelError, Result, WeightError};
+use crate::mapped::MappedFile;
+
+/// `y = x · Wᵀ` over some storage; `x` is `[n, in]`, `y` is `[n, out]`.
+pub trait LinearOp: Send + Sync + std::fmt::Debug {
+    fn forward(&self, x: &Tensor) -> Result<Tensor>;
+    fn in_features(&self) -> usize;
+    fn out_features(&self) -> usize;
+    /// The storage, as reported to users (`bf16`, `int8`, `Q4K`, …).
+    fn storage(&self) -> &'static str;
+}
+
+/// Rows of an embedding table; `[ids.len(), dim]` in f32.
+pub trait EmbeddingOp: Send + Sync + std::fmt::Debug {
+    fn lookup(&self, ids: &[u32], device: &Device) -> Result<Tensor>;
+    fn rows(&self) -> usize;
+    fn dim(&self) -> usize;
+    fn storage(&self) -> &'static str;
+}
+
+/// A linear layer, whatever its storage.
+#[derive(Debug, Clone)]
+pub struct Linear(Arc<dyn LinearOp>);
+
+impl Linear {
+    pub fn new(op: Arc<dyn LinearOp>) -> Self {
+        Self(op)
+    }
+
+    /// A dense f32 matrix `[out, in]`, for tests and small computed weights.
+    pub fn from_f32(values: &[f32], out: usize, inp: usize) -> Result<Self> {
+        let m = FloatMatrix::from_f32(values, out, inp).ok_or_else(|| {
+            ModelError::Input(format!("{} values are not [{out}, {inp}]", values.len()))
+        })?;
+        Ok(Self::new(Arc::new(KernelLinear::new(Arc::new(m)))))
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.0.forward(x)
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.0.out_features()
+    }
+
+    pub fn storage(&self) -> &'static str {
+        self.0.storage()
+    }
+}
+
+/// An embedding table, whatever its storage.
+#[derive(Debug, Clone)]
+pub struct Embedding(Arc<dyn EmbeddingOp>);
+
+impl Embedding {
+    pub fn new(op: Arc<dyn EmbeddingOp>) -> Self {
+        Self(op)
+    }
+
+    pub fn lookup(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
+        self.0.lookup(ids, device)
+    }
+
+    pub fn rows(&self) -> usize {
+        self.0.rows()
+    }
+
+    pub fn storage(&self) -> &'static str {
+        self.0.storage()
+    }
+}
+
+/// The experts of one MoE layer: per expert, its `gate_up` and `down` matrices.
+#[derive(Debug, Clone)]
+pub struct Experts {
+    pub gate_up: Vec<Linear>,
+    pub down: Vec<Linear>,
+}
+
+/// The f32 activations of `x`, checked against the weight's width.
+fn activations(x: &Tensor, inp: usize) -> Result<(Vec<f32>, usize)> {
+    let (n, width) = x.dims2()?;
+    if width != inp {
+        return Err(ModelError::Input(format!(
+            "input width {width} does not match the weight's {inp}"
+        )));
+    }
+    Ok((x.flatten_all()?.to_vec1::<f32>()?, n))
+}
+
+/// A linear layer computed by our kernels (`gemma4-kernels`) over any [`WeightMatrix`].
+#[derive(Debug, Clone)]
+pub struct KernelLinear {
+    matrix: Arc<dyn WeightMatrix>,
+}
+
+impl KernelLinear {
+    pub fn new(matrix: Arc<dyn WeightMatrix>) -> Self {
+        Self { matrix }
+    }
+}
+
+impl LinearOp for KernelLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let (xs, n) = activations(x, self.matrix.cols())?;
+        let y = gemma4_kernels::matmul(self.matrix.as_ref(), &xs, n);
+        Ok(Tensor::from_vec(y, (n, self.matrix.rows()), x.device())?)
+    }
+    fn in_features(&self) -> usize {
+        self.matrix.cols()
+    }
+    fn out_features(&self) -> usize {
+        self.matrix.rows()
+    }
+    fn storage(&self) -> &'static str {
+        self.matrix.storage()
+    }
+}
+
+/// A GGUF k-quant matrix through candle's quantized matmul, which rounds
+/// the activations to 8 bits per block (fast, not exact).
+#[derive(Debug, Clone)]
+pub struct CandleQuantLinear {
+    matmul: Arc<QMatMul>,
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+}
+
+impl CandleQuantLinear {
+    /// Copies the blocks out of `bytes` into candle's storage.
+    pub fn new(bytes: &[u8], dtype: GgmlDType, rows: usize, cols: usize) -> Result<Self> {
+        let storage = QStorage::from_data(Cow::Borrowed(bytes), &Device::Cpu, dtype)?;
+        let q = QTensor::new(storage, (rows, cols))?;
+        Ok(Self {
+            matmul: Arc::new(QMatMul::from_qtensor(q)?),
+            dtype,
+            rows,
+            cols,
+        })
+    }
+}
+
+impl LinearOp for CandleQuantLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.matmul.forward(x)?)
+    }
+    fn in_features(&self) -> usize {
+        self.cols
+    }
+    fn out_features(&self) -> usize {
+        self.rows
+    }
+    fn storage(&self) -> &'static str {
+        ggml_name(self.dtype)
+    }
+}
+
+/// Rows of a table kept as stored (memory-mapped): a lookup widens only
+/// the rows asked for, so the rest of the table never becomes resident.
+#[derive(Debug, Clone)]
+pub struct RowsEmbedding {
+    table: Arc<dyn WeightMatrix>,
+}
+
+impl RowsEmbedding {
+    pub fn new(table: Arc<dyn WeightMatrix>) -> Self {
+        Self { table }
+    }
+}
+
+impl EmbeddingOp for RowsEmbedding {
+    fn lookup(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
+        let (rows, dim) = (self.table.rows(), self.table.cols());
+        let mut out = vec![0f32; ids.len() * dim];
+        for (i, &id) in ids.iter().enumerate() {
+            let r = id as usize;
+            if r >= rows {
+                return Err(ModelError::Input(format!(
+                    "token id {id} is outside the embedding table ({rows} rows)"
+                )));
+            }
+            self.table
+                .dequantize_rows(r..r + 1, &mut out[i * dim..(i + 1) * dim]);
+        }
+        Ok(Tensor::from_vec(out, (ids.len(), dim), device)?)
+    }
+    fn rows(&self) -> usize {
+        self.table.rows()
+    }
+    fn dim(&self) -> usize {
+        self.table.cols()
+    }
+    fn storage(&self) -> &'static str {
+        self.table.storage()
+    }
+}
+
+/// GGUF blocks of any ggml type, read in place and widened through candle's
+/// block decoders a tile at a time (f32 activations: exact).
+#[derive(Debug, Clone)]
+pub struct GgmlMatrix {
+    bytes: Bytes,
+    dtype: GgmlDType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+}
+
+impl GgmlMatrix {
+    pub fn new(bytes: Bytes, dtype: GgmlDType, rows: usize, cols: usize) -> Option<Self> {
+        if !cols.is_multiple_of(dtype.block_size()) {
+            return None;
+        }
+        let row_bytes = cols / dtype.block_size() * dtype.type_size();
+        (bytes.len() == rows * row_bytes).then_some(Self {
+            bytes,
+            dtype,
+            rows,
+            cols,
+            row_bytes,
+        })
+    }
+}
+
+/// Rows widened per decoder call: amortizes the call, bounds the scratch.
+const GGML_TILE: usize = 64;
+
+impl WeightMatrix for GgmlMatrix {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+    fn cols(&self) -> usize {
+        self.cols
+    }
+    fn storage(&self) -> &'static str {
+        ggml_name(self.dtype)
+    }
+    fn stored_bytes(&self) -> usize {
+        self.bytes.len()
+    }
+    fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
+        let mut r = rows.start;
+        while r < rows.end {
+            let end = (r + GGML_TILE).min(rows.end);
+            let src = &self.bytes.as_slice()[r * self.row_bytes..end * self.row_bytes];
+            let count = (end - r) * self.cols;
+            let dst = &mut out[(r - rows.start) * self.cols..(end - rows.start) * self.cols];
+            let decoded = self.dtype.from_data(Cow::Borrowed(src)).dequantize(count);
+            match decoded {
+                Ok(candle_core::CpuStorage::F32(v)) => dst.copy_from_slice(&v),
+                // The decoders only produce f32; anything else would be a
+                // candle change, reported as NaN rather than silent zeros.
+                _ => dst.fill(f32::NAN),
+            }
+            r = end;
+        }
+    }
+    fn dots(&self, rows: Range<usize>, x: &[f32], n: usize, out: &mut [f32]) {
+        let (len, cols) = (rows.len(), self.cols);
+        let mut tile = vec![0f32; GGML_TILE.min(len) * cols];
+        let mut r = rows.start;
+        while r < rows.end {
+            let end = (r + GGML_TILE).min(rows.end);
+            let tile = &mut tile[..(end - r) * cols];
+            self.dequantize_rows(r..end, tile);
+            for (j, row) in tile.chunks_exact(cols).enumerate() {
+                for t in 0..n {
+                    out[t * len + (r - rows.start) + j] =
+                        gemma4_kernels::float::dot_f32(&x[t * cols..(t + 1) * cols], row);
+                }
+            }
+            r = end;
+        }
+    }
+}
+
+/// ggml's name for a block type.
+pub fn ggml_name(dtype: GgmlDType) -> &'static str {
+    match dtype {
+        GgmlDType::F32 => "f32",
+        GgmlDType::F16 => "f16",
+        GgmlDType::BF16 => "bf16",
+        GgmlDType::Q4_0 => "Q4_0",
+        GgmlDType::Q4_1 => "Q4_1",
+        GgmlDType::Q5_0 => "Q5_0",
+        GgmlDType::Q5_1 => "Q5_1",
+        GgmlDType::Q8_0 => "Q8_0",
+        GgmlDType::Q8_1 => "Q8_1",
+        GgmlDType::Q2K => "Q2_K",
+        GgmlDType::Q3K => "Q3_K",
+        GgmlDType::Q4K => "Q4_K",
+        GgmlDType::Q5K => "Q5_K",
+        GgmlDType::Q6K => "Q6_K",
+        GgmlDType::Q8K => "Q8_K",
+    }
+}
+
+/// How a tensor's bytes are encoded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoredDtype {
+    Float(FloatType),
+    Ggml(GgmlDType),
+}
+
+impl StoredDtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            StoredDtype::Float(t) => t.name(),
+            StoredDtype::Ggml(d) => ggml_name(d),
+        }
+    }
+}
+
+/// One tensor as a checkpoint stores it: its encoding, shape and bytes
+/// (usually a range of a mapped file).
+#[derive(Debug, Clone)]
+pub struct StoredTensor {
+    pub name: String,
+    pub dtype: StoredDtype,
+    pub shape: Vec<usize>,
+    pub bytes: Bytes,
+    mapping: Option<(Arc<MappedFile>, Range<usize>)>,
+}
+
+impl StoredTensor {
+    pub fn new(name: String, dtype: StoredDtype, shape: Vec<usize>, bytes: Bytes) -> Self {
+        Self {
+            name,
+            dtype,
+            shape,
+            bytes,
+            mapping: None,
+        }
+    }
+
+    /// The tensor at `range` of a mapped file.
+    pub fn mapped(
+        name: String,
+        dtype: StoredDtype,
+        shape: Vec<usize>,
+        file: &Arc<MappedFile>,
+        range: Range<usize>,
+    ) -> Result<Self, WeightError> {
+        let bytes = file
+            .bytes(range.clone())
+            .ok_or_else(|| WeightError::Format {
+                path: file.path().display().to_string(),
+                message: format!(
+                    "tensor `{name}` ends at byte {} but the file has {} bytes (truncated?)",
+                    range.end,
+                    file.len()
+                ),
+            })?;
+        let expected = expected_bytes(dtype, &shape);
+        if expected != Some(bytes.len()) {
+            return Err(WeightError::Format {
+                path: file.path().display().to_string(),
+                message: format!(
+                    "tensor `{name}` holds {} bytes, but {} of shape {shape:?} needs {}",
+                    bytes.len(),
+                    dtype.name(),
+                    expected.map_or("an impossible size".into(), |e| e.to_string())
+                ),
+            });
+        }
+        Ok(Self {
+            name,
+            dtype,
+            shape,
+            bytes,
+            mapping: Some((file.clone(), range)),
+        })
+    }
+
+    pub fn elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    /// Drops this tensor's mapped pages from the resident set (after a copy
+    /// or a quantization made them unnecessary).
+    pub fn release(&self) {
+        if let Some((file, range)) = &self.mapping {
+            file.release(range.clone());
+        }
+    }
+
+    /// Every value widened to f32.
+    pub fn to_f32(&self) -> Result<Vec<f32>> {
+        let mut out = vec![0f32; self.elements()];
+        let cols = self.shape.last().copied().unwrap_or(1).max(1);
+        let rows = self.elements() / cols;
+        self.matrix(rows, cols)?.dequantize_rows(0..rows, &mut out);
+        Ok(out)
+    }
+
+    /// The tensor as a `[rows, cols]` matrix read in place.
+    pub fn matrix(&self, rows: usize, cols: usize) -> Result<Arc<dyn WeightMatrix>> {
+        let bad = || {
+            ModelError::Input(format!(
+                "tensor `{}` ({}, {:?}) cannot be read as a [{rows}, {cols}] matrix",
+                self.name,
+                self.dtype.name(),
+                self.shape
+            ))
+        };
+        let b = self.bytes.clone();
+        Ok(match self.dtype {
+            StoredDtype::Float(t) => Arc::new(FloatMatrix::new(b, t, rows, cols).ok_or_else(bad)?),
+            StoredDtype::Ggml(GgmlDType::F32) => {
+                Arc::new(FloatMatrix::new(b, FloatType::F32, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(GgmlDType::F16) => {
+                Arc::new(FloatMatrix::new(b, FloatType::F16, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(GgmlDType::BF16) => {
+                Arc::new(FloatMatrix::new(b, FloatType::Bf16, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(GgmlDType::Q8_0) => {
+                Arc::new(Q8_0Matrix::new(b, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(GgmlDType::Q4_0) => {
+                Arc::new(BlockMatrix::<legacy::Q4_0>::new(b, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(GgmlDType::Q4_1) => {
+                Arc::new(BlockMatrix::<legacy::Q4_1>::new(b, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(GgmlDType::Q5_0) => {
+                Arc::new(BlockMatrix::<legacy::Q5_0>::new(b, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(GgmlDType::Q5_1) => {
+                Arc::new(BlockMatrix::<legacy::Q5_1>::new(b, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(GgmlDType::Q4K) => {
+                Arc::new(SuperBlockMatrix::<kquant::Q4K>::new(b, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(GgmlDType::Q5K) => {
+                Arc::new(SuperBlockMatrix::<kquant::Q5K>::new(b, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(GgmlDType::Q6K) => {
+                Arc::new(SuperBlockMatrix::<kquant::Q6K>::new(b, rows, cols).ok_or_else(bad)?)
+            }
+            StoredDtype::Ggml(d) => Arc::new(GgmlMatrix::new(b, d, rows, cols).ok_or_else(bad)?),
+        })
+    }
+
+    /// Entry `i` of the first dimension (one expert of a stacked tensor).
+    pub fn index_first(&self, i: usize) -> Result<Self> {
+        let n = self.shape.first().copied().unwrap_or(0);
+        let each = self.bytes.len() / n.max(1);
+        let bytes = self
+            .bytes
+            .slice(i * each..(i + 1) * each)
+            .filter(|_| i < n)
+            .ok_or_else(|| ModelError::Input(format!("`{}` has no entry {i}", self.name)))?;
+        let mapping = self
+            .mapping
+            .as_ref()
+            .map(|(f, r)| (f.clone(), r.start + i * each..r.start + (i + 1) * each));
+        Ok(Self {
+            name: format!("{}[{i}]", self.name),
+            dtype: self.dtype,
+            shape: self.shape[1..].to_vec(),
+            bytes,
+            mapping,
+        })
+    }
+}
+
+/// Bytes a tensor of this encoding and shape occupies.
+pub fn expected_bytes(dtype: StoredDtype, shape: &[usize]) -> Option<usize> {
+    let elems = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d))?;
+    match dtype {
+        StoredDtype::Float(t) => elems.checked_mul(t.size()),
+        StoredDtype::Ggml(d) => {
+            let block = d.block_size();
+            let row = *shape.last()?;
+            if !row.is_multiple_of(block) {
+                return None;
+            }
+            (elems / block).checked_mul(d.type_size())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Our block decoders against candle's on the same bytes: candle
+    /// quantizes f32 values into each GGUF block type, then both widen them.
+    #[test]
+    fn gguf_blocks_decode_as_candle_decodes_them() {
+        let (rows, cols) = (5, 256);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| ((i * 7919 % 1013) as f32 / 506.0 - 1.0) * 0.7)
+            .collect();
+        let src = Tensor::from_vec(values, (rows, cols), &Device::Cpu).expect("tensor");
+        for dtype in [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q5_0,
+            GgmlDType::Q5_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+            GgmlDType::Q2K,
+        ] {
+            let q = QTensor::quantize(&src, dtype).expect("quantize");
+            let want = q
+                .dequantize(&Device::Cpu)
+                .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+                .expect("dequantize");
+            let bytes = Bytes::from_vec(q.data().expect("data").into_owned());
+            let t = StoredTensor::new(
+                "w".into(),
+                StoredDtype::Ggml(dtype),
+                vec![rows, cols],
+                bytes,
+            );
+            let m = t.matrix(rows, cols).expect("matrix");
+            let mut got = vec![0f32; rows * cols];
+            m.dequantize_rows(0..rows, &mut got);
+            assert_eq!(got, want, "{dtype:?}");
+            // The fused dot products agree with the widened values.
+            let x: Vec<f32> = (0..cols).map(|i| (i as f32 * 0.37).sin()).collect();
+            let y = gemma4_kernels::matmul(m.as_ref(), &x, 1);
+            for r in 0..rows {
+                let r_want: f64 = (0..cols)
+                    .map(|c| f64::from(x[c]) * f64::from(want[r * cols + c]))
+                    .sum();
+                assert!((f64::from(y[r]) - r_want).abs() < 1e-4, "{dtype:?} row {r}");
+            }
+        }
+    }
+}
