@@ -5,7 +5,10 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use gemma4_model::config::{AttentionKind, TextConfig};
-use gemma4_model::plan::{kv_bytes_for_context, kv_bytes_per_token, param_counts, tokens_that_fit};
+use gemma4_model::plan::{
+    kv_bytes_for_context, kv_bytes_per_token, param_counts, resident_estimate, tokens_that_fit,
+};
+use gemma4_model::{LoadPolicy, Quant};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -21,9 +24,15 @@ pub struct Args {
     /// Tensor-parallel ranks.
     #[arg(long, default_value_t = 1)]
     tp: usize,
-    /// Weight storage: bf16, f32 or int8 (int8 adds one f32 scale per output row).
-    #[arg(long, default_value = "bf16")]
-    quant: String,
+    /// Quantization of float weights on load: none (as published, bf16), int8 or q4.
+    #[arg(long, default_value = "none", value_parser = |s: &str| s.parse::<Quant>())]
+    quant: Quant,
+    /// Sequences served at once (the KV pools of the resident-memory prediction).
+    #[arg(long, default_value_t = 1)]
+    max_num_seqs: usize,
+    /// Print the resident-memory prediction as JSON instead of the tables.
+    #[arg(long)]
+    json: bool,
     /// KV-cache element type: bf16, f32 or int8.
     #[arg(long, default_value = "bf16")]
     kv_dtype: String,
@@ -83,6 +92,34 @@ fn config_of(path: &Path) -> Result<TextConfig> {
     }
 }
 
+/// The resident-memory prediction for this checkpoint's own weights, if it
+/// has any (a directory with only `config.json` has none). The weights are
+/// mapped, not read: the load as stored only measures them.
+fn resident_of_load(
+    path: &Path,
+    cfg: &TextConfig,
+    args: &Args,
+    ctx: usize,
+) -> Result<Option<gemma4_model::plan::ResidentEstimate>> {
+    let has_weights = gemma4_model::gguf_file(path)?.is_some()
+        || path.join("model.safetensors").is_file()
+        || path.join("model.safetensors.index.json").is_file();
+    if !has_weights {
+        return Ok(None);
+    }
+    let loaded = gemma4_model::load_with(path, LoadPolicy::default(), None)
+        .with_context(|| format!("cannot measure the weights of {}", path.display()))?;
+    let weights = loaded.report.projected_weights(args.quant);
+    Ok(Some(resident_estimate(
+        cfg,
+        weights,
+        &loaded.report.projected_tables(args.quant),
+        ctx,
+        args.max_num_seqs,
+        512,
+    )))
+}
+
 pub fn run(args: Args) -> Result<ExitCode> {
     let path = match &args.model {
         Some(p) => p.clone(),
@@ -93,11 +130,36 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if args.tp == 0 {
         bail!("--tp must be at least 1");
     }
-    let wbytes = dtype_bytes(&args.quant, "--quant")?;
+    // Bytes per parameter: bf16 as published, or the quantized layout.
+    let wbytes = match args.quant {
+        Quant::AsStored => 2.0,
+        Quant::Int8 => 1.0,
+        Quant::Q4 => 20.0 / 32.0,
+    };
     let kvbytes = dtype_bytes(&args.kv_dtype, "--kv-dtype")?;
     let ctx = args.max_model_len.unwrap_or(cfg.max_position_embeddings);
     let tp = args.tp as u64;
     let p = param_counts(&cfg);
+    let resident = resident_of_load(&path, &cfg, &args, ctx)?;
+    if args.json {
+        let json = match resident {
+            Some(r) => serde_json::json!({
+                "predicted_resident_bytes": r.total(),
+                "weights_bytes": r.weights,
+                "table_rows_bytes": r.tables,
+                "kv_bytes": r.kv,
+                "runtime_bytes": r.runtime,
+                "max_model_len": ctx,
+                "max_num_seqs": args.max_num_seqs,
+                "quant": args.quant.name(),
+            }),
+            None => {
+                serde_json::json!({"predicted_resident_bytes": null, "reason": "no weights to measure"})
+            }
+        };
+        println!("{json}");
+        return Ok(ExitCode::SUCCESS);
+    }
     println!(
         "model: {} ({}), {} layers, hidden {}, vocab {}",
         path.display(),
@@ -106,7 +168,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
         cfg.hidden_size,
         cfg.vocab_size
     );
-    println!("weights ({}, per rank with --tp {}):", args.quant, args.tp);
+    println!(
+        "weights ({}, per rank with --tp {}):",
+        match args.quant {
+            Quant::AsStored => "bf16 as published",
+            q => q.name(),
+        },
+        args.tp
+    );
     let rows = [
         ("embedding", p.embedding, true),
         ("per-layer embeddings", p.ple, true),
@@ -121,7 +190,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             continue;
         }
         let per_rank = if sharded { n.div_ceil(tp) } else { n };
-        let bytes = per_rank * wbytes as u64;
+        let bytes = (per_rank as f64 * wbytes) as u64;
         weights_per_rank += bytes;
         println!(
             "  {name:<22} {:>8.3} B params  {:>12}",
@@ -173,6 +242,18 @@ pub fn run(args: Args) -> Result<ExitCode> {
         "  one sequence of {ctx} tokens: {}",
         human(kv_bytes_for_context(&cfg, ctx, kvbytes) as f64)
     );
+    if let Some(r) = resident {
+        println!(
+            "resident memory of this checkpoint served ({} sequence(s) of {ctx} tokens, quantization {}):",
+            args.max_num_seqs,
+            args.quant.name()
+        );
+        println!("  weights read every step {:>12}", human(r.weights as f64));
+        println!("  table rows touched      {:>12}", human(r.tables as f64));
+        println!("  KV pools (f32)          {:>12}", human(r.kv as f64));
+        println!("  tokenizer, activations  {:>12}", human(r.runtime as f64));
+        println!("  predicted peak          {:>12}", human(r.total() as f64));
+    }
     if let Some(mem) = &args.mem {
         let budget = parse_size(mem)?;
         let free = budget.saturating_sub(weights_per_rank);

@@ -12,6 +12,7 @@ use std::time::Instant;
 use candle_core::Device;
 use gemma4_model::config::AttentionKind;
 use gemma4_model::paged::{kv_groups, PagedKvPool, SeqBlocks};
+use gemma4_model::plan::kv_pool_blocks;
 use gemma4_model::{BatchSeq, Gemma4, LogitsFor};
 use gemma4_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
@@ -246,17 +247,12 @@ pub fn start(
     let bs = config.block_size.max(1);
     let window = cfg.sliding_window;
     // Blocks per group: sized for max_num_seqs full-length sequences, or the memory budget.
-    let per_seq: Vec<usize> = groups
-        .iter()
-        .map(|g| match g.kind {
-            // A step's chunk of c tokens sees keys back to its first query's window.
-            AttentionKind::Sliding => {
-                let span = window + config.max_batch_tokens.max(1) - 1;
-                config.max_model_len.div_ceil(bs).min(span.div_ceil(bs) + 1)
-            }
-            AttentionKind::Full => config.max_model_len.div_ceil(bs),
-        })
-        .collect();
+    // A step's chunk of c tokens sees keys back to its first query's window.
+    let per_seq: Vec<usize> =
+        kv_pool_blocks(&cfg, config.max_model_len, bs, config.max_batch_tokens, 1)
+            .into_iter()
+            .map(|(_, n)| n)
+            .collect();
     let seq_bytes: usize = groups
         .iter()
         .zip(&per_seq)

@@ -84,6 +84,13 @@ pub struct LoadReport {
     pub quantized_from_bytes: u64,
     /// 4-bit quantization: groups, and those already on their grid.
     pub q4: Q4Report,
+    /// By-row tables: rows and bytes per row.
+    pub tables: Vec<(u64, u64)>,
+    /// Matrices stored as floats that every step reads: elements, rows, bytes as stored.
+    pub float_matrices: (u64, u64, u64),
+    /// The embedding table the head reads in place, if it does (rows, bytes per row):
+    /// quantizing the head makes it a by-row table again.
+    pub head_table: Option<(u64, u64)>,
 }
 
 impl LoadReport {
@@ -94,6 +101,31 @@ impl LoadReport {
             .map(|(k, (n, b))| format!("{k} ×{n} ({:.1} MiB)", *b as f64 / (1 << 20) as f64))
             .collect::<Vec<_>>()
             .join(", ")
+    }
+
+    /// Resident weight bytes of the same checkpoint under `quant`, from a
+    /// report of a load as stored.
+    pub fn projected_weights(&self, quant: Quant) -> u64 {
+        let (elements, rows, bytes) = self.float_matrices;
+        let quantized = match quant {
+            Quant::AsStored => bytes,
+            Quant::Int8 => elements + 4 * rows,
+            // 16 bytes of nibbles and a 4-byte scale per 32 values.
+            Quant::Q4 => elements / 32 * 20,
+        };
+        self.resident_bytes - bytes + quantized
+    }
+
+    /// By-row tables of the same checkpoint under `quant` (a quantized head
+    /// leaves the embedding table to be read by row).
+    pub fn projected_tables(&self, quant: Quant) -> Vec<(u64, u64)> {
+        let mut t = self.tables.clone();
+        if let (Some(head), true) = (self.head_table, quant != Quant::AsStored) {
+            if self.float_matrices.2 > 0 {
+                t.push(head);
+            }
+        }
+        t
     }
 
     /// Whether the 4-bit quantization found the weights already on a Q4_0
@@ -197,6 +229,10 @@ impl<'a> Weights<'a> {
         self.advance(&t);
         let m = t.matrix(rows, dim)?;
         self.record(m.storage(), m.stored_bytes(), false);
+        self.report
+            .borrow_mut()
+            .tables
+            .push((rows as u64, (m.stored_bytes() / rows.max(1)) as u64));
         Ok((Embedding::new(Arc::new(RowsEmbedding::new(m))), t))
     }
 
@@ -216,6 +252,11 @@ impl<'a> Weights<'a> {
         {
             let mut r = self.report.borrow_mut();
             r.table_bytes = r.table_bytes.saturating_sub(table.bytes.len() as u64);
+            let row_bytes = (table.bytes.len() / rows.max(1)) as u64;
+            if let Some(i) = r.tables.iter().position(|&t| t == (rows as u64, row_bytes)) {
+                r.tables.remove(i);
+            }
+            r.head_table = Some((rows as u64, row_bytes));
             if let Some(e) = r.by_storage.get_mut(table.dtype.name()) {
                 e.0 = e.0.saturating_sub(1);
                 e.1 = e.1.saturating_sub(table.bytes.len() as u64);
@@ -226,6 +267,9 @@ impl<'a> Weights<'a> {
             // Quantized or copied: the lookups read the table by row again.
             let mut r = self.report.borrow_mut();
             r.table_bytes += table.bytes.len() as u64;
+            r.tables
+                .push((rows as u64, (table.bytes.len() / rows.max(1)) as u64));
+            r.head_table = None;
         }
         Ok(head)
     }
@@ -266,6 +310,12 @@ impl<'a> Weights<'a> {
         let matrix: Arc<dyn WeightMatrix> = match t.dtype {
             StoredDtype::Float(_) | StoredDtype::Ggml(_) if float => {
                 let m = t.matrix(rows, cols)?;
+                {
+                    let mut r = self.report.borrow_mut();
+                    r.float_matrices.0 += (rows * cols) as u64;
+                    r.float_matrices.1 += rows as u64;
+                    r.float_matrices.2 += m.stored_bytes() as u64;
+                }
                 match self.policy.quant {
                     Quant::AsStored => m,
                     Quant::Int8 => self.quantized(t, Arc::new(Int8Matrix::quantize(m.as_ref()))),

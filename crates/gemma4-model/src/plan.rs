@@ -90,6 +90,106 @@ pub fn kv_bytes_for_context(cfg: &TextConfig, tokens: usize, dtype_bytes: usize)
         .sum()
 }
 
+/// KV blocks per cache group that the engine allocates for `seqs`
+/// sequences of up to `max_model_len` tokens, prefilled in chunks of at
+/// most `chunk` tokens: a sliding group needs the window plus one chunk.
+pub fn kv_pool_blocks(
+    cfg: &TextConfig,
+    max_model_len: usize,
+    block_size: usize,
+    chunk: usize,
+    seqs: usize,
+) -> Vec<(KvGroup, usize)> {
+    let bs = block_size.max(1);
+    kv_groups(cfg)
+        .into_iter()
+        .map(|g| {
+            let per_seq = match g.kind {
+                AttentionKind::Sliding => {
+                    let span = cfg.sliding_window + chunk.max(1) - 1;
+                    max_model_len.div_ceil(bs).min(span.div_ceil(bs) + 1)
+                }
+                AttentionKind::Full => max_model_len.div_ceil(bs),
+            };
+            (g, per_seq * seqs.max(1))
+        })
+        .collect()
+}
+
+/// What a load will keep resident, by part.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ResidentEstimate {
+    /// Weights every step reads (at their stored or quantized size).
+    pub weights: u64,
+    /// Rows of by-row tables the context's tokens touch.
+    pub tables: u64,
+    /// The engine's KV pools (f32).
+    pub kv: u64,
+    /// Tokenizer, step activations and the process itself.
+    pub runtime: u64,
+}
+
+impl ResidentEstimate {
+    pub fn total(&self) -> u64 {
+        self.weights + self.tables + self.kv + self.runtime
+    }
+}
+
+/// Bytes of the running process besides weights, tables and KV.
+const PROCESS_BASE: u64 = 24 << 20;
+/// Resident bytes of a tokenizer per vocabulary entry (measured on the
+/// 262k-entry Gemma vocabularies: strings, id maps, merges).
+const TOKENIZER_PER_ENTRY: u64 = 240;
+
+/// Predicts the resident memory of serving `seqs` sequences of `ctx`
+/// tokens with the weights the report describes (`weights` and `tables` as
+/// the load measured them), prefilled in chunks of `chunk` tokens.
+pub fn resident_estimate(
+    cfg: &TextConfig,
+    weights: u64,
+    tables: &[(u64, u64)],
+    ctx: usize,
+    seqs: usize,
+    chunk: usize,
+) -> ResidentEstimate {
+    let kv: u64 = kv_pool_blocks(cfg, ctx, 16, chunk, seqs)
+        .iter()
+        .map(|(g, blocks)| (g.bytes_per_token(4) * blocks * 16) as u64)
+        .sum();
+    // A touched row costs its pages: rows are contiguous, so a row of b
+    // bytes spans ⌈b / page⌉ pages, plus one where it crosses a boundary.
+    let page = 4096u64;
+    let touched = (ctx * seqs) as u64;
+    let tables = tables
+        .iter()
+        .map(|&(rows, row_bytes)| {
+            let per_row = (row_bytes.div_ceil(page) + 1) * page;
+            (touched.min(rows) * per_row).min(rows * row_bytes)
+        })
+        .sum();
+    // One chunk's activations, f32: the residual stream and its norms,
+    // the widest MLP (gate, up, product), the per-layer inputs, and the
+    // attention scores of the widest layer (scores, mask, probabilities).
+    let n = chunk.min(ctx).max(1) as u64;
+    let widest_mlp = cfg
+        .layers
+        .iter()
+        .map(|l| l.intermediate_size)
+        .max()
+        .unwrap_or(0) as u64;
+    let ple = (cfg.num_layers() * cfg.ple_dim) as u64;
+    let heads = cfg.num_attention_heads as u64;
+    let activations =
+        4 * n * (8 * cfg.hidden_size as u64 + 3 * widest_mlp + 3 * ple + 3 * heads * ctx as u64);
+    let logits = 4 * 3 * cfg.vocab_size as u64 * seqs as u64;
+    ResidentEstimate {
+        weights,
+        tables,
+        kv,
+        runtime: PROCESS_BASE + TOKENIZER_PER_ENTRY * cfg.vocab_size as u64 + activations + logits,
+    }
+}
+
 /// The longest single context whose KV fits in `bytes` (capped at `limit`).
 pub fn tokens_that_fit(cfg: &TextConfig, bytes: usize, dtype_bytes: usize, limit: usize) -> usize {
     // kv_bytes_for_context is monotone in tokens: binary search.
