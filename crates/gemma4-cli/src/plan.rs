@@ -33,9 +33,10 @@ pub struct Args {
     /// Print the resident-memory prediction as JSON instead of the tables.
     #[arg(long)]
     json: bool,
-    /// KV-cache element type: bf16, f32 or int8.
-    #[arg(long, default_value = "bf16")]
-    kv_dtype: String,
+    /// KV-cache element type: bf16, f32 or int8 [default: bf16 for the tables (the
+    /// published figures), f32 (what `serve` uses by default) for the resident prediction].
+    #[arg(long)]
+    kv_dtype: Option<String>,
 }
 
 fn dtype_bytes(name: &str, flag: &str) -> Result<usize> {
@@ -117,6 +118,10 @@ fn resident_of_load(
         ctx,
         args.max_num_seqs,
         512,
+        match &args.kv_dtype {
+            Some(d) => dtype_bytes(d, "--kv-dtype")?,
+            None => 4,
+        },
     )))
 }
 
@@ -136,11 +141,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
         Quant::Int8 => 1.0,
         Quant::Q4 => 20.0 / 32.0,
     };
-    let kvbytes = dtype_bytes(&args.kv_dtype, "--kv-dtype")?;
+    let kv_name = args.kv_dtype.clone().unwrap_or_else(|| "bf16".into());
+    let kvbytes = dtype_bytes(&kv_name, "--kv-dtype")?;
     let ctx = args.max_model_len.unwrap_or(cfg.max_position_embeddings);
     let tp = args.tp as u64;
     let p = param_counts(&cfg);
     let resident = resident_of_load(&path, &cfg, &args, ctx)?;
+    let kv_shown = args.kv_dtype.as_deref().unwrap_or("f32");
     if args.json {
         let json = match resident {
             Some(r) => serde_json::json!({
@@ -204,7 +211,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         p.total() as f64 / 1e9,
         human(weights_per_rank as f64)
     );
-    println!("KV cache ({}):", args.kv_dtype);
+    println!("KV cache ({kv_name}):");
     let groups = kv_bytes_per_token(&cfg, kvbytes);
     let mut per_token_rank = 0usize;
     for (g, bytes) in &groups {
@@ -244,13 +251,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
     );
     if let Some(r) = resident {
         println!(
-            "resident memory of this checkpoint served ({} sequence(s) of {ctx} tokens, quantization {}):",
+            "resident memory of this checkpoint served ({} sequence(s) of {ctx} tokens, quantization {}, KV {kv_shown}):",
             args.max_num_seqs,
             args.quant.name()
         );
         println!("  weights read every step {:>12}", human(r.weights as f64));
         println!("  table rows touched      {:>12}", human(r.tables as f64));
-        println!("  KV pools (f32)          {:>12}", human(r.kv as f64));
+        println!("  KV pools                {:>12}", human(r.kv as f64));
         println!("  tokenizer, activations  {:>12}", human(r.runtime as f64));
         println!("  predicted peak          {:>12}", human(r.total() as f64));
     }

@@ -69,6 +69,9 @@ pub struct Args {
     /// KV-cache memory in MiB [default: enough for --max-num-seqs sequences of --max-model-len tokens].
     #[arg(long)]
     kv_memory_mib: Option<usize>,
+    /// Element type of the KV cache: f32 (exact, the default) or bf16 (half the memory).
+    #[arg(long, default_value = "f32", value_parser = |s: &str| s.parse::<gemma4_model::paged::KvDtype>())]
+    kv_cache_dtype: gemma4_model::paged::KvDtype,
     /// Do not share KV blocks between requests with the same prompt prefix.
     #[arg(long)]
     no_prefix_caching: bool,
@@ -164,6 +167,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         block_size: args.block_size.max(1),
         max_batch_tokens: args.max_batch_tokens.max(1),
         kv_memory_bytes: args.kv_memory_mib.map(|m| m.saturating_mul(1024 * 1024)),
+        kv_dtype: args.kv_cache_dtype,
         prefix_caching: !args.no_prefix_caching,
     };
     std::thread::Builder::new()

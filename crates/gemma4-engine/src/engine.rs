@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use candle_core::Device;
 use gemma4_model::config::AttentionKind;
-use gemma4_model::paged::{kv_groups, PagedKvPool, SeqBlocks};
+use gemma4_model::paged::{kv_groups, KvDtype, PagedKvPool, SeqBlocks};
 use gemma4_model::plan::kv_pool_blocks;
 use gemma4_model::{BatchSeq, Gemma4, LogitsFor};
 use gemma4_text::Tokenizer;
@@ -41,6 +41,8 @@ pub struct EngineConfig {
     /// KV memory (f32) for all groups; `None` sizes the cache for
     /// `max_num_seqs` sequences of `max_model_len` tokens.
     pub kv_memory_bytes: Option<usize>,
+    /// Element type of the KV pools (f32 keeps the reference's arithmetic).
+    pub kv_dtype: KvDtype,
     pub prefix_caching: bool,
 }
 
@@ -53,6 +55,7 @@ impl Default for EngineConfig {
             block_size: 16,
             max_batch_tokens: 512,
             kv_memory_bytes: None,
+            kv_dtype: KvDtype::F32,
             prefix_caching: true,
         }
     }
@@ -256,14 +259,14 @@ pub fn start(
     let seq_bytes: usize = groups
         .iter()
         .zip(&per_seq)
-        .map(|(g, &n)| g.bytes_per_token(4) * n * bs)
+        .map(|(g, &n)| g.bytes_per_token(config.kv_dtype.bytes()) * n * bs)
         .sum();
     let seqs = match config.kv_memory_bytes {
         Some(budget) => (budget / seq_bytes.max(1)).max(1),
         None => config.max_num_seqs.max(1),
     };
     let blocks: Vec<usize> = per_seq.iter().map(|&n| n * seqs).collect();
-    let pool = PagedKvPool::new(&cfg, bs, &blocks, &Device::Cpu)?;
+    let pool = PagedKvPool::new(&cfg, bs, &blocks, config.kv_dtype, &Device::Cpu)?;
     let kv_plan = KvPlanReport {
         groups: groups
             .iter()
@@ -272,7 +275,7 @@ pub fn start(
                 (
                     format!("{:?}", g.kind).to_lowercase(),
                     g.layers.len(),
-                    g.bytes_per_token(4),
+                    g.bytes_per_token(config.kv_dtype.bytes()),
                     n,
                 )
             })

@@ -422,3 +422,38 @@ fn timeouts_and_cancellation_free_blocks() {
     drop(s);
     assert_eq!(wait_idle(&engine).kv_blocks_used, 0);
 }
+
+/// A bf16 KV cache rounds K and V once when written: the greedy
+/// continuations keep the reference's tokens, over all golden prompts, at
+/// least as long as measured (docs/quantization.md: 263 of 288; the
+/// e-style fixture's chat prompt has a near-tie at its first token).
+#[test]
+fn bf16_kv_cache_keeps_the_reference_continuations() {
+    let mut shown = Vec::new();
+    let mut kept = 0;
+    for v in VARIANTS {
+        let engine = start(
+            model(v),
+            tokenizer(v),
+            EngineConfig {
+                max_model_len: 256,
+                kv_dtype: gemma4_model::paged::KvDtype::Bf16,
+                ..Default::default()
+            },
+        )
+        .expect("engine");
+        let golden = Golden::read(&fixture(v).join("golden.json")).expect("golden");
+        for p in &golden.prompts {
+            let (out, _) = collect(&engine, &p.input_ids);
+            let leading = out
+                .iter()
+                .zip(&p.greedy.generated_ids)
+                .take_while(|(a, b)| a == b)
+                .count();
+            kept += leading;
+            shown.push(format!("{v}/{}: {leading}", p.name));
+        }
+    }
+    println!("bf16 KV, leading reference tokens: {}", shown.join(", "));
+    assert!(kept >= 263, "{kept} tokens kept: {}", shown.join(", "));
+}

@@ -13,6 +13,52 @@ use crate::config::{AttentionKind, KvSource, TextConfig};
 use crate::error::{ModelError, Result};
 use crate::layers::ids_tensor;
 
+/// Element type of the KV pools.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KvDtype {
+    /// Exact: the reference keeps K and V in f32.
+    #[default]
+    F32,
+    /// Half the memory; K and V rounded to bf16 when written.
+    Bf16,
+}
+
+impl KvDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F32 => 4,
+            KvDtype::Bf16 => 2,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvDtype::F32 => "f32",
+            KvDtype::Bf16 => "bf16",
+        }
+    }
+
+    fn candle(self) -> DType {
+        match self {
+            KvDtype::F32 => DType::F32,
+            KvDtype::Bf16 => DType::BF16,
+        }
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(KvDtype::F32),
+            "bf16" => Ok(KvDtype::Bf16),
+            other => Err(format!(
+                "unknown KV-cache dtype `{other}` (choose f32 or bf16)"
+            )),
+        }
+    }
+}
+
 /// One cache group: the KV-producing layers of one attention kind.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvGroup {
@@ -74,6 +120,7 @@ pub struct SeqBlocks {
 /// The physical pools: per producer layer, K and V as `[blocks · block_size, kv_heads, head_dim]`.
 pub struct PagedKvPool {
     block_size: usize,
+    dtype: KvDtype,
     groups: Vec<KvGroup>,
     blocks_per_group: Vec<usize>,
     /// Per layer: `(group, K pool, V pool)` for producers, `None` otherwise.
@@ -86,6 +133,7 @@ impl PagedKvPool {
         cfg: &TextConfig,
         block_size: usize,
         blocks_per_group: &[usize],
+        dtype: KvDtype,
         device: &Device,
     ) -> Result<Self> {
         let groups = kv_groups(cfg);
@@ -106,13 +154,14 @@ impl PagedKvPool {
                 );
                 pools[l] = Some((
                     g,
-                    Tensor::zeros(shape, DType::F32, device)?,
-                    Tensor::zeros(shape, DType::F32, device)?,
+                    Tensor::zeros(shape, dtype.candle(), device)?,
+                    Tensor::zeros(shape, dtype.candle(), device)?,
                 ));
             }
         }
         Ok(Self {
             block_size,
+            dtype,
             groups,
             blocks_per_group: blocks_per_group.to_vec(),
             pools,
@@ -131,13 +180,17 @@ impl PagedKvPool {
         &self.blocks_per_group
     }
 
-    /// Bytes held by all pools (f32 storage).
+    /// Bytes held by all pools.
     pub fn bytes(&self) -> usize {
         self.groups
             .iter()
             .zip(&self.blocks_per_group)
-            .map(|(g, &n)| g.bytes_per_token(4) * n * self.block_size)
+            .map(|(g, &n)| g.bytes_per_token(self.dtype.bytes()) * n * self.block_size)
             .sum()
+    }
+
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
     }
 
     /// A [`KvStore`] over these pools for one batch.
@@ -202,8 +255,9 @@ impl KvStore for PagedView<'_> {
             let pos = start + i;
             let run = (bs - pos % bs).min(n - i);
             let slot = self.slot(t, pos)?;
-            kp.slice_set(&k.narrow(0, i, run)?.contiguous()?, 0, slot)?;
-            vp.slice_set(&v.narrow(0, i, run)?.contiguous()?, 0, slot)?;
+            let dt = kp.dtype();
+            kp.slice_set(&k.narrow(0, i, run)?.to_dtype(dt)?.contiguous()?, 0, slot)?;
+            vp.slice_set(&v.narrow(0, i, run)?.to_dtype(dt)?.contiguous()?, 0, slot)?;
             i += run;
         }
         Ok(())
@@ -223,8 +277,16 @@ impl KvStore for PagedView<'_> {
             .map(|p| self.slot(t, p).map(|s| s as u32))
             .collect::<Result<Vec<u32>>>()?;
         let idx = ids_tensor(&slots, kp.device())?;
-        let k = kp.index_select(&idx, 0)?.transpose(0, 1)?.contiguous()?;
-        let v = vp.index_select(&idx, 0)?.transpose(0, 1)?.contiguous()?;
+        let k = kp
+            .index_select(&idx, 0)?
+            .to_dtype(DType::F32)?
+            .transpose(0, 1)?
+            .contiguous()?;
+        let v = vp
+            .index_select(&idx, 0)?
+            .to_dtype(DType::F32)?
+            .transpose(0, 1)?
+            .contiguous()?;
         Ok((k, v, first))
     }
 }

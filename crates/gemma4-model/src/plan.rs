@@ -123,7 +123,7 @@ pub struct ResidentEstimate {
     pub weights: u64,
     /// Rows of by-row tables the context's tokens touch.
     pub tables: u64,
-    /// The engine's KV pools (f32).
+    /// The engine's KV pools.
     pub kv: u64,
     /// Tokenizer, step activations and the process itself.
     pub runtime: u64,
@@ -151,10 +151,11 @@ pub fn resident_estimate(
     ctx: usize,
     seqs: usize,
     chunk: usize,
+    kv_dtype_bytes: usize,
 ) -> ResidentEstimate {
     let kv: u64 = kv_pool_blocks(cfg, ctx, 16, chunk, seqs)
         .iter()
-        .map(|(g, blocks)| (g.bytes_per_token(4) * blocks * 16) as u64)
+        .map(|(g, blocks)| (g.bytes_per_token(kv_dtype_bytes) * blocks * 16) as u64)
         .sum();
     // A touched row costs its pages: rows are contiguous, so a row of b
     // bytes spans ⌈b / page⌉ pages, plus one where it crosses a boundary.
