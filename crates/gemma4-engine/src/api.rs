@@ -28,6 +28,23 @@ pub struct SamplingParams {
     pub stop_strings: Vec<String>,
     /// Return the chosen token's log-probability and this many alternatives.
     pub logprobs: Option<usize>,
+    /// Added to a token's logit before any choice (`f32::NEG_INFINITY` bans it).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Ends a thought channel once it has this many tokens.
+    pub thinking_budget: Option<ThinkingBudget>,
+}
+
+/// A bound on thinking: once `budget` tokens have been generated inside a
+/// channel opened by `open`, the next token is `close`. A call marker
+/// (`ends`) also ends thinking.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThinkingBudget {
+    pub budget: usize,
+    pub open: u32,
+    pub close: u32,
+    pub ends: Vec<u32>,
+    /// The prompt left the model inside an open channel.
+    pub starts_inside: bool,
 }
 
 impl Default for SamplingParams {
@@ -45,6 +62,8 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             logprobs: None,
+            logit_bias: Vec::new(),
+            thinking_budget: None,
         }
     }
 }

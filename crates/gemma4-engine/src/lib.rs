@@ -13,6 +13,6 @@ pub mod scheduler;
 
 pub use api::{
     EngineEvent, EngineStats, FinishReason, GenerationRequest, SamplingParams, SubmitError,
-    TokenLogprob, Usage,
+    ThinkingBudget, TokenLogprob, Usage,
 };
 pub use engine::{start, EngineConfig, EngineHandle, KvPlanReport, RequestStream};

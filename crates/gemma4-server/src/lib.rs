@@ -6,7 +6,7 @@
 //! can answer 503 "loading" until [`Server::set_ready`].
 //!
 //! * [`routes`]: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-//!   `/generate`, `/health`, `/metrics`.
+//!   `/v1/models/{id}`, `/tokenize`, `/detokenize`, `/generate`, `/health`, `/metrics`.
 //! * [`openai`]: request parsing (unknown fields ignored, wrong types a 400
 //!   naming the field) and response and chunk shapes.
 //! * [`sse`]: streaming in OpenAI's chunk format, ending with `data: [DONE]`.
@@ -32,6 +32,7 @@ pub mod openai;
 pub mod routes;
 pub mod server;
 pub mod sse;
+mod tokenize;
 
 pub use config::ServerConfig;
 pub use drain::serve;

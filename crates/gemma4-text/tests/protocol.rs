@@ -308,7 +308,6 @@ fn truncated_mid_call_keeps_the_partial_call() {
         ..AssistantMessage::default()
     };
     check(&text, &[], &expected);
-    assert_eq!(expected.finish_reason(TurnEnd::Length), "length");
     // Cut before the name was complete: no call, and no markup in content.
     check("Sure.<|tool_call>call:sea", &[], &message("Sure.", "", &[]));
 }
@@ -346,9 +345,21 @@ fn marker_lookalike_text_is_text() {
 
 #[test]
 fn finish_reason_is_tool_calls_after_a_complete_call() {
-    let m = message("", "", &[("f", json!({}))]);
-    assert_eq!(m.finish_reason(TurnEnd::Stop), "tool_calls");
-    assert_eq!(message("x", "", &[]).finish_reason(TurnEnd::Stop), "stop");
+    let tok = tokenizer();
+    let reason = |text: &str, end: TurnEnd| {
+        let (ids, released, rest) = engine_view(&tok, text);
+        let mut p = OutputProcessor::new(tok.clone(), &[], "c".into());
+        for (&id, t) in ids.iter().zip(&released) {
+            p.push(id, t).expect("push");
+        }
+        p.finish(&rest).expect("finish");
+        p.finish_reason(end)
+    };
+    let call = "<|tool_call>call:f{}<tool_call|>";
+    assert_eq!(reason(call, TurnEnd::Stop), "tool_calls");
+    assert_eq!(reason(call, TurnEnd::Length), "length");
+    assert_eq!(reason("<|tool_call>call:f{a:1", TurnEnd::Stop), "stop");
+    assert_eq!(reason("x", TurnEnd::Stop), "stop");
 }
 
 #[test]

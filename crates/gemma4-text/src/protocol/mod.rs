@@ -215,15 +215,6 @@ impl AssistantMessage {
         }
         message
     }
-
-    /// OpenAI's `finish_reason`: `tool_calls` when the model stopped after calling tools.
-    pub fn finish_reason(&self, end: TurnEnd) -> &'static str {
-        match end {
-            TurnEnd::Length => "length",
-            TurnEnd::Stop if self.tool_calls.iter().any(|c| c.complete) => "tool_calls",
-            TurnEnd::Stop => "stop",
-        }
-    }
 }
 
 /// The stretch of the turn being read.
@@ -268,6 +259,7 @@ pub struct OutputProcessor {
     mode: Mode,
     call_id_prefix: String,
     calls: usize,
+    completed_calls: usize,
     reasoning_tokens: usize,
     /// Token-level view of whether the model is thinking (for counting and budgets).
     thinking_now: bool,
@@ -296,6 +288,7 @@ impl OutputProcessor {
             mode,
             call_id_prefix,
             calls: 0,
+            completed_calls: 0,
             reasoning_tokens: 0,
             thinking_now,
         }
@@ -304,6 +297,16 @@ impl OutputProcessor {
     /// Tokens generated inside thought channels so far.
     pub fn reasoning_tokens(&self) -> usize {
         self.reasoning_tokens
+    }
+
+    /// OpenAI's `finish_reason`: `tool_calls` when the model stopped after
+    /// completing at least one call.
+    pub fn finish_reason(&self, end: TurnEnd) -> &'static str {
+        match end {
+            TurnEnd::Length => "length",
+            TurnEnd::Stop if self.completed_calls > 0 => "tool_calls",
+            TurnEnd::Stop => "stop",
+        }
     }
 
     /// Whether the last id left the model inside a thought channel.
@@ -504,6 +507,8 @@ impl OutputProcessor {
                 if !name.is_empty() {
                     let index = self.start_call(name, events);
                     self.arguments(index, |w, out| w.close(out), events);
+                    self.mode = Mode::Content;
+                    self.completed_calls += 1;
                     events.push(OutputEvent::ToolCallEnd { index });
                 }
             }
@@ -513,6 +518,7 @@ impl OutputProcessor {
                 if !out.is_empty() {
                     events.push(OutputEvent::ToolCallArguments { index, delta: out });
                 }
+                self.completed_calls += 1;
                 events.push(OutputEvent::ToolCallEnd { index });
             }
             _ => {}

@@ -1,0 +1,139 @@
+//! The Gemma 4 protocol through the server and the official `openai` client:
+//! reasoning with a thinking budget, tool_choice, the tool round trip.
+
+use serde_json::{json, Value};
+
+use crate::harness::{fixture, golden, openai_client, ServerProc};
+
+/// The id of a special token in a fixture's `tokenizer.json`.
+fn token_id(variant: &str, token: &str) -> u64 {
+    let path = fixture(variant).join("tokenizer.json");
+    let text = std::fs::read_to_string(&path).expect("tokenizer.json");
+    let json: Value = serde_json::from_str(&text).expect("tokenizer JSON");
+    json["added_tokens"]
+        .as_array()
+        .and_then(|list| list.iter().find(|t| t["content"] == token))
+        .and_then(|t| t["id"].as_u64())
+        .unwrap_or_else(|| panic!("{token} is not in the {variant} vocabulary"))
+}
+
+/// The e-style template, but with thinking on the generation prompt opens a
+/// thought channel, as the large checkpoints' templates do after a tool response.
+fn template_opening_a_channel() -> std::path::PathBuf {
+    let source = std::fs::read_to_string(fixture("e-style").join("chat_template.jinja"))
+        .expect("e-style template");
+    let opened = source.replace(
+        "{{- '<|turn>model\\n' -}}{%- endif -%}",
+        "{{- '<|turn>model\\n' -}}{%- if enable_thinking -%}{{- '<|channel>thought\\n' -}}{%- endif -%}{%- endif -%}",
+    );
+    assert_ne!(opened, source, "the generation prompt was found");
+    let path =
+        std::env::temp_dir().join(format!("gemma4-open-channel-{}.jinja", std::process::id()));
+    std::fs::write(&path, opened).expect("write template");
+    path
+}
+
+#[test]
+fn reasoning_budget_tool_choice_and_round_trip_through_the_openai_client() {
+    let template = template_opening_a_channel();
+    let server = ServerProc::start(
+        &fixture("e-style"),
+        &["--chat-template", template.to_str().expect("utf-8 path")],
+        &[],
+    );
+    // Random weights would close or reopen the channel, or call a tool, at
+    // random; banning those markers leaves the budget as the only way out.
+    let ban: Vec<String> = ["<|channel>", "<channel|>", "<|tool_call>"]
+        .iter()
+        .map(|t| token_id("e-style", t).to_string())
+        .collect();
+    let mut args = vec![
+        "--scenario",
+        "protocol",
+        "--prompt",
+        "Think, then answer.",
+        "--max-tokens",
+        "30",
+        "--budget",
+        "12",
+    ];
+    for id in &ban {
+        args.extend(["--ban", id.as_str()]);
+    }
+    let Some(out) = openai_client(&server.url(), &args) else {
+        return;
+    };
+    let _ = std::fs::remove_file(&template);
+    let whole = &out["whole"];
+    assert_eq!(
+        whole["usage"]["completion_tokens_details"]["reasoning_tokens"], 12,
+        "{out}"
+    );
+    assert_eq!(whole["usage"]["completion_tokens"], 30, "{out}");
+    assert!(
+        whole["reasoning"].as_str().is_some_and(|r| !r.is_empty()),
+        "the turn starts inside the channel: {out}"
+    );
+    assert!(
+        whole["content"].as_str().is_some_and(|c| !c.is_empty()),
+        "the answer follows the forced end of thinking: {out}"
+    );
+    assert_eq!(whole["finish_reason"], "length");
+    assert!(whole["system_fingerprint"]
+        .as_str()
+        .is_some_and(|f| f.starts_with("gemma4-")));
+    let stream = &out["stream"];
+    assert_eq!(stream["content"], whole["content"], "{out}");
+    assert_eq!(stream["reasoning"], whole["reasoning"], "{out}");
+    assert_eq!(stream["finish_reason"], whole["finish_reason"]);
+    assert_eq!(stream["usage"], whole["usage"]);
+
+    assert_eq!(out["tool_choice_none"]["tool_calls"], 0);
+    assert!(
+        out["round_trip"]["finish_reason"].is_string(),
+        "an assistant tool call with string arguments and a tool message are accepted: {out}"
+    );
+    let required = &out["required"];
+    assert_eq!(required["status"], 400, "{out}");
+    assert_eq!(required["body"]["param"], "tool_choice", "{out}");
+}
+
+#[test]
+fn tokenize_detokenize_and_model_card() {
+    let server = ServerProc::start(&fixture("e-style"), &[], &[]);
+    let g = golden("e-style");
+    let chat = g["prompts"]
+        .as_array()
+        .and_then(|ps| ps.iter().find(|p| p["name"] == "chat"))
+        .expect("golden chat prompt");
+    // Messages are rendered exactly as chat completions render them: the oracle's ids.
+    let r = server.post("/tokenize", &json!({"messages": chat["messages"]}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let t = r.json();
+    assert_eq!(t["tokens"], chat["input_ids"]);
+    assert_eq!(
+        t["count"],
+        chat["input_ids"].as_array().map(Vec::len).unwrap_or(0)
+    );
+    assert!(t["max_model_len"].as_u64().is_some_and(|n| n > 0));
+
+    let r = server.post("/detokenize", &json!({"tokens": chat["input_ids"]}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let text = r.json()["prompt"].as_str().expect("prompt").to_owned();
+    let back = server.post(
+        "/tokenize",
+        &json!({"prompt": text, "add_special_tokens": false}),
+    );
+    assert_eq!(
+        back.json()["tokens"],
+        chat["input_ids"],
+        "round trip of {text:?}"
+    );
+    let bad = server.post("/detokenize", &json!({"tokens": [99999999]}));
+    assert_eq!(bad.status, 400);
+
+    let card = server.get("/v1/models/e-style");
+    assert_eq!(card.status, 200, "{}", card.body);
+    assert_eq!(card.json()["id"], "e-style");
+    assert_eq!(server.get("/v1/models/other").status, 404);
+}
