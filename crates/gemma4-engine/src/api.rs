@@ -32,6 +32,36 @@ pub struct SamplingParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// Ends a thought channel once it has this many tokens.
     pub thinking_budget: Option<ThinkingBudget>,
+    /// Restricts which tokens may come next (structured output).
+    pub constraint: Option<ConstraintFactory>,
+}
+
+/// A per-request rule on the next token, such as a grammar.
+pub trait TokenConstraint: Send {
+    /// The tokens allowed next as a bit set over the vocabulary (bit `i % 32` of
+    /// word `i / 32`), or `None` when any token may come.
+    fn allowed(&mut self) -> Option<&[u32]>;
+    /// Records the token that was chosen.
+    fn accept(&mut self, token: u32);
+}
+
+/// Makes one fresh [`TokenConstraint`] per sequence (each choice of a request
+/// gets its own).
+#[derive(Clone)]
+pub struct ConstraintFactory(
+    pub std::sync::Arc<dyn Fn() -> Box<dyn TokenConstraint> + Send + Sync>,
+);
+
+impl std::fmt::Debug for ConstraintFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConstraintFactory")
+    }
+}
+
+impl PartialEq for ConstraintFactory {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 /// A bound on thinking: once `budget` tokens have been generated inside a
@@ -64,6 +94,7 @@ impl Default for SamplingParams {
             logprobs: None,
             logit_bias: Vec::new(),
             thinking_budget: None,
+            constraint: None,
         }
     }
 }

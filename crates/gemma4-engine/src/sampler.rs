@@ -8,7 +8,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::api::SamplingParams;
+use crate::api::{SamplingParams, TokenConstraint};
 
 /// Per-request sampling state (the generator and counts of generated tokens).
 pub struct Sampler {
@@ -20,6 +20,7 @@ pub struct Sampler {
     output_counts: std::collections::HashMap<u32, u32>,
     /// Tokens generated in the open thought channel, if one is open.
     thinking: Option<usize>,
+    constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 /// A sampled token with what the request asked to know about it.
@@ -43,12 +44,14 @@ impl Sampler {
             .thinking_budget
             .as_ref()
             .and_then(|b| b.starts_inside.then_some(0));
+        let constraint = params.constraint.as_ref().map(|make| (make.0)());
         Self {
             params,
             rng,
             prompt_tokens,
             output_counts: Default::default(),
             thinking,
+            constraint,
         }
     }
 
@@ -69,6 +72,9 @@ impl Sampler {
                         *v += bias;
                     }
                 }
+                if let Some(allowed) = self.constraint.as_mut().and_then(|c| c.allowed()) {
+                    mask_disallowed(&mut x, allowed);
+                }
                 if self.params.temperature <= 0.0 {
                     argmax(&x)
                 } else {
@@ -78,6 +84,9 @@ impl Sampler {
         };
         *self.output_counts.entry(token).or_insert(0) += 1;
         self.track_thinking(token);
+        if let Some(c) = self.constraint.as_mut() {
+            c.accept(token);
+        }
         let logprobs = logprobs.map(|(lse, top)| (logits[token as usize] - lse, top));
         Sampled { token, logprobs }
     }
@@ -176,6 +185,16 @@ impl Sampler {
             r -= q;
         }
         idx[idx.len() - 1] as u32
+    }
+}
+
+/// Sets every logit whose bit is clear in `allowed` to minus infinity.
+fn mask_disallowed(x: &mut [f32], allowed: &[u32]) {
+    for (i, v) in x.iter_mut().enumerate() {
+        let word = allowed.get(i / 32).copied().unwrap_or(0);
+        if word & (1 << (i % 32)) == 0 {
+            *v = f32::NEG_INFINITY;
+        }
     }
 }
 
@@ -304,6 +323,44 @@ mod tests {
             &[],
         );
         assert!((0..20).all(|_| s.sample(&[9.0, 1.0, 0.0]).token == 2));
+    }
+
+    /// Allows only even tokens and records what it was given.
+    struct EvenOnly(Vec<u32>, std::sync::Arc<std::sync::Mutex<Vec<u32>>>);
+
+    impl TokenConstraint for EvenOnly {
+        fn allowed(&mut self) -> Option<&[u32]> {
+            Some(&self.0)
+        }
+        fn accept(&mut self, token: u32) {
+            if let Ok(mut seen) = self.1.lock() {
+                seen.push(token);
+            }
+        }
+    }
+
+    #[test]
+    fn constraints_mask_greedy_and_sampled_choices() {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record = seen.clone();
+        let factory = crate::api::ConstraintFactory(std::sync::Arc::new(move || {
+            Box::new(EvenOnly(vec![0x5555_5555], record.clone())) as Box<dyn TokenConstraint>
+        }));
+        for temperature in [0.0, 1.0] {
+            let mut s = Sampler::new(
+                SamplingParams {
+                    temperature,
+                    constraint: Some(factory.clone()),
+                    ..params()
+                },
+                &[],
+            );
+            for _ in 0..20 {
+                let t = s.sample(&[0.0, 9.0, 1.0, 8.0]).token;
+                assert_eq!(t % 2, 0, "temperature {temperature}");
+            }
+        }
+        assert_eq!(seen.lock().map(|s| s.len()).unwrap_or(0), 40);
     }
 
     #[test]

@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use gemma4_engine::{
-    EngineEvent, FinishReason, GenerationRequest, RequestStream, SamplingParams, ThinkingBudget,
-    TokenLogprob, Usage,
+    ConstraintFactory, EngineEvent, FinishReason, GenerationRequest, RequestStream, SamplingParams,
+    ThinkingBudget, TokenLogprob, Usage,
 };
 
 use gemma4_text::{
@@ -18,6 +18,7 @@ use gemma4_text::{
 
 use crate::admission::{check_choice_count, max_tokens_for, submit_error};
 use crate::error::ApiError;
+use crate::grammar::{tool_call_grammar, CallMarkers, GrammarSpec, ThinkingGate};
 use crate::openai::request::ToolChoice;
 use crate::openai::{ChatRequest, Prompt, Sampling};
 use crate::server::{AppState, ModelContext};
@@ -73,10 +74,87 @@ pub fn text_prompt(model: &ModelContext, prompt: &Prompt) -> Result<Vec<u32>, Ap
 }
 
 /// What a chat request asks of the protocol tokens.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct ChatControls {
     pub tool_choice: ToolChoice,
+    /// The request's tool declarations.
+    pub tools: Option<serde_json::Value>,
     pub thinking_token_budget: Option<usize>,
+    /// The template was asked to let the model think (`enable_thinking`).
+    pub thinking: bool,
+}
+
+/// The grammar constraint of a request, if it asked for one: for a chat turn
+/// that may think, enforcement waits for the thought channel to close.
+fn constraint(
+    model: &ModelContext,
+    sampling: &Sampling,
+    chat: Option<&ChatControls>,
+    tokens: &ProtocolTokens,
+    prompt: &[u32],
+) -> Result<Option<ConstraintFactory>, ApiError> {
+    let forced_call = match chat.map(|c| (&c.tool_choice, c.tools.as_ref())) {
+        Some((ToolChoice::Required, tools)) => Some((None, tools)),
+        Some((ToolChoice::Named(name), tools)) => Some((Some(name.as_str()), tools)),
+        _ => None,
+    };
+    let spec = match (forced_call, &sampling.grammar) {
+        (Some(_), Some((_, param))) => {
+            return Err(ApiError::bad_request(format!(
+                "`tool_choice` asks for a tool call and `{param}` for another output; send one"
+            ))
+            .with_param("tool_choice"))
+        }
+        (Some((only, tools)), None) => {
+            let markers = match (
+                tokens.id(Marker::ToolCallOpen),
+                tokens.id(Marker::ToolCallClose),
+                tokens.id(Marker::StringDelimiter),
+                tokens.id(Marker::ToolResponseOpen),
+            ) {
+                (Some(open), Some(close), Some(quote), Some(end)) => CallMarkers {
+                    open,
+                    close,
+                    quote,
+                    end,
+                },
+                _ => {
+                    return Err(ApiError::bad_request(
+                        "this model's vocabulary has no tool-call tokens; `tool_choice` cannot force a call",
+                    )
+                    .with_param("tool_choice"))
+                }
+            };
+            let tools = tools
+                .and_then(|t| t.as_array())
+                .map(Vec::as_slice)
+                .unwrap_or(&[]);
+            (
+                GrammarSpec::Lark(tool_call_grammar(tools, only, markers)?),
+                "tool_choice",
+            )
+        }
+        (None, Some((spec, param))) => (spec.clone(), *param),
+        (None, None) => return Ok(None),
+    };
+    let grammars = model.grammars()?;
+    let matcher = grammars.compile(&spec.0, spec.1)?;
+    let gate = match (
+        chat,
+        tokens.id(Marker::ChannelOpen),
+        tokens.id(Marker::ChannelClose),
+    ) {
+        (Some(c), Some(open), Some(close)) => {
+            let inside = tokens.prompt_state(prompt).is_some();
+            (c.thinking || inside).then_some(ThinkingGate {
+                open,
+                close,
+                inside,
+            })
+        }
+        _ => None,
+    };
+    Ok(Some(grammars.constraint(matcher, gate)))
 }
 
 /// The logit biases of a request: the client's, plus a ban on the call
@@ -171,6 +249,7 @@ pub fn build_requests(
             prompt_param,
         )?;
         let thinking_budget = thinking_budget(state, chat, &tokens, prompt);
+        let constraint = constraint(model, sampling, chat, &tokens, prompt)?;
         for j in 0..sampling.n {
             let params = SamplingParams {
                 temperature: sampling.temperature,
@@ -187,6 +266,7 @@ pub fn build_requests(
                 logprobs,
                 logit_bias: logit_bias.clone(),
                 thinking_budget: thinking_budget.clone(),
+                constraint: constraint.clone(),
             };
             requests.push(GenerationRequest {
                 prompt_ids: prompt.clone(),

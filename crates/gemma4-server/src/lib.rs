@@ -9,6 +9,7 @@
 //!   `/v1/models/{id}`, `/tokenize`, `/detokenize`, `/generate`, `/health`, `/metrics`.
 //! * [`openai`]: request parsing (unknown fields ignored, wrong types a 400
 //!   naming the field) and response and chunk shapes.
+//! * [`grammar`]: structured output enforced with llguidance token masks.
 //! * [`sse`]: streaming in OpenAI's chunk format, ending with `data: [DONE]`.
 //! * [`admission`]: body size (413), prompt and output length (400), queue
 //!   full (429 with `Retry-After`), draining (503).
@@ -27,6 +28,7 @@ pub mod drain;
 pub mod error;
 mod fields;
 pub mod generation;
+pub mod grammar;
 pub mod metrics;
 pub mod openai;
 pub mod routes;

@@ -32,7 +32,7 @@ use crate::generation::{
     blocking, build_requests, chat_prompt, collect, text_prompt, ChatControls, Collected,
     Generation, Reading,
 };
-use crate::openai::request::{Sampling, Streaming};
+use crate::openai::request::{Sampling, Streaming, ToolChoice};
 use crate::openai::response::{
     ChatChoice, ChatCompletion, ChatLogprobs, ChatMessage, ChatTokenLogprob, CompletionLogprobs,
     GenerateResponse, ModelCard, ModelList, TextChoice, TextCompletion, UsageJson,
@@ -193,8 +193,13 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
     check_model_name(&state, req.model.as_deref())?;
     let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
     let chat = ChatControls {
-        tool_choice: req.tool_choice,
+        tool_choice: req.tool_choice.clone(),
+        tools: req.tools.clone(),
         thinking_token_budget: req.thinking_token_budget,
+        thinking: req
+            .template_kwargs
+            .get("enable_thinking")
+            .is_some_and(|v| v.as_bool() == Some(true)),
     };
     let prompt = {
         let model = model.clone();
@@ -374,11 +379,20 @@ enum Ran {
 /// Submits a chat or completion job and streams it, or waits for all its choices.
 async fn run_openai(
     state: &Arc<AppState>,
-    model: &ModelContext,
+    model: &Arc<ModelContext>,
     job: OpenAiJob,
     guard: ActiveGuard,
     format: Format,
 ) -> Result<Ran, ApiError> {
+    let forces_call = job
+        .chat
+        .as_ref()
+        .is_some_and(|c| matches!(c.tool_choice, ToolChoice::Required | ToolChoice::Named(_)));
+    if job.sampling.grammar.is_some() || forces_call {
+        // The first structured request builds the vocabulary's token trie.
+        let model = Arc::clone(model);
+        blocking(move || model.grammars().map(|_| ())).await?;
+    }
     let requests = build_requests(
         state,
         model,

@@ -137,3 +137,122 @@ fn tokenize_detokenize_and_model_card() {
     assert_eq!(card.json()["id"], "e-style");
     assert_eq!(server.get("/v1/models/other").status, 404);
 }
+
+/// The weather arguments the test schema allows.
+fn valid_weather(v: &Value) -> bool {
+    let Some(obj) = v.as_object() else {
+        return false;
+    };
+    obj.keys()
+        .all(|k| ["city", "days", "unit"].contains(&k.as_str()))
+        && v["city"].as_str().is_some_and(|c| c.chars().count() <= 12)
+        && (v["unit"] == "c" || v["unit"] == "f")
+        && v.get("days")
+            .is_none_or(|d| d.as_i64().is_some_and(|d| (1..=9).contains(&d)))
+}
+
+#[test]
+fn enforced_structured_output_is_valid_even_from_random_weights() {
+    let template = template_opening_a_channel();
+    let server = ServerProc::start(
+        &fixture("e-style"),
+        &["--chat-template", template.to_str().expect("utf-8 path")],
+        &[],
+    );
+    let ban: Vec<String> = ["<|channel>", "<channel|>"]
+        .iter()
+        .map(|t| token_id("e-style", t).to_string())
+        .collect();
+    let mut args = vec![
+        "--scenario",
+        "structured",
+        "--prompt",
+        "Weather in Paris?",
+        "--max-tokens",
+        "120",
+        "--budget",
+        "12",
+    ];
+    for id in &ban {
+        args.extend(["--ban", id.as_str()]);
+    }
+    let Some(out) = openai_client(&server.url(), &args) else {
+        return;
+    };
+    let _ = std::fs::remove_file(&template);
+    for thinking in [false, true] {
+        let r = &out[format!("json_schema_thinking_{thinking}")];
+        let content = r["content"].as_str().unwrap_or_default();
+        let v: Value = serde_json::from_str(content).unwrap_or_else(|e| {
+            panic!("thinking {thinking}: {content:?} is not JSON ({e}): {out}")
+        });
+        assert!(valid_weather(&v), "thinking {thinking}: {v}");
+        assert_eq!(r["finish_reason"], "stop", "{out}");
+        if thinking {
+            assert!(
+                r["reasoning"].as_str().is_some_and(|t| !t.is_empty()),
+                "free reasoning first, then the enforced answer: {out}"
+            );
+        }
+    }
+    let obj = out["json_object"]["content"].as_str().unwrap_or_default();
+    assert!(
+        serde_json::from_str::<Value>(obj).is_ok_and(|v| v.is_object()),
+        "json_object: {obj:?}"
+    );
+    let tools = &out["tools"];
+    for case in ["required", "named"] {
+        let r = &tools[case];
+        assert_eq!(r["finish_reason"], "tool_calls", "{case}: {out}");
+        let calls = r["calls"].as_array().expect("calls");
+        assert!(!calls.is_empty(), "{case}: {out}");
+        for call in calls {
+            assert_eq!(call["type"], "function");
+            assert!(call["id"].as_str().is_some_and(|id| !id.is_empty()));
+            let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap_or_default())
+                .unwrap_or_else(|e| panic!("{case}: arguments are not JSON ({e}): {out}"));
+            match call["name"].as_str() {
+                Some("get_weather") => assert!(valid_weather(&args), "{case}: {args}"),
+                Some("get_time") => {
+                    assert!(
+                        args["zone"] == "utc" || args["zone"] == "cet",
+                        "{case}: {args}"
+                    )
+                }
+                other => panic!("{case}: unknown tool {other:?}"),
+            }
+        }
+        if case == "named" {
+            assert_eq!(calls.len(), 1);
+            assert_eq!(calls[0]["name"], "get_time");
+        }
+    }
+    let streamed = &tools["required_stream"];
+    assert_eq!(streamed["finish_reason"], "tool_calls");
+    let whole: Vec<(Value, Value)> = tools["required"]["calls"]
+        .as_array()
+        .expect("calls")
+        .iter()
+        .map(|c| (c["name"].clone(), c["arguments"].clone()))
+        .collect();
+    let parts: Vec<(Value, Value)> = streamed["calls"]
+        .as_array()
+        .expect("calls")
+        .iter()
+        .map(|c| (c["name"].clone(), c["arguments"].clone()))
+        .collect();
+    assert_eq!(
+        parts, whole,
+        "streamed names and argument deltas concatenate to the whole"
+    );
+    let choice = out["guided_choice"].as_str().unwrap_or_default();
+    assert!(choice == "alpha" || choice == "beta", "{choice:?}");
+    let bad = &out["uncompilable"];
+    assert_eq!(bad["status"], 400, "{out}");
+    assert!(
+        bad["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("uniqueItems")),
+        "{out}"
+    );
+}

@@ -5,6 +5,7 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 use crate::fields::{token_id_list, Fields};
+use crate::grammar::GrammarSpec;
 
 /// Most alternatives per token that `top_logprobs` / `logprobs` may ask for.
 pub const MAX_TOP_LOGPROBS: i64 = 20;
@@ -36,15 +37,96 @@ pub struct Sampling {
     pub n: usize,
     /// `logit_bias`: `(token id, bias)`.
     pub logit_bias: Vec<(u32, f32)>,
+    /// Enforced output shape, and the field that asked for it.
+    pub grammar: Option<(GrammarSpec, &'static str)>,
 }
 
-/// Fields every generating route refuses: structured-output enforcement and
-/// search/beam features this server does not have.
-const UNSUPPORTED: [&str; 12] = [
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
+/// `response_format` (`json_object`, `json_schema`) or one of vLLM's
+/// `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; at most one.
+fn parse_grammar(f: &Fields) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
+    let mut found: Vec<(GrammarSpec, &'static str)> = Vec::new();
+    if let Some(rf) = f.object("response_format")? {
+        match rf.get("type").and_then(Value::as_str) {
+            None | Some("text") => {}
+            Some("json_object") => found.push((
+                GrammarSpec::JsonSchema(serde_json::json!({"type": "object"})),
+                "response_format",
+            )),
+            Some("json_schema") => {
+                let schema = rf
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .filter(|s| s.is_object() || s.is_boolean())
+                    .ok_or_else(|| {
+                        ApiError::bad_request(
+                            "`response_format.json_schema.schema` must be a JSON schema object",
+                        )
+                        .with_param("response_format")
+                    })?;
+                found.push((GrammarSpec::JsonSchema(schema.clone()), "response_format"));
+            }
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "`response_format` {other:?} is not a format; use \"text\", \"json_object\" or \"json_schema\""
+                ))
+                .with_param("response_format"))
+            }
+        }
+    }
+    match f.get("guided_json") {
+        None => {}
+        Some(Value::String(text)) => {
+            let schema = serde_json::from_str(text).map_err(|e| {
+                ApiError::bad_request(format!("`guided_json` is not valid JSON ({e})"))
+                    .with_param("guided_json")
+            })?;
+            found.push((GrammarSpec::JsonSchema(schema), "guided_json"));
+        }
+        Some(schema @ Value::Object(_)) => {
+            found.push((GrammarSpec::JsonSchema(schema.clone()), "guided_json"))
+        }
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`guided_json` must be a JSON schema (an object or its text)",
+            )
+            .with_param("guided_json"))
+        }
+    }
+    if let Some(rx) = f.string("guided_regex")? {
+        found.push((GrammarSpec::Regex(rx.to_owned()), "guided_regex"));
+    }
+    if let Some(choices) = f.array("guided_choice")? {
+        let options: Option<Vec<String>> = choices
+            .iter()
+            .map(|c| c.as_str().map(str::to_owned))
+            .collect();
+        match options {
+            Some(options) if !options.is_empty() => {
+                found.push((GrammarSpec::Choice(options), "guided_choice"))
+            }
+            _ => {
+                return Err(ApiError::bad_request(
+                    "`guided_choice` must be a non-empty array of strings",
+                )
+                .with_param("guided_choice"))
+            }
+        }
+    }
+    if let Some(lark) = f.string("guided_grammar")? {
+        found.push((GrammarSpec::Lark(lark.to_owned()), "guided_grammar"));
+    }
+    if found.len() > 1 {
+        return Err(ApiError::bad_request(format!(
+            "`{}` and `{}` both constrain the output; send one",
+            found[0].1, found[1].1
+        ))
+        .with_param(found[1].1));
+    }
+    Ok(found.pop())
+}
+
+/// Fields every generating route refuses: features this server does not have.
+const UNSUPPORTED: [&str; 8] = [
     "guided_decoding_backend",
     "structured_outputs",
     "best_of",
@@ -109,6 +191,7 @@ impl Sampling {
             ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
             n: usize::try_from(f.integer("n", 1, MAX_N)?.unwrap_or(1)).unwrap_or(1),
             logit_bias: f.logit_bias("logit_bias")?,
+            grammar: parse_grammar(f)?,
         })
     }
 }
@@ -164,41 +247,57 @@ pub struct ChatRequest {
     pub streaming: Streaming,
 }
 
-/// Whether the model may call tools.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Whether the model may, must, or must not call tools.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum ToolChoice {
     /// The model decides.
     #[default]
     Auto,
     /// Calls are forbidden (the call marker can never be sampled).
     None,
+    /// At least one call, enforced by a grammar over the tools' schemas.
+    Required,
+    /// Exactly one call of this function, enforced likewise.
+    Named(String),
 }
 
 impl ToolChoice {
     fn parse(f: &Fields) -> Result<Self, ApiError> {
-        let needs_grammar = |what: &str| {
-            ApiError::bad_request(format!(
-                "`tool_choice` {what} needs grammar-enforced decoding, which this server does not do yet; use \"auto\" or \"none\""
-            ))
-            .with_param("tool_choice")
-        };
-        match f.get("tool_choice") {
-            None => Ok(Self::Auto),
+        let bad = |msg: String| ApiError::bad_request(msg).with_param("tool_choice");
+        let choice = match f.get("tool_choice") {
+            None => Self::Auto,
             Some(Value::String(s)) => match s.as_str() {
-                "auto" => Ok(Self::Auto),
-                "none" => Ok(Self::None),
-                "required" => Err(needs_grammar("\"required\"")),
-                other => Err(ApiError::bad_request(format!(
-                    "`tool_choice` is {other:?}; use \"auto\", \"none\", \"required\" or {{\"type\": \"function\", ...}}"
-                ))
-                .with_param("tool_choice")),
+                "auto" => Self::Auto,
+                "none" => Self::None,
+                "required" => Self::Required,
+                other => {
+                    return Err(bad(format!(
+                        "`tool_choice` is {other:?}; use \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                    )))
+                }
             },
-            Some(Value::Object(_)) => Err(needs_grammar("naming a function")),
-            Some(_) => Err(ApiError::bad_request(
-                "`tool_choice` must be a string or an object",
-            )
-            .with_param("tool_choice")),
+            Some(Value::Object(o)) => match o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+            {
+                Some(name) => Self::Named(name.to_owned()),
+                None => {
+                    return Err(bad(
+                        "`tool_choice.function.name` must name one of `tools`".into(),
+                    ))
+                }
+            },
+            Some(_) => return Err(bad("`tool_choice` must be a string or an object".into())),
+        };
+        if matches!(choice, Self::Required | Self::Named(_))
+            && f.array("tools")?.is_none_or(|t| t.is_empty())
+        {
+            return Err(bad(
+                "`tool_choice` asks for a call but `tools` is empty".into()
+            ));
         }
+        Ok(choice)
     }
 }
 
@@ -259,7 +358,6 @@ impl ChatRequest {
             }
             (false, _) => None,
         };
-        check_response_format(&f)?;
         let tools = f
             .array("tools")?
             .filter(|t| !t.is_empty())
@@ -428,20 +526,6 @@ fn check_tool_calls(calls: &mut Value, at: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
-/// Structured output is not enforced yet: refuse rather than ignore it.
-fn check_response_format(f: &Fields) -> Result<(), ApiError> {
-    let Some(rf) = f.object("response_format")? else {
-        return Ok(());
-    };
-    match rf.get("type").and_then(Value::as_str) {
-        None | Some("text") => Ok(()),
-        Some(other) => Err(ApiError::bad_request(format!(
-            "`response_format` {other:?} is not supported by this server; remove it or use {{\"type\": \"text\"}}"
-        ))
-        .with_param("response_format")),
-    }
-}
-
 /// A prompt as text or as token ids.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
@@ -546,7 +630,7 @@ impl GenerateRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let f = Fields::parse(body)?;
         f.refuse(&UNSUPPORTED, "/generate")?;
-        f.refuse(&["response_format", "tools", "tool_choice"], "/generate")?;
+        f.refuse(&["tools", "tool_choice"], "/generate")?;
         let prompt = match f.get("prompt") {
             Some(Value::String(s)) => Prompt::Text(s.clone()),
             Some(v @ Value::Array(_)) => Prompt::Ids(token_id_list(v).ok_or_else(|| {
@@ -765,8 +849,9 @@ mod tests {
                 "tool_choice",
                 r#"{"type": "function", "function": {"name": "f"}}"#,
             ),
-            ("guided_json", r#"{"type": "object"}"#),
-            ("guided_regex", r#""a+""#),
+            ("guided_json", "5"),
+            ("guided_choice", "[]"),
+            ("guided_decoding_backend", r#""xgrammar""#),
             ("parallel_tool_calls", "false"),
             ("logit_bias", r#"{"x": 1}"#),
             ("logit_bias", r#"{"1": 500}"#),
@@ -774,10 +859,7 @@ mod tests {
             let e = chat(&format!(r#"{{{base}, "{field}": {value}}}"#)).expect_err("rejected");
             assert_eq!(e.param.as_deref(), Some(field), "{field}: {}", e.message);
         }
-        for (field, value) in [
-            ("response_format", r#"{"type": "json_object"}"#),
-            ("guided_choice", r#"["a"]"#),
-        ] {
+        for (field, value) in [("tools", "[]"), ("structured_outputs", "{}")] {
             let e = CompletionRequest::parse(
                 format!(r#"{{"prompt": "a", "{field}": {value}}}"#).as_bytes(),
             )
@@ -787,10 +869,48 @@ mod tests {
     }
 
     #[test]
-    fn structured_output_is_refused_not_ignored() {
-        let e = chat(r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}"#)
-            .expect_err("rejected");
-        assert_eq!(e.param.as_deref(), Some("response_format"));
+    fn structured_output_fields() {
+        let base = r#""messages": [{"role": "user", "content": "x"}]"#;
+        let grammar =
+            |extra: &str| chat(&format!("{{{base}, {extra}}}")).map(|r| r.sampling.grammar);
+        assert_eq!(
+            grammar(r#""response_format": {"type": "json_object"}"#)
+                .ok()
+                .flatten(),
+            Some((
+                GrammarSpec::JsonSchema(serde_json::json!({"type": "object"})),
+                "response_format"
+            ))
+        );
+        assert_eq!(
+            grammar(r#""response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": true, "schema": {"type": "integer"}}}"#)
+                .ok()
+                .flatten(),
+            Some((GrammarSpec::JsonSchema(serde_json::json!({"type": "integer"})), "response_format"))
+        );
+        assert_eq!(
+            grammar(r#""guided_choice": ["a", "b"]"#)
+                .ok()
+                .flatten()
+                .map(|g| g.1),
+            Some("guided_choice")
+        );
+        assert_eq!(
+            grammar(r#""guided_json": "{\"type\": \"object\"}""#)
+                .ok()
+                .flatten()
+                .map(|g| g.1),
+            Some("guided_json")
+        );
+        assert!(grammar(r#""guided_regex": "a+", "guided_grammar": "start: \"a\"""#).is_err());
+        assert!(grammar(r#""response_format": {"type": "json_schema"}"#).is_err());
+        assert!(grammar(r#""response_format": {"type": "yaml"}"#).is_err());
+        let r = CompletionRequest::parse(br#"{"prompt": "a", "guided_regex": "[0-9]+"}"#)
+            .expect("completions enforce grammars too");
+        assert_eq!(
+            r.sampling.grammar,
+            Some((GrammarSpec::Regex("[0-9]+".into()), "guided_regex"))
+        );
     }
 
     #[test]
