@@ -313,6 +313,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
         object: "text_completion",
         created: unix_now(),
         model: &served,
+        system_fingerprint: SYSTEM_FINGERPRINT,
         choices,
         usage: Some(UsageJson::new(prompt_tokens, completion_tokens)),
     })

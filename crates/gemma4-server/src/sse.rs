@@ -77,6 +77,7 @@ impl Streamer {
             object: "text_completion",
             created: self.meta.created,
             model: &self.meta.model,
+            system_fingerprint: SYSTEM_FINGERPRINT,
             choices: vec![choice],
             usage: None,
         })
@@ -201,6 +202,7 @@ impl Streamer {
                 object: "text_completion",
                 created: self.meta.created,
                 model: &self.meta.model,
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: Vec::new(),
                 usage: Some(usage),
             }),

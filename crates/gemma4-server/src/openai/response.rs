@@ -258,6 +258,7 @@ pub struct TextCompletion<'a> {
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
+    pub system_fingerprint: &'static str,
     pub choices: Vec<TextChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<UsageJson>,
