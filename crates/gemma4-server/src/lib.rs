@@ -6,7 +6,7 @@
 //! can answer 503 "loading" until [`Server::set_ready`].
 //!
 //! * [`routes`]: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-//!   `/v1/models/{id}`, `/tokenize`, `/detokenize`, `/generate`, `/health`, `/metrics`.
+//!   `/v1/models/{id}`, `/v1/responses`, `/tokenize`, `/detokenize`, `/generate`, `/health`, `/metrics`.
 //! * [`openai`]: request parsing (unknown fields ignored, wrong types a 400
 //!   naming the field) and response and chunk shapes.
 //! * [`grammar`]: structured output enforced with llguidance token masks.
@@ -31,6 +31,7 @@ pub mod generation;
 pub mod grammar;
 pub mod metrics;
 pub mod openai;
+mod responses;
 pub mod routes;
 pub mod server;
 pub mod sse;

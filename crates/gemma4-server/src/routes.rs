@@ -3,6 +3,7 @@
 //! | route | auth | what |
 //! |---|---|---|
 //! | `POST /v1/chat/completions` | key | chat through the model's template |
+//! | `POST /v1/responses` | key | the Responses API (whole responses): reasoning, message and function-call items |
 //! | `POST /v1/completions` | key | plain-text completion |
 //! | `GET /v1/models` | key | the served model |
 //! | `GET /v1/models/{id}` | key | the served model's card; 404 for any other id |
@@ -39,13 +40,15 @@ use crate::openai::response::{
     SYSTEM_FINGERPRINT,
 };
 use crate::openai::{ChatRequest, CompletionRequest, GenerateRequest};
+use crate::responses;
 use crate::server::ModelContext;
 use crate::server::{AppState, Phase};
 use crate::sse::{self, Format, StreamMeta};
 use crate::tokenize;
 
-const ROUTES: [&str; 8] = [
+const ROUTES: [&str; 9] = [
     "/v1/chat/completions",
+    "/v1/responses",
     "/v1/completions",
     "/v1/models",
     "/tokenize",
@@ -54,7 +57,7 @@ const ROUTES: [&str; 8] = [
     "/health",
     "/metrics",
 ];
-const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /generate, GET /health, GET /metrics";
+const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /generate, GET /health, GET /metrics";
 
 pub fn router(state: Arc<AppState>) -> Router {
     let keyed = Router::new()
@@ -62,6 +65,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_card))
+        .route("/v1/responses", post(responses::responses))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/generate", post(generate))
@@ -190,32 +194,9 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
     let (model, guard) = state.admit()?;
     let bytes = read_body(body, state.config.max_body_bytes).await?;
     let req = ChatRequest::parse(&bytes)?;
-    check_model_name(&state, req.model.as_deref())?;
-    let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
-    let chat = ChatControls {
-        tool_choice: req.tool_choice.clone(),
-        tools: req.tools.clone(),
-        thinking_token_budget: req.thinking_token_budget,
-        thinking: req
-            .template_kwargs
-            .get("enable_thinking")
-            .is_some_and(|v| v.as_bool() == Some(true)),
-    };
-    let prompt = {
-        let model = model.clone();
-        blocking(move || chat_prompt(&model, &req)).await?
-    };
-    let job = OpenAiJob {
-        prompts: vec![prompt],
-        sampling,
-        logprobs,
-        chat: Some(chat),
-        streaming,
-        arrival,
-        prompt_param: "messages",
-    };
+    let logprobs = req.logprobs;
     let (id, served, prompt_tokens, collected, guard) =
-        match run_openai(&state, &model, job, guard, Format::Chat).await? {
+        match run_chat(&state, &model, req, guard, arrival).await? {
             Ran::Streamed(response) => return Ok(response),
             Ran::Collected {
                 id,
@@ -255,6 +236,41 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
             .with_reasoning(collected.reasoning_tokens),
     })
     .into_response())
+}
+
+/// Renders, submits and streams or collects a parsed chat request.
+pub(crate) async fn run_chat(
+    state: &Arc<AppState>,
+    model: &Arc<ModelContext>,
+    req: ChatRequest,
+    guard: ActiveGuard,
+    arrival: Instant,
+) -> Result<Ran, ApiError> {
+    check_model_name(state, req.model.as_deref())?;
+    let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
+    let chat = ChatControls {
+        tool_choice: req.tool_choice.clone(),
+        tools: req.tools.clone(),
+        thinking_token_budget: req.thinking_token_budget,
+        thinking: req
+            .template_kwargs
+            .get("enable_thinking")
+            .is_some_and(|v| v.as_bool() == Some(true)),
+    };
+    let prompt = {
+        let model = model.clone();
+        blocking(move || chat_prompt(&model, &req)).await?
+    };
+    let job = OpenAiJob {
+        prompts: vec![prompt],
+        sampling,
+        logprobs,
+        chat: Some(chat),
+        streaming,
+        arrival,
+        prompt_param: "messages",
+    };
+    run_openai(state, model, job, guard, Format::Chat).await
 }
 
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
@@ -366,7 +382,7 @@ struct OpenAiJob {
 }
 
 /// A generation either answered as a stream, or collected for a JSON response.
-enum Ran {
+pub(crate) enum Ran {
     Streamed(Response),
     Collected {
         id: String,

@@ -302,3 +302,71 @@ fn enforced_output_with_the_real_vocabulary_and_template() {
     // whether a random model thinks first is up to it; the answer is enforced either way.
     check_structured(&out, false);
 }
+
+#[test]
+fn responses_api_returns_typed_output_items() {
+    let server = ServerProc::start(&fixture("e-style"), &[], &[]);
+    let schema = json!({"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+                        "required": ["city"], "additionalProperties": false});
+    let r = server.post(
+        "/v1/responses",
+        &json!({"input": "Weather?", "max_output_tokens": 60, "temperature": 0,
+                "text": {"format": {"type": "json_schema", "name": "w", "schema": schema}}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["object"], "response");
+    assert_eq!(v["status"], "completed", "{v}");
+    let message = v["output"]
+        .as_array()
+        .and_then(|o| o.iter().find(|i| i["type"] == "message"))
+        .unwrap_or_else(|| panic!("no message item: {v}"));
+    let text = message["content"][0]["text"].as_str().unwrap_or_default();
+    let answer: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(
+        answer["city"]
+            .as_str()
+            .is_some_and(|c| c.chars().count() <= 8),
+        "{answer}"
+    );
+    assert!(v["usage"]["output_tokens"].as_u64().is_some_and(|n| n > 0));
+
+    let tools = json!([{"type": "function", "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+                       "required": ["zone"]}}]);
+    let r = server.post(
+        "/v1/responses",
+        &json!({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Time?"}]}],
+                "tools": tools, "tool_choice": {"type": "function", "name": "get_time"},
+                "max_output_tokens": 60, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let calls: Vec<&Value> = v["output"]
+        .as_array()
+        .map(|o| o.iter().filter(|i| i["type"] == "function_call").collect())
+        .unwrap_or_default();
+    assert_eq!(calls.len(), 1, "{v}");
+    assert_eq!(calls[0]["name"], "get_time");
+    let args: Value =
+        serde_json::from_str(calls[0]["arguments"].as_str().unwrap_or_default()).expect("JSON");
+    assert!(args["zone"] == "utc" || args["zone"] == "cet", "{args}");
+    let call_id = calls[0]["call_id"].clone();
+
+    let r = server.post(
+        "/v1/responses",
+        &json!({"input": [
+            {"role": "user", "content": "Time?"},
+            {"type": "function_call", "call_id": call_id, "name": "get_time", "arguments": args.to_string()},
+            {"type": "function_call_output", "call_id": call_id, "output": "12:00"}],
+            "tools": tools, "max_output_tokens": 4}),
+    );
+    assert_eq!(r.status, 200, "the tool round trip is accepted: {}", r.body);
+    let r = server.post("/v1/responses", &json!({"input": "x", "stream": true}));
+    assert_eq!(r.status, 400);
+    let r = server.post(
+        "/v1/responses",
+        &json!({"input": "x", "previous_response_id": "resp_1"}),
+    );
+    assert_eq!(r.status, 400);
+}
