@@ -315,9 +315,9 @@ fn truncated_mid_call_keeps_the_partial_call() {
 #[test]
 fn stray_markup_never_reaches_content() {
     check(
-        &format!("a{Q}b<tool_call|>c<channel|>d"),
+        &format!("a{Q}b<tool_call|>c<channel|>d<|tool>e<tool|>"),
         &[],
-        &message("abcd", "", &[]),
+        &message("abcde", "", &[]),
     );
 }
 

@@ -34,6 +34,8 @@ const CHANNEL_OPEN: &str = "<|channel>";
 const CHANNEL_CLOSE: &str = "<channel|>";
 const TOOL_RESPONSE_OPEN: &str = "<|tool_response>";
 const TOOL_RESPONSE_CLOSE: &str = "<tool_response|>";
+const TOOL_DECLARATION_OPEN: &str = "<|tool>";
+const TOOL_DECLARATION_CLOSE: &str = "<tool|>";
 const TURN_OPEN: &str = "<|turn>";
 /// The label that opens a thought channel; it is not part of the reasoning.
 const THOUGHT_LABEL: &str = "thought\n";
@@ -48,10 +50,13 @@ pub enum Marker {
     ChannelClose,
     ToolResponseOpen,
     ToolResponseClose,
+    /// Tool declarations belong to the system turn; in output they are stray.
+    DeclarationOpen,
+    DeclarationClose,
 }
 
 impl Marker {
-    const ALL: [Marker; 7] = [
+    const ALL: [Marker; 9] = [
         Marker::ToolCallOpen,
         Marker::ToolCallClose,
         Marker::StringDelimiter,
@@ -59,6 +64,8 @@ impl Marker {
         Marker::ChannelClose,
         Marker::ToolResponseOpen,
         Marker::ToolResponseClose,
+        Marker::DeclarationOpen,
+        Marker::DeclarationClose,
     ];
 
     /// The token's spelling.
@@ -71,6 +78,8 @@ impl Marker {
             Marker::ChannelClose => CHANNEL_CLOSE,
             Marker::ToolResponseOpen => TOOL_RESPONSE_OPEN,
             Marker::ToolResponseClose => TOOL_RESPONSE_CLOSE,
+            Marker::DeclarationOpen => TOOL_DECLARATION_OPEN,
+            Marker::DeclarationClose => TOOL_DECLARATION_CLOSE,
         }
     }
 }
@@ -492,6 +501,7 @@ impl OutputProcessor {
                     self.mode = Mode::Content;
                 }
             }
+            Marker::DeclarationOpen | Marker::DeclarationClose => {}
         }
     }
 
