@@ -227,7 +227,182 @@ def scenario_auth(args):
     return out
 
 
+def extra(obj, name):
+    """A field the openai types do not declare (reasoning_content)."""
+    value = getattr(obj, name, None)
+    if value is None and obj.model_extra:
+        value = obj.model_extra.get(name)
+    return value
+
+
+def scenario_protocol(args):
+    """Reasoning with a thinking budget (whole and streamed), tool_choice, a tool round trip."""
+    c = client(args)
+    messages = [{"role": "user", "content": args.prompt[0]}]
+    body = {
+        "ignore_eos": True,
+        "thinking_token_budget": args.budget,
+        "chat_template_kwargs": {"enable_thinking": True},
+        "logit_bias": {str(t): -100 for t in args.ban},
+    }
+    out = {}
+    r = c.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=args.max_tokens, temperature=0, extra_body=body
+    )
+    m = r.choices[0].message
+    out["whole"] = {
+        "content": m.content,
+        "reasoning": extra(m, "reasoning_content"),
+        "tool_calls": len(m.tool_calls or []),
+        "finish_reason": r.choices[0].finish_reason,
+        "usage": r.usage.model_dump(exclude_none=True),
+        "system_fingerprint": r.system_fingerprint,
+    }
+    stream = c.chat.completions.create(
+        model=args.model,
+        messages=messages,
+        max_tokens=args.max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=body,
+    )
+    content, reasoning, finish, usage = "", "", None, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump(exclude_none=True)
+        for ch in chunk.choices:
+            content += ch.delta.content or ""
+            reasoning += extra(ch.delta, "reasoning_content") or ""
+            finish = ch.finish_reason or finish
+    out["stream"] = {"content": content, "reasoning": reasoning, "finish_reason": finish, "usage": usage}
+
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    r = c.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=8, tools=tools, tool_choice="none", extra_body={"ignore_eos": True}
+    )
+    out["tool_choice_none"] = {"tool_calls": len(r.choices[0].message.tool_calls or [])}
+    round_trip = messages + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+    ]
+    r = c.chat.completions.create(model=args.model, messages=round_trip, max_tokens=4, tools=tools)
+    out["round_trip"] = {"finish_reason": r.choices[0].finish_reason}
+    try:
+        c.chat.completions.create(model=args.model, messages=messages, max_tokens=4, tool_choice="required")
+        out["required"] = {"unexpected_success": True}
+    except openai.APIStatusError as e:
+        out["required"] = error_info(e)
+    return out
+
+
+WEATHER_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+    },
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_SCHEMA}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}}, "required": ["zone"]}}},
+]
+
+
+def scenario_structured(args):
+    """Outputs a random model can only produce valid because they are enforced."""
+    c = client(args)
+    messages = [{"role": "user", "content": args.prompt[0]}]
+    out = {}
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "strict": True, "schema": WEATHER_SCHEMA}}
+    for thinking in (False, True):
+        body = {"chat_template_kwargs": {"enable_thinking": thinking}, "thinking_token_budget": args.budget,
+                "logit_bias": {str(t): -100 for t in args.ban}}
+        r = c.chat.completions.create(
+            model=args.model, messages=messages, max_tokens=args.max_tokens, temperature=1.0, seed=7,
+            response_format=fmt, extra_body=body,
+        )
+        m = r.choices[0].message
+        out[f"json_schema_thinking_{str(thinking).lower()}"] = {
+            "content": m.content, "reasoning": extra(m, "reasoning_content"),
+            "finish_reason": r.choices[0].finish_reason,
+        }
+    r = c.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=args.max_tokens, temperature=0,
+        response_format={"type": "json_object"},
+    )
+    out["json_object"] = {"content": r.choices[0].message.content, "finish_reason": r.choices[0].finish_reason}
+    calls = {}
+    for name, choice in (("required", "required"),
+                         ("named", {"type": "function", "function": {"name": "get_time"}})):
+        r = c.chat.completions.create(
+            model=args.model, messages=messages, max_tokens=4 * args.max_tokens, temperature=0,
+            tools=TOOLS, tool_choice=choice,
+        )
+        m = r.choices[0].message
+        calls[name] = {
+            "finish_reason": r.choices[0].finish_reason,
+            "content": m.content,
+            "calls": [{"id": t.id, "type": t.type, "name": t.function.name, "arguments": t.function.arguments}
+                      for t in (m.tool_calls or [])],
+        }
+    stream = c.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=4 * args.max_tokens, temperature=0,
+        tools=TOOLS, tool_choice="required", stream=True,
+    )
+    streamed, finish, names = {}, None, {}
+    for chunk in stream:
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            for t in ch.delta.tool_calls or []:
+                if t.function and t.function.name:
+                    names[t.index] = names.get(t.index, "") + t.function.name
+                if t.function and t.function.arguments:
+                    streamed[t.index] = streamed.get(t.index, "") + t.function.arguments
+    calls["required_stream"] = {
+        "finish_reason": finish,
+        "calls": [{"name": names.get(i), "arguments": streamed.get(i, "")} for i in sorted(names)],
+    }
+    out["tools"] = calls
+    r = c.completions.create(
+        model=args.model, prompt=args.prompt[0], max_tokens=args.max_tokens, temperature=0,
+        extra_body={"guided_choice": ["alpha", "beta"]},
+    )
+    out["guided_choice"] = r.choices[0].text
+    try:
+        c.chat.completions.create(
+            model=args.model, messages=messages, max_tokens=4,
+            response_format={"type": "json_schema", "json_schema": {"name": "u", "schema": {
+                "type": "array", "uniqueItems": True}}},
+        )
+        out["uncompilable"] = {"unexpected_success": True}
+    except openai.APIStatusError as e:
+        out["uncompilable"] = error_info(e)
+    return out
+
+
 SCENARIOS = {
+    "structured": scenario_structured,
+    "protocol": scenario_protocol,
     "basic": scenario_basic,
     "concurrent": scenario_concurrent,
     "queue": scenario_queue,
@@ -246,6 +421,8 @@ def main():
     p.add_argument("--prompt", action="append", default=[], help="repeatable")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--count", type=int, default=4, help="simultaneous requests (queue scenario)")
+    p.add_argument("--budget", type=int, default=12, help="thinking_token_budget (protocol scenario)")
+    p.add_argument("--ban", type=int, action="append", default=[], help="token id to ban (protocol scenario)")
     args = p.parse_args()
     if not args.prompt:
         args.prompt = ["Hello world"]

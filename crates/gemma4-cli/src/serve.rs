@@ -51,6 +51,9 @@ pub struct Args {
     /// Output tokens when a request gives no max_tokens (bounded by the remaining context).
     #[arg(long, default_value_t = 256)]
     default_max_tokens: usize,
+    /// Most thinking tokens per chat turn when a request gives no thinking_token_budget.
+    #[arg(long)]
+    thinking_token_budget: Option<usize>,
     /// Seconds a request may take from arrival to its last token (0: no limit).
     #[arg(long, default_value_t = 600.0)]
     request_timeout: f64,
@@ -131,6 +134,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         request_timeout: (!request_timeout.is_zero()).then_some(request_timeout),
         drain_timeout: seconds("--drain-timeout", args.drain_timeout)?,
         default_max_tokens: args.default_max_tokens.max(1),
+        default_thinking_budget: args.thinking_token_budget,
     };
     if args.max_num_seqs == 0 {
         bail!("--max-num-seqs must be at least 1");

@@ -28,6 +28,53 @@ pub struct SamplingParams {
     pub stop_strings: Vec<String>,
     /// Return the chosen token's log-probability and this many alternatives.
     pub logprobs: Option<usize>,
+    /// Added to a token's logit before any choice (`f32::NEG_INFINITY` bans it).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Ends a thought channel once it has this many tokens.
+    pub thinking_budget: Option<ThinkingBudget>,
+    /// Restricts which tokens may come next (structured output).
+    pub constraint: Option<ConstraintFactory>,
+}
+
+/// A per-request rule on the next token, such as a grammar.
+pub trait TokenConstraint: Send {
+    /// The tokens allowed next as a bit set over the vocabulary (bit `i % 32` of
+    /// word `i / 32`), or `None` when any token may come.
+    fn allowed(&mut self) -> Option<&[u32]>;
+    /// Records the token that was chosen.
+    fn accept(&mut self, token: u32);
+}
+
+/// Makes one fresh [`TokenConstraint`] per sequence (each choice of a request
+/// gets its own).
+#[derive(Clone)]
+pub struct ConstraintFactory(
+    pub std::sync::Arc<dyn Fn() -> Box<dyn TokenConstraint> + Send + Sync>,
+);
+
+impl std::fmt::Debug for ConstraintFactory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ConstraintFactory")
+    }
+}
+
+impl PartialEq for ConstraintFactory {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// A bound on thinking: once `budget` tokens have been generated inside a
+/// channel opened by `open`, the next token is `close`. A call marker
+/// (`ends`) also ends thinking.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ThinkingBudget {
+    pub budget: usize,
+    pub open: u32,
+    pub close: u32,
+    pub ends: Vec<u32>,
+    /// The prompt left the model inside an open channel.
+    pub starts_inside: bool,
 }
 
 impl Default for SamplingParams {
@@ -45,6 +92,9 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             logprobs: None,
+            logit_bias: Vec::new(),
+            thinking_budget: None,
+            constraint: None,
         }
     }
 }

@@ -12,7 +12,7 @@ pub mod sampler;
 pub mod scheduler;
 
 pub use api::{
-    EngineEvent, EngineStats, FinishReason, GenerationRequest, SamplingParams, SubmitError,
-    TokenLogprob, Usage,
+    ConstraintFactory, EngineEvent, EngineStats, FinishReason, GenerationRequest, SamplingParams,
+    SubmitError, ThinkingBudget, TokenConstraint, TokenLogprob, Usage,
 };
 pub use engine::{start, EngineConfig, EngineHandle, KvPlanReport, RequestStream};

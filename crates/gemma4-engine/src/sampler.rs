@@ -1,5 +1,6 @@
-//! Turning one row of logits into the next token: penalties, temperature,
-//! top-k / top-p / min-p, a per-request seeded generator, and log-probs.
+//! Turning one row of logits into the next token: penalties, logit bias,
+//! temperature, top-k / top-p / min-p, a per-request seeded generator,
+//! log-probs, and a thinking budget that forces the channel closed.
 //!
 //! The logits arrive already soft-capped by the model, so every
 //! probability computed here is of the capped distribution.
@@ -7,7 +8,7 @@
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use crate::api::SamplingParams;
+use crate::api::{SamplingParams, TokenConstraint};
 
 /// Per-request sampling state (the generator and counts of generated tokens).
 pub struct Sampler {
@@ -17,6 +18,9 @@ pub struct Sampler {
     prompt_tokens: Vec<u32>,
     /// `(token, count)` of generated tokens.
     output_counts: std::collections::HashMap<u32, u32>,
+    /// Tokens generated in the open thought channel, if one is open.
+    thinking: Option<usize>,
+    constraint: Option<Box<dyn TokenConstraint>>,
 }
 
 /// A sampled token with what the request asked to know about it.
@@ -36,11 +40,18 @@ impl Sampler {
         let mut prompt_tokens = prompt.to_vec();
         prompt_tokens.sort_unstable();
         prompt_tokens.dedup();
+        let thinking = params
+            .thinking_budget
+            .as_ref()
+            .and_then(|b| b.starts_inside.then_some(0));
+        let constraint = params.constraint.as_ref().map(|make| (make.0)());
         Self {
             params,
             rng,
             prompt_tokens,
             output_counts: Default::default(),
+            thinking,
+            constraint,
         }
     }
 
@@ -51,16 +62,52 @@ impl Sampler {
     /// Picks the next token from `logits` and records it.
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
         let logprobs = self.params.logprobs.map(|k| log_softmax_top(logits, k));
-        let mut x = logits.to_vec();
-        self.apply_penalties(&mut x);
-        let token = if self.params.temperature <= 0.0 {
-            argmax(&x)
-        } else {
-            self.sample_stochastic(&mut x)
+        let token = match self.forced_token() {
+            Some(token) => token,
+            None => {
+                let mut x = logits.to_vec();
+                self.apply_penalties(&mut x);
+                for &(t, bias) in &self.params.logit_bias {
+                    if let Some(v) = x.get_mut(t as usize) {
+                        *v += bias;
+                    }
+                }
+                if let Some(allowed) = self.constraint.as_mut().and_then(|c| c.allowed()) {
+                    mask_disallowed(&mut x, allowed);
+                }
+                if self.params.temperature <= 0.0 {
+                    argmax(&x)
+                } else {
+                    self.sample_stochastic(&mut x)
+                }
+            }
         };
         *self.output_counts.entry(token).or_insert(0) += 1;
+        self.track_thinking(token);
+        if let Some(c) = self.constraint.as_mut() {
+            c.accept(token);
+        }
         let logprobs = logprobs.map(|(lse, top)| (logits[token as usize] - lse, top));
         Sampled { token, logprobs }
+    }
+
+    /// The channel's closing token once the thinking budget is spent.
+    fn forced_token(&self) -> Option<u32> {
+        let budget = self.params.thinking_budget.as_ref()?;
+        (self.thinking? >= budget.budget).then_some(budget.close)
+    }
+
+    fn track_thinking(&mut self, token: u32) {
+        let Some(budget) = &self.params.thinking_budget else {
+            return;
+        };
+        self.thinking = if token == budget.open {
+            Some(0)
+        } else if token == budget.close || budget.ends.contains(&token) {
+            None
+        } else {
+            self.thinking.map(|n| n + 1)
+        };
     }
 
     fn apply_penalties(&self, x: &mut [f32]) {
@@ -141,6 +188,16 @@ impl Sampler {
     }
 }
 
+/// Sets every logit whose bit is clear in `allowed` to minus infinity.
+fn mask_disallowed(x: &mut [f32], allowed: &[u32]) {
+    for (i, v) in x.iter_mut().enumerate() {
+        let word = allowed.get(i / 32).copied().unwrap_or(0);
+        if word & (1 << (i % 32)) == 0 {
+            *v = f32::NEG_INFINITY;
+        }
+    }
+}
+
 /// Index of the largest value (first on ties).
 pub fn argmax(x: &[f32]) -> u32 {
     let mut best = 0;
@@ -173,6 +230,7 @@ fn log_softmax_top(x: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::api::ThinkingBudget;
 
     fn params() -> SamplingParams {
         SamplingParams {
@@ -253,6 +311,92 @@ mod tests {
             &[0],
         );
         assert_eq!(s.sample(&[1.0, 0.5]).token, 1);
+    }
+
+    #[test]
+    fn logit_bias_bans_and_favours_tokens() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                logit_bias: vec![(0, f32::NEG_INFINITY), (2, 5.0)],
+                ..params()
+            },
+            &[],
+        );
+        assert!((0..20).all(|_| s.sample(&[9.0, 1.0, 0.0]).token == 2));
+    }
+
+    /// Allows only even tokens and records what it was given.
+    struct EvenOnly(Vec<u32>, std::sync::Arc<std::sync::Mutex<Vec<u32>>>);
+
+    impl TokenConstraint for EvenOnly {
+        fn allowed(&mut self) -> Option<&[u32]> {
+            Some(&self.0)
+        }
+        fn accept(&mut self, token: u32) {
+            if let Ok(mut seen) = self.1.lock() {
+                seen.push(token);
+            }
+        }
+    }
+
+    #[test]
+    fn constraints_mask_greedy_and_sampled_choices() {
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let record = seen.clone();
+        let factory = crate::api::ConstraintFactory(std::sync::Arc::new(move || {
+            Box::new(EvenOnly(vec![0x5555_5555], record.clone())) as Box<dyn TokenConstraint>
+        }));
+        for temperature in [0.0, 1.0] {
+            let mut s = Sampler::new(
+                SamplingParams {
+                    temperature,
+                    constraint: Some(factory.clone()),
+                    ..params()
+                },
+                &[],
+            );
+            for _ in 0..20 {
+                let t = s.sample(&[0.0, 9.0, 1.0, 8.0]).token;
+                assert_eq!(t % 2, 0, "temperature {temperature}");
+            }
+        }
+        assert_eq!(seen.lock().map(|s| s.len()).unwrap_or(0), 40);
+    }
+
+    #[test]
+    fn thinking_budget_forces_the_channel_closed() {
+        let budget = ThinkingBudget {
+            budget: 3,
+            open: 0,
+            close: 1,
+            ends: vec![],
+            starts_inside: false,
+        };
+        let mut s = Sampler::new(
+            SamplingParams {
+                thinking_budget: Some(budget.clone()),
+                ..Default::default()
+            },
+            &[],
+        );
+        // Logits always favour token 2 (thinking text); the first token opens the channel.
+        let open = s.sample(&[9.0, 0.0, 1.0]).token;
+        let rest: Vec<u32> = (0..5).map(|_| s.sample(&[0.0, 0.0, 1.0]).token).collect();
+        assert_eq!(open, 0);
+        assert_eq!(rest, vec![2, 2, 2, 1, 2]);
+        // Starting inside a channel counts from the first token.
+        let mut s = Sampler::new(
+            SamplingParams {
+                thinking_budget: Some(ThinkingBudget {
+                    starts_inside: true,
+                    ..budget
+                }),
+                ..Default::default()
+            },
+            &[],
+        );
+        let out: Vec<u32> = (0..4).map(|_| s.sample(&[0.0, 0.0, 1.0]).token).collect();
+        assert_eq!(out, vec![2, 2, 2, 1]);
     }
 
     #[test]

@@ -17,6 +17,8 @@ pub struct ServerConfig {
     pub drain_timeout: Duration,
     /// Output length when a request gives no `max_tokens` (bounded by the remaining context).
     pub default_max_tokens: usize,
+    /// Thinking tokens per chat turn when a request gives no `thinking_token_budget`.
+    pub default_thinking_budget: Option<usize>,
 }
 
 impl Default for ServerConfig {
@@ -28,6 +30,7 @@ impl Default for ServerConfig {
             request_timeout: Some(Duration::from_secs(600)),
             drain_timeout: Duration::from_secs(30),
             default_max_tokens: 256,
+            default_thinking_budget: None,
         }
     }
 }

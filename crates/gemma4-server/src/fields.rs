@@ -159,6 +159,45 @@ impl Fields {
         }
     }
 
+    /// Refuses fields this server does not implement, naming the first one
+    /// present, so that no request is silently served differently than asked.
+    pub fn refuse(&self, names: &[&str], route: &str) -> Result<(), ApiError> {
+        match names.iter().find(|n| self.get(n).is_some()) {
+            Some(name) => Err(ApiError::bad_request(format!(
+                "`{name}` is not supported by {route} on this server; remove it (see docs/serving.md for the supported fields)"
+            ))
+            .with_param(*name)),
+            None => Ok(()),
+        }
+    }
+
+    /// `logit_bias`: an object mapping token ids (as strings) to a bias in [-100, 100].
+    pub fn logit_bias(&self, name: &str) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = self.object(name)? else {
+            return Ok(Vec::new());
+        };
+        map.iter()
+            .map(|(key, value)| {
+                let id = key.parse::<u32>().map_err(|_| {
+                    ApiError::bad_request(format!(
+                        "`{name}` keys must be token ids; {key:?} is not one"
+                    ))
+                    .with_param(name)
+                })?;
+                let bias = value
+                    .as_f64()
+                    .filter(|b| (-100.0..=100.0).contains(b))
+                    .ok_or_else(|| {
+                        ApiError::bad_request(format!(
+                            "`{name}[{key:?}]` must be a number between -100 and 100"
+                        ))
+                        .with_param(name)
+                    })?;
+                Ok((id, bias as f32))
+            })
+            .collect()
+    }
+
     /// An array of non-negative integers that fit in `u32` (token ids).
     pub fn token_ids(&self, name: &str) -> Result<Option<Vec<u32>>, ApiError> {
         let Some(v) = self.get(name) else {

@@ -8,12 +8,18 @@ use std::time::Instant;
 
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use gemma4_engine::{
-    EngineEvent, FinishReason, GenerationRequest, RequestStream, SamplingParams, TokenLogprob,
-    Usage,
+    ConstraintFactory, EngineEvent, FinishReason, GenerationRequest, RequestStream, SamplingParams,
+    ThinkingBudget, TokenLogprob, Usage,
+};
+
+use gemma4_text::{
+    AssistantMessage, Marker, OutputEvent, OutputProcessor, ProtocolTokens, TurnEnd,
 };
 
 use crate::admission::{check_choice_count, max_tokens_for, submit_error};
 use crate::error::ApiError;
+use crate::grammar::{tool_call_grammar, CallMarkers, GrammarSpec, ThinkingGate};
+use crate::openai::request::ToolChoice;
 use crate::openai::{ChatRequest, Prompt, Sampling};
 use crate::server::{AppState, ModelContext};
 
@@ -67,19 +73,149 @@ pub fn text_prompt(model: &ModelContext, prompt: &Prompt) -> Result<Vec<u32>, Ap
     }
 }
 
+/// What a chat request asks of the protocol tokens.
+#[derive(Debug, Clone, Default)]
+pub struct ChatControls {
+    pub tool_choice: ToolChoice,
+    /// The request's tool declarations.
+    pub tools: Option<serde_json::Value>,
+    pub thinking_token_budget: Option<usize>,
+    /// The template was asked to let the model think (`enable_thinking`).
+    pub thinking: bool,
+}
+
+/// The grammar constraint of a request, if it asked for one: for a chat turn
+/// that may think, enforcement waits for the thought channel to close.
+fn constraint(
+    model: &ModelContext,
+    sampling: &Sampling,
+    chat: Option<&ChatControls>,
+    tokens: &ProtocolTokens,
+    prompt: &[u32],
+) -> Result<Option<ConstraintFactory>, ApiError> {
+    let forced_call = match chat.map(|c| (&c.tool_choice, c.tools.as_ref())) {
+        Some((ToolChoice::Required, tools)) => Some((None, tools)),
+        Some((ToolChoice::Named(name), tools)) => Some((Some(name.as_str()), tools)),
+        _ => None,
+    };
+    let spec = match (forced_call, &sampling.grammar) {
+        (Some(_), Some((_, param))) => {
+            return Err(ApiError::bad_request(format!(
+                "`tool_choice` asks for a tool call and `{param}` for another output; send one"
+            ))
+            .with_param("tool_choice"))
+        }
+        (Some((only, tools)), None) => {
+            let markers = match (
+                tokens.id(Marker::ToolCallOpen),
+                tokens.id(Marker::ToolCallClose),
+                tokens.id(Marker::StringDelimiter),
+                tokens.id(Marker::ToolResponseOpen),
+            ) {
+                (Some(open), Some(close), Some(quote), Some(end)) => CallMarkers {
+                    open,
+                    close,
+                    quote,
+                    end,
+                },
+                _ => {
+                    return Err(ApiError::bad_request(
+                        "this model's vocabulary has no tool-call tokens; `tool_choice` cannot force a call",
+                    )
+                    .with_param("tool_choice"))
+                }
+            };
+            let tools = tools
+                .and_then(|t| t.as_array())
+                .map(Vec::as_slice)
+                .unwrap_or(&[]);
+            (
+                GrammarSpec::Lark(tool_call_grammar(tools, only, markers)?),
+                "tool_choice",
+            )
+        }
+        (None, Some((spec, param))) => (spec.clone(), *param),
+        (None, None) => return Ok(None),
+    };
+    let grammars = model.grammars()?;
+    let matcher = grammars.compile(&spec.0, spec.1)?;
+    let gate = match (
+        chat,
+        tokens.id(Marker::ChannelOpen),
+        tokens.id(Marker::ChannelClose),
+    ) {
+        (Some(c), Some(open), Some(close)) => {
+            let inside = tokens.prompt_state(prompt).is_some();
+            (c.thinking || inside).then_some(ThinkingGate {
+                open,
+                close,
+                inside,
+            })
+        }
+        _ => None,
+    };
+    Ok(Some(grammars.constraint(matcher, gate)))
+}
+
+/// The logit biases of a request: the client's, plus a ban on the call
+/// marker when calls are forbidden.
+fn logit_bias(
+    sampling: &Sampling,
+    chat: Option<&ChatControls>,
+    tokens: &ProtocolTokens,
+    vocab: usize,
+) -> Result<Vec<(u32, f32)>, ApiError> {
+    let mut bias = sampling.logit_bias.clone();
+    if let Some(&(id, _)) = bias.iter().find(|(id, _)| *id as usize >= vocab) {
+        return Err(ApiError::bad_request(format!(
+            "`logit_bias` has token id {id}, outside the vocabulary (size {vocab})"
+        ))
+        .with_param("logit_bias"));
+    }
+    if chat.is_some_and(|c| c.tool_choice == ToolChoice::None) {
+        if let Some(id) = tokens.id(Marker::ToolCallOpen) {
+            bias.push((id, f32::NEG_INFINITY));
+        }
+    }
+    Ok(bias)
+}
+
+/// The thinking budget of a chat turn (the request's, else the server's).
+fn thinking_budget(
+    state: &AppState,
+    chat: Option<&ChatControls>,
+    tokens: &ProtocolTokens,
+    prompt: &[u32],
+) -> Option<ThinkingBudget> {
+    let budget = chat?
+        .thinking_token_budget
+        .or(state.config.default_thinking_budget)?;
+    Some(ThinkingBudget {
+        budget,
+        open: tokens.id(Marker::ChannelOpen)?,
+        close: tokens.id(Marker::ChannelClose)?,
+        ends: tokens.id(Marker::ToolCallOpen).into_iter().collect(),
+        starts_inside: tokens.prompt_state(prompt).is_some(),
+    })
+}
+
 /// One engine request per (prompt, choice), checked against the limits.
 /// Choice `j` of prompt `p` gets index `p * n + j` and, with a seed, `seed + j`.
+#[allow(clippy::too_many_arguments)]
 pub fn build_requests(
     state: &AppState,
     model: &ModelContext,
     prompts: &[Vec<u32>],
     sampling: &Sampling,
     logprobs: Option<usize>,
+    chat: Option<&ChatControls>,
     arrival: Instant,
     prompt_param: &str,
 ) -> Result<Vec<GenerationRequest>, ApiError> {
     check_choice_count(prompts.len() * sampling.n, model.engine.config())?;
     let vocab = model.engine.tokenizer().vocab_size();
+    let tokens = ProtocolTokens::new(model.engine.tokenizer());
+    let logit_bias = logit_bias(sampling, chat, &tokens, vocab)?;
     let mut stop_token_ids = if sampling.ignore_eos {
         Vec::new()
     } else {
@@ -112,6 +248,8 @@ pub fn build_requests(
             state.config.default_max_tokens,
             prompt_param,
         )?;
+        let thinking_budget = thinking_budget(state, chat, &tokens, prompt);
+        let constraint = constraint(model, sampling, chat, &tokens, prompt)?;
         for j in 0..sampling.n {
             let params = SamplingParams {
                 temperature: sampling.temperature,
@@ -126,6 +264,9 @@ pub fn build_requests(
                 stop_token_ids: stop_token_ids.clone(),
                 stop_strings: sampling.stop.clone(),
                 logprobs,
+                logit_bias: logit_bias.clone(),
+                thinking_budget: thinking_budget.clone(),
+                constraint: constraint.clone(),
             };
             requests.push(GenerationRequest {
                 prompt_ids: prompt.clone(),
@@ -137,15 +278,19 @@ pub fn build_requests(
     Ok(requests)
 }
 
-/// An engine event tagged with its choice index.
+/// An engine event tagged with its choice index, and what it means as a
+/// chat message (empty unless the generation reads the chat protocol).
 pub struct ChoiceEvent {
     pub index: usize,
     pub event: EngineEvent,
+    pub parsed: Vec<OutputEvent>,
 }
 
 /// The merged event streams of a request's choices.
 pub struct Generation {
     streams: SelectAll<BoxStream<'static, ChoiceEvent>>,
+    /// One per choice when the output is read as a chat turn.
+    processors: Vec<OutputProcessor>,
     /// Prompt tokens, counted once per prompt.
     pub prompt_tokens: usize,
     pub choices: usize,
@@ -200,10 +345,20 @@ impl Choice {
             ChoiceEvent {
                 index: self.index,
                 event,
+                parsed: Vec::new(),
             },
             self,
         ))
     }
+}
+
+/// How a generation's output is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reading {
+    /// Plain text (completions, `/generate`).
+    Text,
+    /// A chat turn: reasoning, tool calls and answer.
+    Chat,
 }
 
 impl Generation {
@@ -214,8 +369,22 @@ impl Generation {
         requests: Vec<GenerationRequest>,
         prompts: &[Vec<u32>],
         arrival: Instant,
+        reading: Reading,
     ) -> Result<Self, ApiError> {
         let choices = requests.len();
+        let processors = match reading {
+            Reading::Text => Vec::new(),
+            Reading::Chat => requests
+                .iter()
+                .map(|r| {
+                    OutputProcessor::new(
+                        model.engine.tokenizer().clone(),
+                        &r.prompt_ids,
+                        format!("{}_", state.response_id("call")),
+                    )
+                })
+                .collect(),
+        };
         let mut streams = SelectAll::new();
         for (index, request) in requests.into_iter().enumerate() {
             let stream = model.engine.submit(request).map_err(submit_error)?;
@@ -231,6 +400,7 @@ impl Generation {
         }
         Ok(Self {
             streams,
+            processors,
             prompt_tokens: prompts.iter().map(Vec::len).sum(),
             choices,
         })
@@ -238,7 +408,40 @@ impl Generation {
 
     /// The next event of any choice; `None` once all have finished.
     pub async fn next(&mut self) -> Option<ChoiceEvent> {
-        self.streams.next().await
+        let mut next = self.streams.next().await?;
+        if let Some(processor) = self.processors.get_mut(next.index) {
+            let parsed = match &next.event {
+                EngineEvent::Token { id, text, .. } => processor.push(*id, text),
+                EngineEvent::Finished { text, .. } => processor.finish(text),
+            };
+            next.parsed = parsed.unwrap_or_else(|e| {
+                tracing::warn!("cannot decode generated tokens: {e}");
+                Vec::new()
+            });
+        }
+        Some(next)
+    }
+
+    /// The `finish_reason` of a choice that ended normally (`tool_calls` after
+    /// a completed call in a chat turn).
+    pub fn finish_reason(&self, index: usize, reason: &FinishReason) -> &'static str {
+        let end = match reason {
+            FinishReason::Stop => TurnEnd::Stop,
+            FinishReason::Length => TurnEnd::Length,
+            other => return other.as_openai(),
+        };
+        match self.processors.get(index) {
+            Some(p) => p.finish_reason(end),
+            None => reason.as_openai(),
+        }
+    }
+
+    /// Reasoning tokens of all choices (chat turns).
+    pub fn reasoning_tokens(&self) -> usize {
+        self.processors
+            .iter()
+            .map(OutputProcessor::reasoning_tokens)
+            .sum()
     }
 
     /// Cancels every choice still running.
@@ -274,6 +477,8 @@ pub fn finish_error(reason: &FinishReason, state: &AppState) -> Option<ApiError>
 #[derive(Debug, Default)]
 pub struct ChoiceOutput {
     pub text: String,
+    /// The turn as a chat message (chat generations).
+    pub message: AssistantMessage,
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<TokenLogprob>,
     /// Character offset in `text` where each token's text starts.
@@ -282,18 +487,30 @@ pub struct ChoiceOutput {
     pub completion_tokens: usize,
 }
 
+/// Everything a request produced.
+#[derive(Debug, Default)]
+pub struct Collected {
+    pub choices: Vec<ChoiceOutput>,
+    pub reasoning_tokens: usize,
+}
+
 /// Waits for every choice; the first abnormal end is the request's error.
-pub async fn collect(
-    mut generation: Generation,
-    state: &AppState,
-) -> Result<Vec<ChoiceOutput>, ApiError> {
+pub async fn collect(mut generation: Generation, state: &AppState) -> Result<Collected, ApiError> {
     let mut out: Vec<ChoiceOutput> = (0..generation.choices)
         .map(|_| ChoiceOutput::default())
         .collect();
-    while let Some(ChoiceEvent { index, event }) = generation.next().await {
+    while let Some(ChoiceEvent {
+        index,
+        event,
+        parsed,
+    }) = generation.next().await
+    {
         let Some(choice) = out.get_mut(index) else {
             continue;
         };
+        for e in &parsed {
+            choice.message.apply(e);
+        }
         match event {
             EngineEvent::Token { id, text, logprob } => {
                 choice.token_ids.push(id);
@@ -312,10 +529,13 @@ pub async fn collect(
                     return Err(err);
                 }
                 choice.text.push_str(&text);
-                choice.finish_reason = reason.as_openai();
+                choice.finish_reason = generation.finish_reason(index, &reason);
                 choice.completion_tokens = usage.completion_tokens;
             }
         }
     }
-    Ok(out)
+    Ok(Collected {
+        choices: out,
+        reasoning_tokens: generation.reasoning_tokens(),
+    })
 }

@@ -6,9 +6,10 @@
 //! can answer 503 "loading" until [`Server::set_ready`].
 //!
 //! * [`routes`]: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-//!   `/generate`, `/health`, `/metrics`.
+//!   `/v1/models/{id}`, `/v1/responses`, `/tokenize`, `/detokenize`, `/generate`, `/health`, `/metrics`.
 //! * [`openai`]: request parsing (unknown fields ignored, wrong types a 400
 //!   naming the field) and response and chunk shapes.
+//! * [`grammar`]: structured output enforced with llguidance token masks.
 //! * [`sse`]: streaming in OpenAI's chunk format, ending with `data: [DONE]`.
 //! * [`admission`]: body size (413), prompt and output length (400), queue
 //!   full (429 with `Retry-After`), draining (503).
@@ -27,11 +28,14 @@ pub mod drain;
 pub mod error;
 mod fields;
 pub mod generation;
+pub mod grammar;
 pub mod metrics;
 pub mod openai;
+mod responses;
 pub mod routes;
 pub mod server;
 pub mod sse;
+mod tokenize;
 
 pub use config::ServerConfig;
 pub use drain::serve;

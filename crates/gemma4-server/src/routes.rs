@@ -3,8 +3,12 @@
 //! | route | auth | what |
 //! |---|---|---|
 //! | `POST /v1/chat/completions` | key | chat through the model's template |
+//! | `POST /v1/responses` | key | the Responses API (whole responses): reasoning, message and function-call items |
 //! | `POST /v1/completions` | key | plain-text completion |
 //! | `GET /v1/models` | key | the served model |
+//! | `GET /v1/models/{id}` | key | the served model's card; 404 for any other id |
+//! | `POST /tokenize` | key | `{prompt}` or `{messages}` → `{tokens, count, max_model_len}` |
+//! | `POST /detokenize` | key | `{tokens}` → `{prompt}` |
 //! | `POST /generate` | key | `{"prompt", …}` → `{"response", "token_ids", "usage"}` |
 //! | `GET /health` | open | 200 ready, 503 loading or draining |
 //! | `GET /metrics` | open | Prometheus text |
@@ -13,7 +17,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
-use axum::extract::{Request, State};
+use axum::extract::{Path, Request, State};
 use axum::http::{header, Method, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -26,33 +30,44 @@ use crate::auth;
 use crate::drain::ActiveGuard;
 use crate::error::ApiError;
 use crate::generation::{
-    blocking, build_requests, chat_prompt, collect, text_prompt, ChoiceOutput, Generation,
+    blocking, build_requests, chat_prompt, collect, text_prompt, ChatControls, Collected,
+    Generation, Reading,
 };
-use crate::openai::request::{Sampling, Streaming};
+use crate::openai::request::{Sampling, Streaming, ToolChoice};
 use crate::openai::response::{
     ChatChoice, ChatCompletion, ChatLogprobs, ChatMessage, ChatTokenLogprob, CompletionLogprobs,
     GenerateResponse, ModelCard, ModelList, TextChoice, TextCompletion, UsageJson,
+    SYSTEM_FINGERPRINT,
 };
 use crate::openai::{ChatRequest, CompletionRequest, GenerateRequest};
+use crate::responses;
 use crate::server::ModelContext;
 use crate::server::{AppState, Phase};
 use crate::sse::{self, Format, StreamMeta};
+use crate::tokenize;
 
-const ROUTES: [&str; 6] = [
+const ROUTES: [&str; 9] = [
     "/v1/chat/completions",
+    "/v1/responses",
     "/v1/completions",
     "/v1/models",
+    "/tokenize",
+    "/detokenize",
     "/generate",
     "/health",
     "/metrics",
 ];
-const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, POST /generate, GET /health, GET /metrics";
+const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /generate, GET /health, GET /metrics";
 
 pub fn router(state: Arc<AppState>) -> Router {
     let keyed = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_card))
+        .route("/v1/responses", post(responses::responses))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .route("/generate", post(generate))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
@@ -129,27 +144,39 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-async fn models(State(state): State<Arc<AppState>>) -> Result<Json<ModelList>, ApiError> {
+fn served_card(state: &AppState) -> Result<ModelCard, ApiError> {
     let Some(model) = state.model() else {
         return Err(ApiError::unavailable(
             "the model is still loading; retry when GET /health returns 200",
             "model_loading",
         ));
     };
+    Ok(ModelCard {
+        id: state.config.served_model_name.clone(),
+        object: "model",
+        created: state.created,
+        owned_by: "gemma4",
+        max_model_len: model.max_model_len(),
+    })
+}
+
+async fn models(State(state): State<Arc<AppState>>) -> Result<Json<ModelList>, ApiError> {
     Ok(Json(ModelList {
         object: "list",
-        data: vec![ModelCard {
-            id: state.config.served_model_name.clone(),
-            object: "model",
-            created: state.created,
-            owned_by: "gemma4",
-            max_model_len: model.max_model_len(),
-        }],
+        data: vec![served_card(&state)?],
     }))
 }
 
+async fn model_card(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Json<ModelCard>, ApiError> {
+    check_model_name(&state, Some(id.as_str()))?;
+    Ok(Json(served_card(&state)?))
+}
+
 /// An absent or empty `model` means the served one; any other name is a 404.
-fn check_model_name(state: &AppState, requested: Option<&str>) -> Result<(), ApiError> {
+pub(crate) fn check_model_name(state: &AppState, requested: Option<&str>) -> Result<(), ApiError> {
     let served = &state.config.served_model_name;
     match requested {
         None | Some("") => Ok(()),
@@ -167,33 +194,21 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
     let (model, guard) = state.admit()?;
     let bytes = read_body(body, state.config.max_body_bytes).await?;
     let req = ChatRequest::parse(&bytes)?;
-    check_model_name(&state, req.model.as_deref())?;
-    let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
-    let prompt = {
-        let model = model.clone();
-        blocking(move || chat_prompt(&model, &req)).await?
-    };
-    let job = OpenAiJob {
-        prompts: vec![prompt],
-        sampling,
-        logprobs,
-        streaming,
-        arrival,
-        prompt_param: "messages",
-    };
-    let (id, served, prompt_tokens, outputs, guard) =
-        match run_openai(&state, &model, job, guard, Format::Chat).await? {
+    let logprobs = req.logprobs;
+    let (id, served, prompt_tokens, collected, guard) =
+        match run_chat(&state, &model, req, guard, arrival).await? {
             Ran::Streamed(response) => return Ok(response),
             Ran::Collected {
                 id,
                 served,
                 prompt_tokens,
-                outputs,
+                collected,
                 guard,
-            } => (id, served, prompt_tokens, outputs, guard),
+            } => (id, served, prompt_tokens, collected, guard),
         };
-    let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
-    let choices = outputs
+    let completion_tokens = collected.choices.iter().map(|o| o.completion_tokens).sum();
+    let choices = collected
+        .choices
         .into_iter()
         .enumerate()
         .map(|(index, o)| ChatChoice {
@@ -205,10 +220,7 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
                     .map(ChatTokenLogprob::from_engine)
                     .collect(),
             }),
-            message: ChatMessage {
-                role: "assistant",
-                content: o.text,
-            },
+            message: ChatMessage::from_turn(o.message),
             finish_reason: o.finish_reason,
         })
         .collect();
@@ -218,10 +230,47 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
         object: "chat.completion",
         created: unix_now(),
         model: served,
+        system_fingerprint: SYSTEM_FINGERPRINT,
         choices,
-        usage: UsageJson::new(prompt_tokens, completion_tokens),
+        usage: UsageJson::new(prompt_tokens, completion_tokens)
+            .with_reasoning(collected.reasoning_tokens),
     })
     .into_response())
+}
+
+/// Renders, submits and streams or collects a parsed chat request.
+pub(crate) async fn run_chat(
+    state: &Arc<AppState>,
+    model: &Arc<ModelContext>,
+    req: ChatRequest,
+    guard: ActiveGuard,
+    arrival: Instant,
+) -> Result<Ran, ApiError> {
+    check_model_name(state, req.model.as_deref())?;
+    let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
+    let chat = ChatControls {
+        tool_choice: req.tool_choice.clone(),
+        tools: req.tools.clone(),
+        thinking_token_budget: req.thinking_token_budget,
+        thinking: req
+            .template_kwargs
+            .get("enable_thinking")
+            .is_some_and(|v| v.as_bool() == Some(true)),
+    };
+    let prompt = {
+        let model = model.clone();
+        blocking(move || chat_prompt(&model, &req)).await?
+    };
+    let job = OpenAiJob {
+        prompts: vec![prompt],
+        sampling,
+        logprobs,
+        chat: Some(chat),
+        streaming,
+        arrival,
+        prompt_param: "messages",
+    };
+    run_openai(state, model, job, guard, Format::Chat).await
 }
 
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
@@ -240,23 +289,25 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
         prompts,
         sampling,
         logprobs,
+        chat: None,
         streaming,
         arrival,
         prompt_param: "prompt",
     };
-    let (id, served, prompt_tokens, outputs, guard) =
+    let (id, served, prompt_tokens, collected, guard) =
         match run_openai(&state, &model, job, guard, Format::Completion).await? {
             Ran::Streamed(response) => return Ok(response),
             Ran::Collected {
                 id,
                 served,
                 prompt_tokens,
-                outputs,
+                collected,
                 guard,
-            } => (id, served, prompt_tokens, outputs, guard),
+            } => (id, served, prompt_tokens, collected, guard),
         };
-    let completion_tokens = outputs.iter().map(|o| o.completion_tokens).sum();
-    let choices = outputs
+    let completion_tokens = collected.choices.iter().map(|o| o.completion_tokens).sum();
+    let choices = collected
+        .choices
         .into_iter()
         .enumerate()
         .map(|(index, o)| TextChoice {
@@ -278,6 +329,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
         object: "text_completion",
         created: unix_now(),
         model: &served,
+        system_fingerprint: SYSTEM_FINGERPRINT,
         choices,
         usage: Some(UsageJson::new(prompt_tokens, completion_tokens)),
     })
@@ -295,12 +347,16 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
         blocking(move || text_prompt(&model, &req.prompt)).await?
     };
     let prompts = vec![prompt];
-    let requests = build_requests(&state, &model, &prompts, &sampling, None, arrival, "prompt")?;
-    let generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
+    let requests = build_requests(
+        &state, &model, &prompts, &sampling, None, None, arrival, "prompt",
+    )?;
+    let generation =
+        Generation::submit(&state, &model, requests, &prompts, arrival, Reading::Text)?;
     let prompt_tokens = generation.prompt_tokens;
-    let mut outputs = collect(generation, &state).await?;
+    let mut collected = collect(generation, &state).await?;
     drop(guard);
-    let out = outputs
+    let out = collected
+        .choices
         .pop()
         .ok_or_else(|| ApiError::internal("the engine returned no output"))?;
     Ok(Json(GenerateResponse {
@@ -317,6 +373,8 @@ struct OpenAiJob {
     prompts: Vec<Vec<u32>>,
     sampling: Sampling,
     logprobs: Option<usize>,
+    /// Chat requests' tool and thinking controls.
+    chat: Option<ChatControls>,
     streaming: Streaming,
     arrival: Instant,
     /// The request field blamed when a prompt breaks a limit.
@@ -324,13 +382,13 @@ struct OpenAiJob {
 }
 
 /// A generation either answered as a stream, or collected for a JSON response.
-enum Ran {
+pub(crate) enum Ran {
     Streamed(Response),
     Collected {
         id: String,
         served: String,
         prompt_tokens: usize,
-        outputs: Vec<ChoiceOutput>,
+        collected: Collected,
         guard: ActiveGuard,
     },
 }
@@ -338,21 +396,36 @@ enum Ran {
 /// Submits a chat or completion job and streams it, or waits for all its choices.
 async fn run_openai(
     state: &Arc<AppState>,
-    model: &ModelContext,
+    model: &Arc<ModelContext>,
     job: OpenAiJob,
     guard: ActiveGuard,
     format: Format,
 ) -> Result<Ran, ApiError> {
+    let forces_call = job
+        .chat
+        .as_ref()
+        .is_some_and(|c| matches!(c.tool_choice, ToolChoice::Required | ToolChoice::Named(_)));
+    if job.sampling.grammar.is_some() || forces_call {
+        // The first structured request builds the vocabulary's token trie.
+        let model = Arc::clone(model);
+        blocking(move || model.grammars().map(|_| ())).await?;
+    }
     let requests = build_requests(
         state,
         model,
         &job.prompts,
         &job.sampling,
         job.logprobs,
+        job.chat.as_ref(),
         job.arrival,
         job.prompt_param,
     )?;
-    let generation = Generation::submit(state, model, requests, &job.prompts, job.arrival)?;
+    let reading = match format {
+        Format::Chat => Reading::Chat,
+        Format::Completion => Reading::Text,
+    };
+    let generation =
+        Generation::submit(state, model, requests, &job.prompts, job.arrival, reading)?;
     let id = state.response_id(match format {
         Format::Chat => "chatcmpl",
         Format::Completion => "cmpl",
@@ -375,12 +448,12 @@ async fn run_openai(
         )));
     }
     let prompt_tokens = generation.prompt_tokens;
-    let outputs = collect(generation, state).await?;
+    let collected = collect(generation, state).await?;
     Ok(Ran::Collected {
         id,
         served,
         prompt_tokens,
-        outputs,
+        collected,
         guard,
     })
 }

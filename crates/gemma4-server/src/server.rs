@@ -12,6 +12,7 @@ use gemma4_text::{ChatTemplate, TextError};
 use crate::config::ServerConfig;
 use crate::drain::{Active, ActiveGuard};
 use crate::error::ApiError;
+use crate::grammar::Grammars;
 use crate::metrics::{EngineSnapshot, Metrics};
 use crate::routes;
 
@@ -22,6 +23,8 @@ pub struct ModelContext {
     pub chat_template: Result<ChatTemplate, String>,
     /// Default stop tokens: the tokenizer's stop tokens plus the model config's EOS ids.
     pub stop_token_ids: Vec<u32>,
+    /// The grammar compiler, built on the first structured-output request.
+    grammars: OnceLock<Result<Grammars, String>>,
 }
 
 impl ModelContext {
@@ -42,7 +45,17 @@ impl ModelContext {
             engine,
             chat_template: chat_template.map_err(|e| e.to_string()),
             stop_token_ids,
+            grammars: OnceLock::new(),
         }
+    }
+
+    /// The grammar compiler for this model's vocabulary (slow the first time:
+    /// call it on the blocking pool).
+    pub fn grammars(&self) -> Result<&Grammars, ApiError> {
+        self.grammars
+            .get_or_init(|| Grammars::new(self.engine.tokenizer().clone()))
+            .as_ref()
+            .map_err(|e| ApiError::internal(format!("structured output is unavailable: {e}")))
     }
 
     pub fn max_model_len(&self) -> usize {

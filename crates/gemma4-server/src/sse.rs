@@ -11,13 +11,14 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
 use gemma4_engine::{EngineEvent, TokenLogprob};
+use gemma4_text::OutputEvent;
 use serde::Serialize;
 
 use crate::drain::ActiveGuard;
 use crate::generation::{finish_error, ChoiceEvent, Generation};
 use crate::openai::response::{
     ChatChunk, ChatChunkChoice, ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, Delta,
-    TextChoice, TextCompletion, UsageJson,
+    TextChoice, TextCompletion, UsageJson, SYSTEM_FINGERPRINT,
 };
 use crate::server::AppState;
 
@@ -64,6 +65,7 @@ impl Streamer {
             object: "chat.completion.chunk",
             created: self.meta.created,
             model: &self.meta.model,
+            system_fingerprint: SYSTEM_FINGERPRINT,
             choices: vec![choice],
             usage: None,
         })
@@ -75,6 +77,7 @@ impl Streamer {
             object: "text_completion",
             created: self.meta.created,
             model: &self.meta.model,
+            system_fingerprint: SYSTEM_FINGERPRINT,
             choices: vec![choice],
             usage: None,
         })
@@ -89,6 +92,7 @@ impl Streamer {
                     delta: Delta {
                         role: Some("assistant"),
                         content: Some(String::new()),
+                        ..Delta::default()
                     },
                     logprobs: None,
                     finish_reason: None,
@@ -98,83 +102,109 @@ impl Streamer {
         }
     }
 
-    fn token(&mut self, index: usize, text: String, logprob: Option<TokenLogprob>) {
-        let logprob = logprob.filter(|_| self.meta.logprobs);
-        if text.is_empty() && logprob.is_none() {
-            return;
+    /// A token's chunks: chat sends one per protocol event (the token's
+    /// log-probability rides on the first), completions the token's text.
+    fn token(
+        &mut self,
+        index: usize,
+        text: String,
+        parsed: Vec<OutputEvent>,
+        logprob: Option<TokenLogprob>,
+    ) {
+        let mut logprob = logprob.filter(|_| self.meta.logprobs);
+        match self.meta.format {
+            Format::Chat => {
+                let mut deltas: Vec<Delta> =
+                    parsed.into_iter().filter_map(Delta::from_event).collect();
+                if deltas.is_empty() && logprob.is_some() {
+                    deltas.push(Delta::default());
+                }
+                for delta in deltas {
+                    let e = self.chat_chunk(ChatChunkChoice {
+                        index,
+                        delta,
+                        logprobs: logprob.take().map(|lp| ChatLogprobs {
+                            content: vec![ChatTokenLogprob::from_engine(&lp)],
+                        }),
+                        finish_reason: None,
+                    });
+                    self.pending.push_back(e);
+                }
+            }
+            Format::Completion => {
+                if text.is_empty() && logprob.is_none() {
+                    return;
+                }
+                let offset = self.offsets.get(index).copied().unwrap_or(0);
+                if let Some(o) = self.offsets.get_mut(index) {
+                    *o += text.chars().count();
+                }
+                let e = self.text_chunk(TextChoice {
+                    index,
+                    text,
+                    logprobs: logprob.map(|lp| {
+                        let mut l = CompletionLogprobs::default();
+                        l.push(&lp, offset);
+                        l
+                    }),
+                    finish_reason: None,
+                });
+                self.pending.push_back(e);
+            }
         }
-        let offset = self.offsets.get(index).copied().unwrap_or(0);
-        if let Some(o) = self.offsets.get_mut(index) {
-            *o += text.chars().count();
-        }
-        let event = match self.meta.format {
-            Format::Chat => self.chat_chunk(ChatChunkChoice {
-                index,
-                delta: Delta {
-                    role: None,
-                    content: Some(text),
-                },
-                logprobs: logprob.map(|lp| ChatLogprobs {
-                    content: vec![ChatTokenLogprob::from_engine(&lp)],
-                }),
-                finish_reason: None,
-            }),
-            Format::Completion => self.text_chunk(TextChoice {
-                index,
-                text,
-                logprobs: logprob.map(|lp| {
-                    let mut l = CompletionLogprobs::default();
-                    l.push(&lp, offset);
-                    l
-                }),
-                finish_reason: None,
-            }),
-        };
-        self.pending.push_back(event);
     }
 
-    fn finish(&mut self, index: usize, text: String, reason: &'static str) {
-        let event = match self.meta.format {
-            Format::Chat => self.chat_chunk(ChatChunkChoice {
-                index,
-                delta: Delta {
-                    role: None,
-                    content: (!text.is_empty()).then_some(text),
-                },
-                logprobs: None,
-                finish_reason: Some(reason),
-            }),
-            Format::Completion => self.text_chunk(TextChoice {
-                index,
-                text,
-                logprobs: None,
-                finish_reason: Some(reason),
-            }),
-        };
-        self.pending.push_back(event);
+    /// The last text or events of a choice, then its finish reason.
+    fn finish(
+        &mut self,
+        index: usize,
+        text: String,
+        parsed: Vec<OutputEvent>,
+        reason: &'static str,
+    ) {
+        match self.meta.format {
+            Format::Chat => {
+                self.token(index, String::new(), parsed, None);
+                let e = self.chat_chunk(ChatChunkChoice {
+                    index,
+                    delta: Delta::default(),
+                    logprobs: None,
+                    finish_reason: Some(reason),
+                });
+                self.pending.push_back(e);
+            }
+            Format::Completion => {
+                let e = self.text_chunk(TextChoice {
+                    index,
+                    text,
+                    logprobs: None,
+                    finish_reason: Some(reason),
+                });
+                self.pending.push_back(e);
+            }
+        }
     }
 
     fn usage(&mut self) {
-        let usage = Some(UsageJson::new(
-            self.generation.prompt_tokens,
-            self.completion_tokens,
-        ));
+        let usage = UsageJson::new(self.generation.prompt_tokens, self.completion_tokens);
         let event = match self.meta.format {
             Format::Chat => data(&ChatChunk {
                 id: &self.meta.id,
                 object: "chat.completion.chunk",
                 created: self.meta.created,
                 model: &self.meta.model,
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: Vec::new(),
-                usage,
+                usage: Some(usage.with_reasoning(self.generation.reasoning_tokens())),
             }),
             Format::Completion => data(&TextCompletion {
                 id: &self.meta.id,
                 object: "text_completion",
                 created: self.meta.created,
                 model: &self.meta.model,
+                system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: Vec::new(),
-                usage,
+                usage: Some(usage),
             }),
         };
         self.pending.push_back(event);
@@ -197,8 +227,9 @@ impl Streamer {
                 Some(ChoiceEvent {
                     index,
                     event: EngineEvent::Token { text, logprob, .. },
+                    parsed,
                 }) => {
-                    self.token(index, text, logprob);
+                    self.token(index, text, parsed, logprob);
                 }
                 Some(ChoiceEvent {
                     index,
@@ -208,6 +239,7 @@ impl Streamer {
                             text,
                             usage,
                         },
+                    parsed,
                 }) => {
                     self.completion_tokens += usage.completion_tokens;
                     if let Some(err) = finish_error(&reason, &self.state) {
@@ -216,7 +248,8 @@ impl Streamer {
                         self.pending.push_back(data(&err.body()));
                         self.done();
                     } else {
-                        self.finish(index, text, reason.as_openai());
+                        let reason = self.generation.finish_reason(index, &reason);
+                        self.finish(index, text, parsed, reason);
                     }
                 }
                 None => {

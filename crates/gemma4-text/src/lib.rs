@@ -8,6 +8,8 @@
 //!   output is byte-identical to Hugging Face transformers' `apply_chat_template`.
 //! * [`IncrementalDecoder`] turns generated ids into text one id at a time without
 //!   splitting characters, keeping Gemma 4's tool-call and thinking markers visible.
+//! * [`OutputProcessor`] reads a Gemma 4 model turn from its ids: answer,
+//!   reasoning and tool calls (with arguments as JSON), as typed events.
 //! * [`GgufMetadata`] reads the metadata section of GGUF files.
 //!
 //! Templates run in MiniJinja with Python semantics layered on top (Python's
@@ -20,6 +22,7 @@ mod detok;
 mod error;
 mod gguf;
 mod gguf_tokenizer;
+mod protocol;
 mod pyfmt;
 mod special;
 mod strftime;
@@ -29,6 +32,10 @@ pub use chat_template::ChatTemplate;
 pub use detok::IncrementalDecoder;
 pub use error::{Result, TextError};
 pub use gguf::{GgufMetadata, GgufValue};
+pub use protocol::{
+    ArgumentWriter, AssistantMessage, Marker, OutputEvent, OutputProcessor, ProtocolTokens,
+    ToolCall, TurnEnd,
+};
 pub use special::{MARKUP_TOKENS, STOP_TOKENS};
 pub use tokenizer::{gguf_add_bos_token, gguf_chat_template, Tokenizer};
 

@@ -5,6 +5,7 @@
 //! checks run `tests/python/openai_client.py`.
 
 mod harness;
+mod protocol;
 
 use std::time::{Duration, Instant};
 
@@ -125,7 +126,8 @@ fn openai_client_chat_and_completions_streaming_and_not() {
         .is_some_and(|id| id.starts_with("chatcmpl-")));
     assert_eq!(
         c["usage"],
-        json!({"prompt_tokens": 38, "completion_tokens": 24, "total_tokens": 62})
+        json!({"prompt_tokens": 38, "completion_tokens": 24, "total_tokens": 62,
+               "completion_tokens_details": {"reasoning_tokens": 0}})
     );
     let n2 = &chat_out["chat_n2"];
     assert_eq!(n2["indexes"], json!([0, 1]));

@@ -5,6 +5,7 @@ use serde_json::{Map, Value};
 
 use crate::error::ApiError;
 use crate::fields::{token_id_list, Fields};
+use crate::grammar::GrammarSpec;
 
 /// Most alternatives per token that `top_logprobs` / `logprobs` may ask for.
 pub const MAX_TOP_LOGPROBS: i64 = 20;
@@ -34,7 +35,107 @@ pub struct Sampling {
     /// Keep generating past end-of-sequence tokens (vLLM's `ignore_eos`).
     pub ignore_eos: bool,
     pub n: usize,
+    /// `logit_bias`: `(token id, bias)`.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Enforced output shape, and the field that asked for it.
+    pub grammar: Option<(GrammarSpec, &'static str)>,
 }
+
+/// `response_format` (`json_object`, `json_schema`) or one of vLLM's
+/// `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`; at most one.
+fn parse_grammar(f: &Fields) -> Result<Option<(GrammarSpec, &'static str)>, ApiError> {
+    let mut found: Vec<(GrammarSpec, &'static str)> = Vec::new();
+    if let Some(rf) = f.object("response_format")? {
+        match rf.get("type").and_then(Value::as_str) {
+            None | Some("text") => {}
+            Some("json_object") => found.push((
+                GrammarSpec::JsonSchema(serde_json::json!({"type": "object"})),
+                "response_format",
+            )),
+            Some("json_schema") => {
+                let schema = rf
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .filter(|s| s.is_object() || s.is_boolean())
+                    .ok_or_else(|| {
+                        ApiError::bad_request(
+                            "`response_format.json_schema.schema` must be a JSON schema object",
+                        )
+                        .with_param("response_format")
+                    })?;
+                found.push((GrammarSpec::JsonSchema(schema.clone()), "response_format"));
+            }
+            Some(other) => {
+                return Err(ApiError::bad_request(format!(
+                    "`response_format` {other:?} is not a format; use \"text\", \"json_object\" or \"json_schema\""
+                ))
+                .with_param("response_format"))
+            }
+        }
+    }
+    match f.get("guided_json") {
+        None => {}
+        Some(Value::String(text)) => {
+            let schema = serde_json::from_str(text).map_err(|e| {
+                ApiError::bad_request(format!("`guided_json` is not valid JSON ({e})"))
+                    .with_param("guided_json")
+            })?;
+            found.push((GrammarSpec::JsonSchema(schema), "guided_json"));
+        }
+        Some(schema @ Value::Object(_)) => {
+            found.push((GrammarSpec::JsonSchema(schema.clone()), "guided_json"))
+        }
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`guided_json` must be a JSON schema (an object or its text)",
+            )
+            .with_param("guided_json"))
+        }
+    }
+    if let Some(rx) = f.string("guided_regex")? {
+        found.push((GrammarSpec::Regex(rx.to_owned()), "guided_regex"));
+    }
+    if let Some(choices) = f.array("guided_choice")? {
+        let options: Option<Vec<String>> = choices
+            .iter()
+            .map(|c| c.as_str().map(str::to_owned))
+            .collect();
+        match options {
+            Some(options) if !options.is_empty() => {
+                found.push((GrammarSpec::Choice(options), "guided_choice"))
+            }
+            _ => {
+                return Err(ApiError::bad_request(
+                    "`guided_choice` must be a non-empty array of strings",
+                )
+                .with_param("guided_choice"))
+            }
+        }
+    }
+    if let Some(lark) = f.string("guided_grammar")? {
+        found.push((GrammarSpec::Lark(lark.to_owned()), "guided_grammar"));
+    }
+    if found.len() > 1 {
+        return Err(ApiError::bad_request(format!(
+            "`{}` and `{}` both constrain the output; send one",
+            found[0].1, found[1].1
+        ))
+        .with_param(found[1].1));
+    }
+    Ok(found.pop())
+}
+
+/// Fields every generating route refuses: features this server does not have.
+const UNSUPPORTED: [&str; 8] = [
+    "guided_decoding_backend",
+    "structured_outputs",
+    "best_of",
+    "use_beam_search",
+    "prediction",
+    "web_search_options",
+    "audio",
+    "functions",
+];
 
 impl Sampling {
     /// Reads the sampling fields; `max_token_fields` are the names accepted
@@ -89,6 +190,8 @@ impl Sampling {
             stop_token_ids: f.token_ids("stop_token_ids")?.unwrap_or_default(),
             ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
             n: usize::try_from(f.integer("n", 1, MAX_N)?.unwrap_or(1)).unwrap_or(1),
+            logit_bias: f.logit_bias("logit_bias")?,
+            grammar: parse_grammar(f)?,
         })
     }
 }
@@ -132,12 +235,83 @@ pub struct ChatRequest {
     pub messages: Value,
     pub tools: Option<Value>,
     pub add_generation_prompt: bool,
-    /// `chat_template_kwargs`, e.g. `enable_thinking`.
+    /// `chat_template_kwargs`, e.g. `enable_thinking` (set from
+    /// `reasoning_effort` when the kwargs do not say).
     pub template_kwargs: Map<String, Value>,
+    pub tool_choice: ToolChoice,
+    /// `thinking_token_budget`: most tokens of thinking before the answer.
+    pub thinking_token_budget: Option<usize>,
     pub sampling: Sampling,
     /// `Some(k)`: return each token's log-probability and `k` alternatives.
     pub logprobs: Option<usize>,
     pub streaming: Streaming,
+}
+
+/// Whether the model may, must, or must not call tools.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum ToolChoice {
+    /// The model decides.
+    #[default]
+    Auto,
+    /// Calls are forbidden (the call marker can never be sampled).
+    None,
+    /// At least one call, enforced by a grammar over the tools' schemas.
+    Required,
+    /// Exactly one call of this function, enforced likewise.
+    Named(String),
+}
+
+impl ToolChoice {
+    fn parse(f: &Fields) -> Result<Self, ApiError> {
+        let bad = |msg: String| ApiError::bad_request(msg).with_param("tool_choice");
+        let choice = match f.get("tool_choice") {
+            None => Self::Auto,
+            Some(Value::String(s)) => match s.as_str() {
+                "auto" => Self::Auto,
+                "none" => Self::None,
+                "required" => Self::Required,
+                other => {
+                    return Err(bad(format!(
+                        "`tool_choice` is {other:?}; use \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                    )))
+                }
+            },
+            Some(Value::Object(o)) => match o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+            {
+                Some(name) => Self::Named(name.to_owned()),
+                None => {
+                    return Err(bad(
+                        "`tool_choice.function.name` must name one of `tools`".into(),
+                    ))
+                }
+            },
+            Some(_) => return Err(bad("`tool_choice` must be a string or an object".into())),
+        };
+        if matches!(choice, Self::Required | Self::Named(_))
+            && f.array("tools")?.is_none_or(|t| t.is_empty())
+        {
+            return Err(bad(
+                "`tool_choice` asks for a call but `tools` is empty".into()
+            ));
+        }
+        Ok(choice)
+    }
+}
+
+/// `reasoning_effort` as the template's `enable_thinking`.
+fn thinking_from_effort(f: &Fields) -> Result<Option<bool>, ApiError> {
+    match f.string("reasoning_effort")? {
+        None => Ok(None),
+        Some("none" | "minimal") => Ok(Some(false)),
+        Some("low" | "medium" | "high") => Ok(Some(true)),
+        Some(other) => Err(ApiError::bad_request(format!(
+            "`reasoning_effort` is {other:?}; use \"none\", \"minimal\", \"low\", \"medium\" or \"high\""
+        ))
+        .with_param("reasoning_effort")),
+    }
 }
 
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
@@ -145,7 +319,32 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 impl ChatRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let f = Fields::parse(body)?;
+        f.refuse(&UNSUPPORTED, "/v1/chat/completions")?;
+        f.refuse(&["function_call"], "/v1/chat/completions")?;
+        if f.bool("parallel_tool_calls")? == Some(false) {
+            return Err(ApiError::bad_request(
+                "`parallel_tool_calls: false` is not supported by this server; leave it out",
+            )
+            .with_param("parallel_tool_calls"));
+        }
+        if f.array("modalities")?
+            .is_some_and(|m| m.iter().any(|x| x != "text"))
+        {
+            return Err(ApiError::bad_request(
+                "`modalities` other than [\"text\"] are not supported by this server",
+            )
+            .with_param("modalities"));
+        }
         let messages = check_messages(f.get("messages"))?;
+        let mut template_kwargs = f
+            .object("chat_template_kwargs")?
+            .cloned()
+            .unwrap_or_default();
+        if let Some(thinking) = thinking_from_effort(&f)? {
+            template_kwargs
+                .entry("enable_thinking")
+                .or_insert(Value::Bool(thinking));
+        }
         let logprobs = match (
             f.bool("logprobs")?.unwrap_or(false),
             f.integer("top_logprobs", 0, MAX_TOP_LOGPROBS)?,
@@ -159,7 +358,6 @@ impl ChatRequest {
             }
             (false, _) => None,
         };
-        check_response_format(&f)?;
         let tools = f
             .array("tools")?
             .filter(|t| !t.is_empty())
@@ -169,10 +367,11 @@ impl ChatRequest {
             messages,
             tools,
             add_generation_prompt: f.bool("add_generation_prompt")?.unwrap_or(true),
-            template_kwargs: f
-                .object("chat_template_kwargs")?
-                .cloned()
-                .unwrap_or_default(),
+            template_kwargs,
+            tool_choice: ToolChoice::parse(&f)?,
+            thinking_token_budget: f
+                .integer("thinking_token_budget", 0, i64::from(u32::MAX))?
+                .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
             sampling: Sampling::parse(&f, &["max_completion_tokens", "max_tokens"])?,
             logprobs,
             streaming: Streaming::parse(&f)?,
@@ -180,8 +379,11 @@ impl ChatRequest {
     }
 }
 
-/// Checks the shape of `messages`: a non-empty array of objects with a known
-/// role and text content (a string, or an array of `{"type": "text"}` parts).
+/// Checks `messages` and brings them into the shape chat templates expect:
+/// a non-empty array of objects with a known role; content a string (an array
+/// of text parts is joined into one, as templates that take strings need);
+/// assistant `tool_calls` with `function.arguments` as an object (OpenAI
+/// clients send a JSON string, which templates would print verbatim).
 fn check_messages(v: Option<&Value>) -> Result<Value, ApiError> {
     let bad = |msg: String, param: &str| ApiError::bad_request(msg).with_param(param);
     let Some(v) = v else {
@@ -202,6 +404,7 @@ fn check_messages(v: Option<&Value>) -> Result<Value, ApiError> {
             "messages",
         ));
     }
+    let mut out = Vec::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
         let at = format!("messages[{i}]");
         let Some(obj) = m.as_object() else {
@@ -210,8 +413,9 @@ fn check_messages(v: Option<&Value>) -> Result<Value, ApiError> {
                 &at,
             ));
         };
+        let mut obj = obj.clone();
         let role = match obj.get("role") {
-            Some(Value::String(r)) => r.as_str(),
+            Some(Value::String(r)) => r.clone(),
             _ => {
                 return Err(bad(
                     format!("`{at}.role` must be a string, one of {}", ROLES.join(", ")),
@@ -219,40 +423,50 @@ fn check_messages(v: Option<&Value>) -> Result<Value, ApiError> {
                 ))
             }
         };
-        if !ROLES.contains(&role) {
+        if !ROLES.contains(&role.as_str()) {
             return Err(bad(
                 format!("`{at}.role` is {role:?}; use one of {}", ROLES.join(", ")),
                 &format!("{at}.role"),
             ));
         }
-        match obj.get("content") {
-            Some(Value::String(_)) => {}
-            None | Some(Value::Null) if role == "assistant" => {}
-            Some(Value::Array(parts)) => check_parts(parts, &format!("{at}.content"))?,
+        let content = match obj.get("content") {
+            Some(Value::String(_)) => None,
+            None | Some(Value::Null) if role == "assistant" => None,
+            Some(Value::Array(parts)) => Some(join_text_parts(parts, &format!("{at}.content"))?),
             _ => {
                 return Err(bad(
                     format!("`{at}.content` must be a string or an array of {{\"type\": \"text\", \"text\": ...}} parts"),
                     &format!("{at}.content"),
                 ))
             }
+        };
+        if let Some(text) = content {
+            obj.insert("content".into(), Value::String(text));
         }
+        if let Some(calls) = obj.get_mut("tool_calls").filter(|c| !c.is_null()) {
+            check_tool_calls(calls, &format!("{at}.tool_calls"))?;
+        }
+        out.push(Value::Object(obj));
     }
-    Ok(v.clone())
+    Ok(Value::Array(out))
 }
 
-fn check_parts(parts: &[Value], at: &str) -> Result<(), ApiError> {
+/// Text parts joined with newlines; image and audio parts are refused.
+fn join_text_parts(parts: &[Value], at: &str) -> Result<String, ApiError> {
+    let mut texts = Vec::with_capacity(parts.len());
     for (j, part) in parts.iter().enumerate() {
         let here = format!("{at}[{j}]");
         let kind = part.get("type").and_then(Value::as_str);
         match kind {
-            Some("text") => {
-                if !part.get("text").is_some_and(Value::is_string) {
+            Some("text") => match part.get("text") {
+                Some(Value::String(t)) => texts.push(t.as_str()),
+                _ => {
                     return Err(
                         ApiError::bad_request(format!("`{here}.text` must be a string"))
                             .with_param(here),
-                    );
+                    )
                 }
-            }
+            },
             Some(other) => {
                 return Err(ApiError::bad_request(format!(
                     "`{here}` is a {other:?} part; this server accepts text parts only"
@@ -267,21 +481,49 @@ fn check_parts(parts: &[Value], at: &str) -> Result<(), ApiError> {
             }
         }
     }
-    Ok(())
+    Ok(texts.join("\n"))
 }
 
-/// Structured output is not enforced yet: refuse rather than ignore it.
-fn check_response_format(f: &Fields) -> Result<(), ApiError> {
-    let Some(rf) = f.object("response_format")? else {
-        return Ok(());
+/// Each call needs `function.name`; `function.arguments` given as JSON text is
+/// parsed into the object the template renders.
+fn check_tool_calls(calls: &mut Value, at: &str) -> Result<(), ApiError> {
+    let Some(list) = calls.as_array_mut() else {
+        return Err(ApiError::bad_request(format!("`{at}` must be an array")).with_param(at));
     };
-    match rf.get("type").and_then(Value::as_str) {
-        None | Some("text") => Ok(()),
-        Some(other) => Err(ApiError::bad_request(format!(
-            "`response_format` {other:?} is not supported by this server; remove it or use {{\"type\": \"text\"}}"
-        ))
-        .with_param("response_format")),
+    for (j, call) in list.iter_mut().enumerate() {
+        let here = format!("{at}[{j}].function");
+        let Some(function) = call.get_mut("function").and_then(Value::as_object_mut) else {
+            return Err(ApiError::bad_request(format!(
+                "`{here}` must be an object with \"name\" and \"arguments\""
+            ))
+            .with_param(here));
+        };
+        if !function.get("name").is_some_and(Value::is_string) {
+            return Err(
+                ApiError::bad_request(format!("`{here}.name` must be a string"))
+                    .with_param(format!("{here}.name")),
+            );
+        }
+        let arguments = match function.get("arguments") {
+            None | Some(Value::Null) => Value::Object(Map::new()),
+            Some(Value::String(text)) if text.trim().is_empty() => Value::Object(Map::new()),
+            Some(Value::String(text)) => serde_json::from_str(text).map_err(|e| {
+                ApiError::bad_request(format!(
+                    "`{here}.arguments` is not valid JSON ({e}); send a JSON object or its text"
+                ))
+                .with_param(format!("{here}.arguments"))
+            })?,
+            Some(other) => other.clone(),
+        };
+        if !arguments.is_object() {
+            return Err(
+                ApiError::bad_request(format!("`{here}.arguments` must be a JSON object"))
+                    .with_param(format!("{here}.arguments")),
+            );
+        }
+        function.insert("arguments".into(), arguments);
     }
+    Ok(())
 }
 
 /// A prompt as text or as token ids.
@@ -305,6 +547,16 @@ pub struct CompletionRequest {
 impl CompletionRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let f = Fields::parse(body)?;
+        f.refuse(&UNSUPPORTED, "/v1/completions")?;
+        f.refuse(
+            &[
+                "response_format",
+                "tools",
+                "tool_choice",
+                "thinking_token_budget",
+            ],
+            "/v1/completions",
+        )?;
         let prompts = parse_prompts(f.get("prompt"))?;
         if f.bool("echo")?.unwrap_or(false) {
             return Err(ApiError::bad_request(
@@ -377,6 +629,8 @@ pub struct GenerateRequest {
 impl GenerateRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let f = Fields::parse(body)?;
+        f.refuse(&UNSUPPORTED, "/generate")?;
+        f.refuse(&["tools", "tool_choice"], "/generate")?;
         let prompt = match f.get("prompt") {
             Some(Value::String(s)) => Prompt::Text(s.clone()),
             Some(v @ Value::Array(_)) => Prompt::Ids(token_id_list(v).ok_or_else(|| {
@@ -499,10 +753,164 @@ mod tests {
     }
 
     #[test]
-    fn structured_output_is_refused_not_ignored() {
-        let e = chat(r#"{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}"#)
+    fn text_parts_are_joined_and_string_arguments_become_objects() {
+        let r = chat(
+            r#"{"messages": [
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": 21}"}]}"#,
+        )
+        .expect("valid");
+        assert_eq!(r.messages[0]["content"], "a\nb");
+        assert_eq!(
+            r.messages[1]["tool_calls"][0]["function"]["arguments"],
+            serde_json::json!({"city": "Paris"})
+        );
+        let e = chat(
+            r#"{"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]}"#,
+        )
+        .expect_err("rejected");
+        assert_eq!(
+            e.param.as_deref(),
+            Some("messages[0].tool_calls[0].function.arguments")
+        );
+    }
+
+    #[test]
+    fn tool_round_trip_renders_through_the_checkpoint_template() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/fixtures/text/templates/google-gemma-4-31B-it.jinja"
+        );
+        let template = gemma4_text::ChatTemplate::from_file(std::path::Path::new(path))
+            .expect("the 31B template compiles")
+            .with_special_tokens(Some("<bos>".into()), Some("<eos>".into()));
+        let r = chat(
+            r#"{"messages": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": 21}"}],
+                "tools": [{"type": "function", "function": {"name": "get_weather",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}"#,
+        )
+        .expect("valid");
+        let text = template
+            .render(
+                &r.messages,
+                r.tools.as_ref(),
+                r.add_generation_prompt,
+                &r.template_kwargs,
+            )
+            .expect("renders");
+        assert!(
+            text.contains("<|tool_call>call:get_weather{city:<|\"|>Paris<|\"|>}<tool_call|>"),
+            "{text}"
+        );
+        assert!(
+            text.contains("<|tool_response>response:get_weather{"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn reasoning_effort_sets_enable_thinking_unless_given() {
+        let r =
+            chat(r#"{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "high"}"#)
+                .expect("valid");
+        assert_eq!(r.template_kwargs["enable_thinking"], true);
+        let r = chat(
+            r#"{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none",
+                "chat_template_kwargs": {"enable_thinking": true}}"#,
+        )
+        .expect("valid");
+        assert_eq!(r.template_kwargs["enable_thinking"], true);
+        assert!(chat(
+            r#"{"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "max"}"#
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn tool_choice_and_unsupported_fields() {
+        let base = r#""messages": [{"role": "user", "content": "x"}]"#;
+        let r = chat(&format!(
+            r#"{{{base}, "tool_choice": "none", "thinking_token_budget": 12,
+            "logit_bias": {{"5": -100, "7": 2.5}}}}"#
+        ))
+        .expect("valid");
+        assert_eq!(r.tool_choice, ToolChoice::None);
+        assert_eq!(r.thinking_token_budget, Some(12));
+        assert_eq!(r.sampling.logit_bias, vec![(5, -100.0), (7, 2.5)]);
+        for (field, value) in [
+            ("tool_choice", r#""required""#),
+            (
+                "tool_choice",
+                r#"{"type": "function", "function": {"name": "f"}}"#,
+            ),
+            ("guided_json", "5"),
+            ("guided_choice", "[]"),
+            ("guided_decoding_backend", r#""xgrammar""#),
+            ("parallel_tool_calls", "false"),
+            ("logit_bias", r#"{"x": 1}"#),
+            ("logit_bias", r#"{"1": 500}"#),
+        ] {
+            let e = chat(&format!(r#"{{{base}, "{field}": {value}}}"#)).expect_err("rejected");
+            assert_eq!(e.param.as_deref(), Some(field), "{field}: {}", e.message);
+        }
+        for (field, value) in [("tools", "[]"), ("structured_outputs", "{}")] {
+            let e = CompletionRequest::parse(
+                format!(r#"{{"prompt": "a", "{field}": {value}}}"#).as_bytes(),
+            )
             .expect_err("rejected");
-        assert_eq!(e.param.as_deref(), Some("response_format"));
+            assert_eq!(e.param.as_deref(), Some(field));
+        }
+    }
+
+    #[test]
+    fn structured_output_fields() {
+        let base = r#""messages": [{"role": "user", "content": "x"}]"#;
+        let grammar =
+            |extra: &str| chat(&format!("{{{base}, {extra}}}")).map(|r| r.sampling.grammar);
+        assert_eq!(
+            grammar(r#""response_format": {"type": "json_object"}"#)
+                .ok()
+                .flatten(),
+            Some((
+                GrammarSpec::JsonSchema(serde_json::json!({"type": "object"})),
+                "response_format"
+            ))
+        );
+        assert_eq!(
+            grammar(r#""response_format": {"type": "json_schema", "json_schema": {"name": "n", "strict": true, "schema": {"type": "integer"}}}"#)
+                .ok()
+                .flatten(),
+            Some((GrammarSpec::JsonSchema(serde_json::json!({"type": "integer"})), "response_format"))
+        );
+        assert_eq!(
+            grammar(r#""guided_choice": ["a", "b"]"#)
+                .ok()
+                .flatten()
+                .map(|g| g.1),
+            Some("guided_choice")
+        );
+        assert_eq!(
+            grammar(r#""guided_json": "{\"type\": \"object\"}""#)
+                .ok()
+                .flatten()
+                .map(|g| g.1),
+            Some("guided_json")
+        );
+        assert!(grammar(r#""guided_regex": "a+", "guided_grammar": "start: \"a\"""#).is_err());
+        assert!(grammar(r#""response_format": {"type": "json_schema"}"#).is_err());
+        assert!(grammar(r#""response_format": {"type": "yaml"}"#).is_err());
+        let r = CompletionRequest::parse(br#"{"prompt": "a", "guided_regex": "[0-9]+"}"#)
+            .expect("completions enforce grammars too");
+        assert_eq!(
+            r.sampling.grammar,
+            Some((GrammarSpec::Regex("[0-9]+".into()), "guided_regex"))
+        );
     }
 
     #[test]

@@ -1,8 +1,12 @@
 //! Response bodies and stream chunks in OpenAI's shapes.
 
 use gemma4_engine::TokenLogprob;
+use gemma4_text::{AssistantMessage, OutputEvent};
 use serde::Serialize;
 use serde_json::{Map, Value};
+
+/// `system_fingerprint`: which server build produced a response.
+pub const SYSTEM_FINGERPRINT: &str = concat!("gemma4-", env!("CARGO_PKG_VERSION"));
 
 /// Token counts of a response.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
@@ -10,6 +14,15 @@ pub struct UsageJson {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub completion_tokens_details: Option<CompletionTokensDetails>,
+}
+
+/// `usage.completion_tokens_details` (chat).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct CompletionTokensDetails {
+    /// Tokens generated inside thought channels.
+    pub reasoning_tokens: usize,
 }
 
 impl UsageJson {
@@ -18,7 +31,14 @@ impl UsageJson {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            completion_tokens_details: None,
         }
+    }
+
+    /// Chat usage, which also counts reasoning tokens.
+    pub fn with_reasoning(mut self, reasoning_tokens: usize) -> Self {
+        self.completion_tokens_details = Some(CompletionTokensDetails { reasoning_tokens });
+        self
     }
 }
 
@@ -29,6 +49,7 @@ pub struct ChatCompletion {
     pub object: &'static str,
     pub created: u64,
     pub model: String,
+    pub system_fingerprint: &'static str,
     pub choices: Vec<ChatChoice>,
     pub usage: UsageJson,
 }
@@ -44,7 +65,56 @@ pub struct ChatChoice {
 #[derive(Debug, Serialize)]
 pub struct ChatMessage {
     pub role: &'static str,
-    pub content: String,
+    /// `null` when the model only called tools.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallJson>,
+}
+
+impl ChatMessage {
+    /// The response message of a parsed model turn.
+    pub fn from_turn(turn: AssistantMessage) -> Self {
+        let content = if turn.content.is_empty() && !turn.tool_calls.is_empty() {
+            None
+        } else {
+            Some(turn.content)
+        };
+        Self {
+            role: "assistant",
+            content,
+            reasoning_content: (!turn.reasoning.is_empty()).then_some(turn.reasoning),
+            tool_calls: turn
+                .tool_calls
+                .into_iter()
+                .map(|call| ToolCallJson {
+                    id: call.id,
+                    kind: "function",
+                    function: FunctionCallJson {
+                        name: call.name,
+                        arguments: call.arguments,
+                    },
+                })
+                .collect(),
+        }
+    }
+}
+
+/// `message.tool_calls[]`.
+#[derive(Debug, Serialize)]
+pub struct ToolCallJson {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCallJson,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FunctionCallJson {
+    pub name: String,
+    /// JSON text.
+    pub arguments: String,
 }
 
 /// `choices[].logprobs` of chat responses and chunks.
@@ -94,6 +164,7 @@ pub struct ChatChunk<'a> {
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
+    pub system_fingerprint: &'static str,
     pub choices: Vec<ChatChunkChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<UsageJson>,
@@ -113,6 +184,71 @@ pub struct Delta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallDelta>,
+}
+
+impl Delta {
+    /// The chunk delta of one protocol event: a call's first delta carries its
+    /// id, type and name; later ones only argument text.
+    pub fn from_event(event: OutputEvent) -> Option<Self> {
+        let delta = match event {
+            OutputEvent::Content(text) => Delta {
+                content: Some(text),
+                ..Delta::default()
+            },
+            OutputEvent::Reasoning(text) => Delta {
+                reasoning_content: Some(text),
+                ..Delta::default()
+            },
+            OutputEvent::ToolCallStart { index, id, name } => Delta {
+                tool_calls: vec![ToolCallDelta {
+                    index,
+                    id: Some(id),
+                    kind: Some("function"),
+                    function: FunctionDelta {
+                        name: Some(name),
+                        arguments: String::new(),
+                    },
+                }],
+                ..Delta::default()
+            },
+            OutputEvent::ToolCallArguments { index, delta } => Delta {
+                tool_calls: vec![ToolCallDelta {
+                    index,
+                    id: None,
+                    kind: None,
+                    function: FunctionDelta {
+                        name: None,
+                        arguments: delta,
+                    },
+                }],
+                ..Delta::default()
+            },
+            OutputEvent::ToolCallEnd { .. } => return None,
+        };
+        Some(delta)
+    }
+}
+
+/// `delta.tool_calls[]`.
+#[derive(Debug, Serialize)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Serialize)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 /// `text_completion`, both as a whole response and as a stream chunk.
@@ -122,6 +258,7 @@ pub struct TextCompletion<'a> {
     pub object: &'static str,
     pub created: u64,
     pub model: &'a str,
+    pub system_fingerprint: &'static str,
     pub choices: Vec<TextChoice>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub usage: Option<UsageJson>,
@@ -195,11 +332,12 @@ mod tests {
             object: "chat.completion.chunk",
             created: 1,
             model: "m",
+            system_fingerprint: "fp",
             choices: vec![ChatChunkChoice {
                 index: 0,
                 delta: Delta {
-                    role: None,
                     content: Some("hi".into()),
+                    ..Delta::default()
                 },
                 logprobs: None,
                 finish_reason: None,
@@ -211,6 +349,47 @@ mod tests {
         assert!(v["choices"][0]["delta"].get("role").is_none());
         assert_eq!(v["choices"][0]["delta"]["content"], "hi");
         assert!(v.get("usage").is_none());
+    }
+
+    #[test]
+    fn turns_become_openai_messages_and_deltas() {
+        let turn = AssistantMessage {
+            content: String::new(),
+            reasoning: "hmm".into(),
+            tool_calls: vec![gemma4_text::ToolCall {
+                id: "call_0".into(),
+                name: "f".into(),
+                arguments: r#"{"a": 1}"#.into(),
+                complete: true,
+            }],
+        };
+        let v = serde_json::to_value(ChatMessage::from_turn(turn)).expect("serializable");
+        assert!(v["content"].is_null());
+        assert_eq!(v["reasoning_content"], "hmm");
+        assert_eq!(v["tool_calls"][0]["type"], "function");
+        assert_eq!(v["tool_calls"][0]["function"]["arguments"], r#"{"a": 1}"#);
+        let plain = serde_json::to_value(ChatMessage::from_turn(AssistantMessage::default()))
+            .expect("serializable");
+        assert_eq!(plain["content"], "");
+        assert!(plain.get("tool_calls").is_none() && plain.get("reasoning_content").is_none());
+
+        let start = Delta::from_event(OutputEvent::ToolCallStart {
+            index: 1,
+            id: "call_1".into(),
+            name: "g".into(),
+        });
+        let v = serde_json::to_value(start).expect("serializable");
+        assert_eq!(v["tool_calls"][0]["index"], 1);
+        assert_eq!(v["tool_calls"][0]["id"], "call_1");
+        assert_eq!(v["tool_calls"][0]["function"]["name"], "g");
+        let args = Delta::from_event(OutputEvent::ToolCallArguments {
+            index: 1,
+            delta: "{".into(),
+        });
+        let v = serde_json::to_value(args).expect("serializable");
+        assert!(v["tool_calls"][0].get("id").is_none());
+        assert_eq!(v["tool_calls"][0]["function"]["arguments"], "{");
+        assert!(Delta::from_event(OutputEvent::ToolCallEnd { index: 1 }).is_none());
     }
 
     #[test]

@@ -1,0 +1,596 @@
+//! Enforced structured output: JSON schemas, regular expressions, choices and
+//! Lark grammars compiled by llguidance into a mask over the vocabulary for
+//! every next token. The mask is applied in the engine's sampler, so every
+//! sampling mode (greedy included) can only produce text the grammar accepts.
+//!
+//! With thinking on, the reasoning is free text: enforcement starts right after
+//! the thought channel closes (the thinking budget bounds it). The model may
+//! also skip thinking: then the grammar applies from the first token.
+
+use std::sync::{Arc, Mutex};
+
+use gemma4_engine::{ConstraintFactory, TokenConstraint};
+use gemma4_text::Tokenizer;
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+
+use crate::error::ApiError;
+
+/// What the output must match.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GrammarSpec {
+    JsonSchema(Value),
+    Regex(String),
+    Choice(Vec<String>),
+    Lark(String),
+}
+
+/// The vocabulary as llguidance sees it: each token's bytes.
+struct Vocabulary {
+    trie: TokTrie,
+    tokenizer: Arc<Tokenizer>,
+}
+
+impl TokenizerEnv for Vocabulary {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<u32> {
+        self.tokenizer
+            .encode(&String::from_utf8_lossy(s), false)
+            .unwrap_or_default()
+    }
+}
+
+/// Compiles grammars for one model's vocabulary.
+pub struct Grammars {
+    factory: ParserFactory,
+    eos: u32,
+}
+
+impl Grammars {
+    /// Builds the token trie of a vocabulary (once per model; it takes a moment).
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Result<Self, String> {
+        let json: Value = tokenizer
+            .inner()
+            .to_string(false)
+            .map_err(|e| e.to_string())
+            .and_then(|text| serde_json::from_str(&text).map_err(|e| e.to_string()))?;
+        let words =
+            llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| e.to_string())?;
+        let eos = tokenizer
+            .eos_id()
+            .ok_or("the tokenizer has no end-of-sequence token")?;
+        let info = TokRxInfo::new(words.len() as u32, eos);
+        let trie = TokTrie::from(&info, &words);
+        let env: TokEnv = Arc::new(Vocabulary { trie, tokenizer });
+        let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
+        factory.quiet();
+        Ok(Self { factory, eos })
+    }
+
+    /// Compiles a grammar; one the engine cannot compile (an unsupported
+    /// schema keyword, a bad regex) is a 400 that says why.
+    pub fn compile(&self, spec: &GrammarSpec, param: &str) -> Result<Matcher, ApiError> {
+        let grammar = match spec {
+            GrammarSpec::JsonSchema(schema) => {
+                TopLevelGrammar::from_json_schema(with_compact_layout(schema))
+            }
+            GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
+            GrammarSpec::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            GrammarSpec::Choice(options) => {
+                let alternatives: Vec<String> = options
+                    .iter()
+                    .map(|o| serde_json::to_string(o).unwrap_or_default())
+                    .collect();
+                TopLevelGrammar::from_lark(format!("start: {}", alternatives.join(" | ")))
+            }
+        };
+        let parser = self.factory.create_parser(grammar).map_err(|e| {
+            ApiError::bad_request(format!("`{param}` cannot be enforced: {e}")).with_param(param)
+        })?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(
+                ApiError::bad_request(format!("`{param}` cannot be enforced: {e}"))
+                    .with_param(param),
+            );
+        }
+        Ok(matcher)
+    }
+
+    /// A constraint factory: each sequence gets its own copy of the compiled
+    /// grammar. `thinking` gives the channel markers when the turn may think
+    /// first, and whether the prompt already opened the channel.
+    pub fn constraint(
+        &self,
+        matcher: Matcher,
+        thinking: Option<ThinkingGate>,
+    ) -> ConstraintFactory {
+        let prototype = Arc::new(Mutex::new(matcher));
+        let eos = self.eos;
+        ConstraintFactory(Arc::new(move || {
+            let matcher = prototype
+                .lock()
+                .map(|m| m.deep_clone())
+                .unwrap_or_else(|p| p.into_inner().deep_clone());
+            let gate = match thinking {
+                None => Gate::Enforcing,
+                Some(t) if t.inside => Gate::Thinking(t),
+                Some(t) => Gate::MayThink(t),
+            };
+            Box::new(GrammarConstraint {
+                matcher,
+                gate,
+                mask: Vec::new(),
+                eos,
+            }) as Box<dyn TokenConstraint>
+        }))
+    }
+}
+
+/// JSON in `json.dumps` layout (`", "` and `": "`, no other white space): a
+/// model cannot pad its output with endless white space.
+fn with_compact_layout(schema: &Value) -> Value {
+    let mut schema = schema.clone();
+    if let Some(obj) = schema.as_object_mut() {
+        obj.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": "
+            })
+        });
+    }
+    schema
+}
+
+/// The thought-channel markers of a turn that may think before the answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ThinkingGate {
+    pub open: u32,
+    pub close: u32,
+    /// The prompt ends inside an open channel.
+    pub inside: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Gate {
+    /// The turn may open a thought channel or start the answer.
+    MayThink(ThinkingGate),
+    /// Inside the channel: free text until it closes.
+    Thinking(ThinkingGate),
+    Enforcing,
+}
+
+struct GrammarConstraint {
+    matcher: Matcher,
+    gate: Gate,
+    mask: Vec<u32>,
+    eos: u32,
+}
+
+fn set_bit(mask: &mut Vec<u32>, token: u32) {
+    let word = token as usize / 32;
+    if mask.len() <= word {
+        mask.resize(word + 1, 0);
+    }
+    mask[word] |= 1 << (token % 32);
+}
+
+impl TokenConstraint for GrammarConstraint {
+    fn allowed(&mut self) -> Option<&[u32]> {
+        if let Gate::Thinking(_) = self.gate {
+            return None;
+        }
+        self.mask = match self.matcher.compute_mask() {
+            Ok(vob) => vob.as_slice().to_vec(),
+            // The grammar is complete (or broken): only the end may follow.
+            Err(_) => Vec::new(),
+        };
+        if self.matcher.is_stopped() || self.mask.iter().all(|&w| w == 0) {
+            self.mask.clear();
+            set_bit(&mut self.mask, self.eos);
+        }
+        if let Gate::MayThink(t) = self.gate {
+            set_bit(&mut self.mask, t.open);
+        }
+        Some(&self.mask)
+    }
+
+    fn accept(&mut self, token: u32) {
+        match self.gate {
+            Gate::MayThink(t) if token == t.open => self.gate = Gate::Thinking(t),
+            Gate::Thinking(t) => {
+                if token == t.close {
+                    self.gate = Gate::Enforcing;
+                }
+            }
+            Gate::MayThink(_) | Gate::Enforcing => {
+                self.gate = Gate::Enforcing;
+                if !self.matcher.is_stopped() {
+                    if let Err(e) = self.matcher.consume_token(token) {
+                        tracing::warn!("the grammar refused a masked token {token}: {e}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The token ids of Gemma 4's tool-call markup.
+#[derive(Debug, Clone, Copy)]
+pub struct CallMarkers {
+    pub open: u32,
+    pub close: u32,
+    pub quote: u32,
+    /// `<|tool_response>`: the model ends its calls with it (a stop token).
+    pub end: u32,
+}
+
+/// A Lark grammar for Gemma 4 tool calls (`<|tool_call>call:NAME{…}<tool_call|>`)
+/// whose arguments follow each tool's `parameters` schema: declared keys in
+/// sorted order (as the template writes them), required ones present, strings
+/// between `<|"|>` delimiters, and `<|tool_response>` after the last call.
+/// `only` restricts it to one named tool and one call; otherwise one or more calls.
+pub fn tool_call_grammar(
+    tools: &[Value],
+    only: Option<&str>,
+    markers: CallMarkers,
+) -> Result<String, ApiError> {
+    let mut g = LarkWriter {
+        rules: Vec::new(),
+        quote: markers.quote,
+    };
+    let mut calls = Vec::new();
+    for (i, tool) in tools.iter().enumerate() {
+        let function = tool.get("function").unwrap_or(tool);
+        let Some(name) = function.get("name").and_then(Value::as_str) else {
+            return Err(ApiError::bad_request(format!(
+                "`tools[{i}].function.name` must be a string"
+            ))
+            .with_param(format!("tools[{i}]")));
+        };
+        if only.is_some_and(|o| o != name) {
+            continue;
+        }
+        let empty = serde_json::json!({"type": "object"});
+        let params = function.get("parameters").unwrap_or(&empty);
+        let body = g.object(params);
+        calls.push(format!("{} {body}", literal(&format!("call:{name}"))));
+    }
+    if calls.is_empty() {
+        return Err(ApiError::bad_request(match only {
+            Some(name) => format!("`tool_choice` names {name:?}, which is not in `tools`"),
+            None => "`tool_choice` \"required\" needs `tools`".into(),
+        })
+        .with_param("tool_choice"));
+    }
+    let call = format!(
+        "<[{}]> ({}) <[{}]>",
+        markers.open,
+        calls.join(" | "),
+        markers.close
+    );
+    let start = if only.is_some() {
+        format!("start: {call} <[{}]>", markers.end)
+    } else {
+        format!("start: ({call})+ <[{}]>", markers.end)
+    };
+    let mut out = vec![start];
+    out.extend(g.rules);
+    Ok(out.join("\n"))
+}
+
+fn literal(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+/// Writes schema fragments as Lark expressions (terminals as extra rules).
+struct LarkWriter {
+    rules: Vec<String>,
+    quote: u32,
+}
+
+impl LarkWriter {
+    fn terminal(&mut self, regex: &str) -> String {
+        let name = format!("T{}", self.rules.len());
+        self.rules.push(format!("{name}: /{regex}/"));
+        name
+    }
+
+    fn value(&mut self, schema: &Value) -> String {
+        if let Some(options) = schema.get("enum").and_then(Value::as_array) {
+            let alts: Vec<String> = options.iter().map(|o| self.constant(o)).collect();
+            if !alts.is_empty() {
+                return format!("({})", alts.join(" | "));
+            }
+        }
+        match schema.get("type").and_then(Value::as_str) {
+            Some("string") => {
+                let max = schema.get("maxLength").and_then(Value::as_u64);
+                let body = match max {
+                    Some(n) => self.terminal(&format!("[^\\x00]{{0,{n}}}")),
+                    None => self.terminal("[^\\x00]*"),
+                };
+                format!("<[{q}]> {body} <[{q}]>", q = self.quote)
+            }
+            Some("integer") => {
+                let bound = |k: &str| schema.get(k).and_then(Value::as_i64);
+                match (bound("minimum"), bound("maximum")) {
+                    // A small range is spelled out, so the bounds hold.
+                    (Some(lo), Some(hi)) if lo <= hi && hi - lo < 256 => {
+                        let alts: Vec<String> =
+                            (lo..=hi).map(|n| literal(&n.to_string())).collect();
+                        format!("({})", alts.join(" | "))
+                    }
+                    _ => self.terminal("-?(0|[1-9][0-9]{0,17})"),
+                }
+            }
+            Some("number") => self.terminal("-?(0|[1-9][0-9]{0,17})(\\.[0-9]{1,17})?"),
+            Some("boolean") => "(\"true\" | \"false\")".into(),
+            Some("null") => "\"null\"".into(),
+            Some("array") => {
+                let empty = Value::Null;
+                let item = self.value(schema.get("items").unwrap_or(&empty));
+                format!("(\"[\" ({item} (\",\" {item})*)? \"]\")")
+            }
+            Some("object") => self.object(schema),
+            _ => {
+                let text = self.terminal("[^\\x00]{0,64}");
+                let number = self.terminal("-?[0-9]{1,18}");
+                format!(
+                    "(<[{q}]> {text} <[{q}]> | {number} | \"true\" | \"false\")",
+                    q = self.quote
+                )
+            }
+        }
+    }
+
+    fn constant(&mut self, v: &Value) -> String {
+        match v {
+            Value::String(s) => format!("<[{q}]> {} <[{q}]>", literal(s), q = self.quote),
+            other => literal(&other.to_string()),
+        }
+    }
+
+    /// `{k1:v1,k2:v2}` over the declared properties, sorted by key.
+    fn object(&mut self, schema: &Value) -> String {
+        let required: Vec<&str> = schema
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let mut props: Vec<(&String, &Value)> = schema
+            .get("properties")
+            .and_then(Value::as_object)
+            .map(|p| p.iter().collect())
+            .unwrap_or_default();
+        props.sort_by(|a, b| a.0.cmp(b.0));
+        let items: Vec<(String, bool)> = props
+            .iter()
+            .map(|(key, sub)| {
+                let value = self.value(sub);
+                (
+                    format!("{} {value}", literal(&format!("{key}:"))),
+                    required.contains(&key.as_str()),
+                )
+            })
+            .collect();
+        // The first present item, then each later one behind a comma.
+        let mut alternatives = Vec::new();
+        for first in 0..items.len() {
+            let rest: Vec<String> = items[first + 1..]
+                .iter()
+                .map(|(item, req)| {
+                    if *req {
+                        format!("\",\" {item}")
+                    } else {
+                        format!("(\",\" {item})?")
+                    }
+                })
+                .collect();
+            alternatives.push(format!("{} {}", items[first].0, rest.join(" ")));
+            if items[first].1 {
+                break;
+            }
+        }
+        let all_optional = items.iter().all(|(_, req)| !req);
+        let body = match (alternatives.is_empty(), all_optional) {
+            (true, _) => String::new(),
+            (false, true) => format!("({})?", alternatives.join(" | ")),
+            (false, false) => format!("({})", alternatives.join(" | ")),
+        };
+        format!("\"{{\" {body} \"}}\"")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> Arc<Tokenizer> {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/oracle/e-style");
+        Arc::new(Tokenizer::from_dir(&dir).expect("fixture tokenizer"))
+    }
+
+    /// Greedy decoding of a "model" that always prefers the same wrong tokens,
+    /// under a grammar: the output must still match.
+    fn run(spec: &GrammarSpec, steps: usize) -> String {
+        let tok = tokenizer();
+        let grammars = Grammars::new(tok.clone()).expect("trie");
+        let matcher = grammars.compile(spec, "response_format").expect("compiles");
+        let factory = grammars.constraint(matcher, None);
+        let mut constraint = (factory.0)();
+        let vocab = tok.vocab_size();
+        let mut ids = Vec::new();
+        for step in 0..steps {
+            let allowed = constraint.allowed().expect("enforcing").to_vec();
+            // A fixed, arbitrary preference order that changes each step.
+            let pick = (0..vocab as u32)
+                .map(|i| (i * 7919 + step as u32 * 104_729) % vocab as u32)
+                .find(|&t| {
+                    allowed
+                        .get(t as usize / 32)
+                        .is_some_and(|w| w & (1 << (t % 32)) != 0)
+                })
+                .expect("something is allowed");
+            if Some(pick) == tok.eos_id() {
+                break;
+            }
+            constraint.accept(pick);
+            ids.push(pick);
+        }
+        tok.decode(&ids, false).expect("decodes")
+    }
+
+    #[test]
+    fn json_schema_output_is_valid() {
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+            "required": ["city", "n"],
+            "additionalProperties": false
+        });
+        let text = run(&GrammarSpec::JsonSchema(schema), 200);
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        assert!(
+            v["city"].as_str().is_some_and(|c| c.chars().count() <= 8),
+            "{text}"
+        );
+        assert!(
+            v["n"].as_i64().is_some_and(|n| (0..=999).contains(&n)),
+            "{text}"
+        );
+        assert_eq!(v.as_object().map(|o| o.len()), Some(2), "{text}");
+    }
+
+    #[test]
+    fn choice_and_regex() {
+        let text = run(&GrammarSpec::Choice(vec!["yes".into(), "no".into()]), 50);
+        assert!(text == "yes" || text == "no", "{text:?}");
+        let text = run(&GrammarSpec::Regex("[0-9]{3}-[a-c]+".into()), 50);
+        let ok = text.len() >= 5
+            && text[..3].bytes().all(|b| b.is_ascii_digit())
+            && &text[3..4] == "-"
+            && text[4..].bytes().all(|b| (b'a'..=b'c').contains(&b));
+        assert!(ok, "{text:?}");
+    }
+
+    #[test]
+    fn forced_tool_calls_parse_into_schema_valid_arguments() {
+        let tok = tokenizer();
+        let id = |t: &str| tok.token_to_id(t).expect("marker in vocabulary");
+        let markers = CallMarkers {
+            open: id("<|tool_call>"),
+            close: id("<tool_call|>"),
+            quote: id("<|\"|>"),
+            end: id("<|tool_response>"),
+        };
+        let tools = vec![
+            serde_json::json!({"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 6},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                    "unit": {"type": "string", "enum": ["c", "f"]},
+                    "tags": {"type": "array", "items": {"type": "boolean"}}
+                },
+                "required": ["city", "unit"]}}}),
+            serde_json::json!({"type": "function", "function": {"name": "ping"}}),
+        ];
+        let grammars = Grammars::new(tok.clone()).expect("trie");
+        for (only, seed) in [
+            (Some("get_weather"), 1u32),
+            (None, 2),
+            (None, 3),
+            (Some("ping"), 4),
+        ] {
+            let lark = tool_call_grammar(&tools, only, markers).expect("grammar");
+            let matcher = grammars
+                .compile(&GrammarSpec::Lark(lark.clone()), "tool_choice")
+                .unwrap_or_else(|e| panic!("{lark}: {}", e.message));
+            let mut constraint = (grammars.constraint(matcher, None).0)();
+            let vocab = tok.vocab_size() as u32;
+            let mut ids = Vec::new();
+            for step in 0..300u32 {
+                let allowed = constraint.allowed().expect("enforcing").to_vec();
+                let pick = (0..vocab)
+                    .map(|i| (i * 7919 + step * 104_729 + seed * 31) % vocab)
+                    .find(|&t| {
+                        allowed
+                            .get(t as usize / 32)
+                            .is_some_and(|w| w & (1 << (t % 32)) != 0)
+                    })
+                    .expect("something is allowed");
+                if Some(pick) == tok.eos_id() || pick == markers.end {
+                    break;
+                }
+                constraint.accept(pick);
+                ids.push(pick);
+            }
+            let mut p = gemma4_text::OutputProcessor::new(tok.clone(), &[], "c".into());
+            let mut events = Vec::new();
+            for &i in &ids {
+                events.extend(p.push(i, "").expect("push"));
+            }
+            let text = tok.decode(&ids, false).expect("decodes");
+            events.extend(p.finish(&text).expect("finish"));
+            let turn = gemma4_text::AssistantMessage::from_events(&events);
+            assert!(!turn.tool_calls.is_empty(), "{text}");
+            for call in &turn.tool_calls {
+                assert!(call.complete, "{text}");
+                let args: Value = serde_json::from_str(&call.arguments)
+                    .unwrap_or_else(|e| panic!("{}: {e}", call.arguments));
+                match call.name.as_str() {
+                    "get_weather" => {
+                        assert!(args["city"]
+                            .as_str()
+                            .is_some_and(|c| c.chars().count() <= 6));
+                        assert!(args["unit"] == "c" || args["unit"] == "f", "{args}");
+                        assert!(
+                            args.get("days")
+                                .is_none_or(|d| d.as_i64().is_some_and(|d| (1..=9).contains(&d))),
+                            "{args}"
+                        );
+                        assert!(
+                            args.get("tags").is_none_or(|t| t
+                                .as_array()
+                                .is_some_and(|a| a.iter().all(Value::is_boolean))),
+                            "{args}"
+                        );
+                    }
+                    "ping" => assert_eq!(args, serde_json::json!({})),
+                    other => panic!("unknown tool {other}"),
+                }
+                if let Some(name) = only {
+                    assert_eq!(call.name, name);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn uncompilable_schema_is_a_400_naming_the_problem() {
+        let grammars = Grammars::new(tokenizer()).expect("trie");
+        let Err(e) = grammars.compile(
+            &GrammarSpec::JsonSchema(
+                serde_json::json!({"type": "array", "items": {"type": "integer"}, "uniqueItems": true}),
+            ),
+            "response_format",
+        ) else {
+            panic!("uniqueItems cannot be enforced");
+        };
+        assert_eq!(e.status.as_u16(), 400);
+        assert_eq!(e.param.as_deref(), Some("response_format"));
+        assert!(e.message.contains("uniqueItems"), "{}", e.message);
+        let Err(e) = grammars.compile(&GrammarSpec::Regex("(".into()), "guided_regex") else {
+            panic!("a bad regex is refused");
+        };
+        assert_eq!(e.param.as_deref(), Some("guided_regex"));
+    }
+}
