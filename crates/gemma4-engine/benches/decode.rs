@@ -8,47 +8,8 @@ use std::time::Instant;
 
 use gemma4_engine::{start, EngineConfig, EngineEvent, GenerationRequest, SamplingParams};
 use gemma4_model::config::TextConfig;
-use gemma4_model::storage::{StoredDtype, StoredTensor};
-use gemma4_model::{Gemma4, LoadPolicy, Result, WeightSource, Weights};
+use gemma4_model::{Gemma4, LoadPolicy, RandomWeights, Weights};
 use gemma4_text::Tokenizer;
-
-/// Deterministic random weights for whatever the model asks for.
-struct RandomWeights;
-
-impl WeightSource for RandomWeights {
-    fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor> {
-        let n: usize = shape.iter().product();
-        let f32s = |v: Vec<f32>| {
-            let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            StoredTensor::new(
-                name.to_string(),
-                StoredDtype::Float(gemma4_kernels::float::FloatType::F32),
-                shape.to_vec(),
-                gemma4_kernels::Bytes::from_vec(bytes),
-            )
-        };
-        if name.ends_with("layer_scalar") || name.contains("norm") || name.ends_with("scale") {
-            return Ok(f32s(vec![1.0; n]));
-        }
-        let fan_in = *shape.last().unwrap_or(&1) as f32;
-        let mut state = name.bytes().fold(0x9E37_79B9_7F4A_7C15u64, |h, b| {
-            h.rotate_left(5) ^ u64::from(b)
-        });
-        let data: Vec<f32> = (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 / fan_in.sqrt()
-            })
-            .collect();
-        Ok(f32s(data))
-    }
-
-    fn contains(&self, _name: &str) -> bool {
-        true
-    }
-}
 
 fn model() -> (Gemma4, Arc<Tokenizer>) {
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))

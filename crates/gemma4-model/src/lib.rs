@@ -24,7 +24,7 @@ pub use error::{ConfigError, ModelError, Result, WeightError};
 pub use gemma4::{BatchSeq, ForwardTrace, Gemma4, LogitsFor};
 pub use gguf_source::GgufSource;
 pub use loader::{LoadPolicy, LoadReport, Progress, Quant, Weights};
-pub use source::{HfSafetensors, WeightSource};
+pub use source::{HfSafetensors, RandomWeights, WeightSource};
 pub use storage::{Embedding, Linear};
 
 use std::path::Path;

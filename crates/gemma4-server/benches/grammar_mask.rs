@@ -7,41 +7,11 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
 use gemma4_engine::{start, EngineConfig, EngineEvent, GenerationRequest, SamplingParams};
 use gemma4_model::config::TextConfig;
-use gemma4_model::{Gemma4, Result, WeightSource};
+use gemma4_model::{Gemma4, LoadPolicy, RandomWeights, Weights};
 use gemma4_server::grammar::{GrammarSpec, Grammars};
 use gemma4_text::Tokenizer;
-
-/// Deterministic random weights for whatever the model asks for.
-struct RandomWeights;
-
-impl WeightSource for RandomWeights {
-    fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        if name.ends_with("layer_scalar") || name.contains("norm") || name.ends_with("scale") {
-            return Ok(Tensor::ones(shape, candle_core::DType::F32, &Device::Cpu)?);
-        }
-        let fan_in = *shape.last().unwrap_or(&1) as f32;
-        let mut state = name.bytes().fold(0x9E37_79B9_7F4A_7C15u64, |h, b| {
-            h.rotate_left(5) ^ u64::from(b)
-        });
-        let data: Vec<f32> = (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 / fan_in.sqrt()
-            })
-            .collect();
-        Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
-    }
-
-    fn contains(&self, _name: &str) -> bool {
-        true
-    }
-}
 
 fn root() -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
@@ -62,7 +32,7 @@ fn model(vocab: usize) -> Gemma4 {
     t["vocab_size"] = vocab.into();
     t["vocab_size_per_layer_input"] = vocab.into();
     let cfg = TextConfig::from_hf_json(&json).expect("config");
-    Gemma4::load(cfg, &RandomWeights).expect("model")
+    Gemma4::load(cfg, &Weights::new(&RandomWeights, LoadPolicy::default())).expect("model")
 }
 
 fn main() {
