@@ -72,7 +72,11 @@ impl Q8Matrix {
                 .collect();
             parts = handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_default())
+                // A worker's panic is re-raised here, never replaced by zeros.
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+                })
                 .collect();
         });
         for (t, part) in parts.iter().enumerate() {
@@ -203,5 +207,16 @@ mod tests {
             }
         }
         assert!(Q8Matrix::new(vec![0; 10], 1, 32).is_none());
+    }
+
+    #[test]
+    fn a_worker_panic_is_never_zeros() {
+        let (rows, cols) = (64, 32);
+        let m =
+            Q8Matrix::new(vec![0; rows * cols / BLOCK * BLOCK_BYTES], rows, cols).expect("sizes");
+        // Too few activations for two rows: every worker indexes past the end and panics.
+        let short = vec![1f32; cols];
+        let result = std::panic::catch_unwind(|| m.matmul(&short, 2));
+        assert!(result.is_err(), "got {:?}", result.map(|y| y.len()));
     }
 }
