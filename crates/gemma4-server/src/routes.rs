@@ -6,7 +6,7 @@
 //! | `POST /v1/completions` | key | plain-text completion |
 //! | `GET /v1/models` | key | the served model |
 //! | `POST /generate` | key | `{"prompt", …}` → `{"response", "token_ids", "usage"}` |
-//! | `GET /health` | open | 200 ready, 503 loading or draining |
+//! | `GET /health` | open | 200 ready, 503 loading, draining or failed (with the reason) |
 //! | `GET /metrics` | open | Prometheus text |
 
 use std::sync::Arc;
@@ -14,12 +14,11 @@ use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::{header, Method, StatusCode, Uri};
+use axum::http::{header, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde_json::json;
 
 use crate::admission::read_body;
 use crate::auth;
@@ -34,8 +33,8 @@ use crate::openai::response::{
     GenerateResponse, ModelCard, ModelList, TextChoice, TextCompletion, UsageJson,
 };
 use crate::openai::{ChatRequest, CompletionRequest, GenerateRequest};
+use crate::server::AppState;
 use crate::server::ModelContext;
-use crate::server::{AppState, Phase};
 use crate::sse::{self, Format, StreamMeta};
 
 const ROUTES: [&str; 6] = [
@@ -105,17 +104,8 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    let phase = state.phase();
-    let status = if phase == Phase::Ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (
-        status,
-        Json(json!({ "status": phase.as_str(), "model": state.config.served_model_name })),
-    )
-        .into_response()
+    let (status, body) = state.health();
+    (status, Json(body)).into_response()
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
@@ -164,8 +154,14 @@ fn check_model_name(state: &AppState, requested: Option<&str>) -> Result<(), Api
 
 async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let arrival = Instant::now();
+    // A request counts as running (and holds a drain) only once its body is in.
+    let bytes = read_body(
+        body,
+        state.config.max_body_bytes,
+        state.config.body_read_timeout,
+    )
+    .await?;
     let (model, guard) = state.admit()?;
-    let bytes = read_body(body, state.config.max_body_bytes).await?;
     let req = ChatRequest::parse(&bytes)?;
     check_model_name(&state, req.model.as_deref())?;
     let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
@@ -226,8 +222,14 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
 
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let arrival = Instant::now();
+    // A request counts as running (and holds a drain) only once its body is in.
+    let bytes = read_body(
+        body,
+        state.config.max_body_bytes,
+        state.config.body_read_timeout,
+    )
+    .await?;
     let (model, guard) = state.admit()?;
-    let bytes = read_body(body, state.config.max_body_bytes).await?;
     let req = CompletionRequest::parse(&bytes)?;
     check_model_name(&state, req.model.as_deref())?;
     let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
@@ -286,8 +288,14 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
 
 async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let arrival = Instant::now();
+    // A request counts as running (and holds a drain) only once its body is in.
+    let bytes = read_body(
+        body,
+        state.config.max_body_bytes,
+        state.config.body_read_timeout,
+    )
+    .await?;
     let (model, guard) = state.admit()?;
-    let bytes = read_body(body, state.config.max_body_bytes).await?;
     let req = GenerateRequest::parse(&bytes)?;
     let sampling = req.sampling.clone();
     let prompt = {
