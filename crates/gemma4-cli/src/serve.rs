@@ -66,6 +66,9 @@ pub struct Args {
     /// Open connections at most; more are answered 503 and closed.
     #[arg(long, default_value_t = 1024)]
     max_connections: usize,
+    /// Let browser pages from this origin call the server (repeatable; `*` for any) [default: none].
+    #[arg(long = "cors-allow-origin", value_name = "ORIGIN")]
+    cors_allow_origin: Vec<String>,
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, default_value_t = 2 * 1024 * 1024)]
     max_body: usize,
@@ -144,6 +147,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         header_read_timeout: positive_seconds("--header-read-timeout", args.header_read_timeout)?,
         body_read_timeout: positive_seconds("--body-read-timeout", args.body_read_timeout)?,
         max_connections: args.max_connections,
+        cors_allow_origins: args.cors_allow_origin.clone(),
         max_body_bytes: args.max_body,
         request_timeout: (!request_timeout.is_zero()).then_some(request_timeout),
         drain_timeout: seconds("--drain-timeout", args.drain_timeout)?,

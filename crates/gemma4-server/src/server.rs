@@ -5,11 +5,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::Router;
 use gemma4_engine::EngineHandle;
 use gemma4_text::{ChatTemplate, TextError};
 use serde_json::json;
+use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use crate::config::ServerConfig;
 use crate::drain::{Active, ActiveGuard};
@@ -273,6 +274,42 @@ impl Server {
     }
 
     pub fn router(&self) -> Router {
-        routes::router(self.state.clone())
+        let router = routes::router(self.state.clone());
+        match cors_layer(&self.state.config.cors_allow_origins) {
+            Some(cors) => router.layer(cors),
+            None => router,
+        }
     }
+}
+
+/// Answers browsers' preflight requests and adds the CORS headers for the
+/// configured origins; `None` when no origin is allowed. Origins that are not
+/// valid header values are left out with a warning.
+fn cors_layer(origins: &[String]) -> Option<CorsLayer> {
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        let valid: Vec<HeaderValue> = origins
+            .iter()
+            .filter_map(|o| {
+                let v = HeaderValue::from_str(o.trim_end_matches('/')).ok();
+                if v.is_none() {
+                    tracing::warn!("--cors-allow-origin {o:?} is not a valid origin; ignoring it");
+                }
+                v
+            })
+            .collect();
+        AllowOrigin::list(valid)
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([Method::GET, Method::POST])
+            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+            .expose_headers([header::RETRY_AFTER])
+            .max_age(Duration::from_secs(600)),
+    )
 }
