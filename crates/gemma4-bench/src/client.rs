@@ -185,13 +185,22 @@ impl Endpoint {
         start: Instant,
         timing: &mut StreamTiming,
     ) -> std::result::Result<(), CallError> {
-        let mut response = self
-            .request(Method::POST, path, None)
-            .header(reqwest::header::ACCEPT, "text/event-stream")
-            .json(body)
-            .send()
-            .await
-            .map_err(|e| CallError::Transport(error_chain(&e)))?;
+        let send = || {
+            self.request(Method::POST, path, None)
+                .header(reqwest::header::ACCEPT, "text/event-stream")
+                .json(body)
+                .send()
+        };
+        // A kept-alive connection the server closed as the request went out is
+        // the client's mishap, not a server error: retried once on a fresh one.
+        let mut response = match send().await {
+            Err(e) if closed_before_any_response(&e) => {
+                timing.retried = true;
+                send().await
+            }
+            sent => sent,
+        }
+        .map_err(|e| CallError::Transport(error_chain(&e)))?;
         if !response.status().is_success() {
             return Err(status_error(response).await);
         }
@@ -246,6 +255,9 @@ pub struct StreamTiming {
     pub latency: Duration,
     /// Whether `[DONE]` arrived.
     pub saw_done: bool,
+    /// Whether the request was sent a second time because its pooled
+    /// connection turned out closed before any byte of response.
+    pub retried: bool,
     pub error: Option<CallError>,
 }
 
@@ -254,6 +266,37 @@ impl StreamTiming {
     pub fn ttft(&self) -> Option<Duration> {
         self.chunk_times.first().copied()
     }
+}
+
+/// Whether `send` failed because the connection closed before a response
+/// head arrived (errors once the head is in come from reading the body and
+/// are never retried). hyper reports a close after part of a status line the
+/// same way as a close before any byte, so that rare case is retried too.
+/// Failures to connect and timeouts are not such mishaps.
+fn closed_before_any_response(error: &reqwest::Error) -> bool {
+    if error.is_connect() || error.is_timeout() || error.status().is_some() {
+        return false;
+    }
+    let mut source: Option<&dyn std::error::Error> = Some(error);
+    while let Some(e) = source {
+        if e.to_string()
+            .contains("connection closed before message completed")
+        {
+            return true;
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>() {
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::UnexpectedEof
+            ) {
+                return true;
+            }
+        }
+        source = e.source();
+    }
+    false
 }
 
 async fn read_text(response: reqwest::Response) -> std::result::Result<String, CallError> {

@@ -162,8 +162,10 @@ pub fn summarize(level: &LevelRun) -> SweepRow {
     let (mut from_usage, mut counted) = (0u32, 0u32);
     let mut completed = 0u32;
     let mut samples: Vec<ErrorSample> = Vec::new();
+    let mut retries = 0u32;
     for record in &level.records {
         let t = &record.timing;
+        retries += u32::from(t.retried);
         let latency_ms = ms(t.latency);
         let ttft_ms = t.ttft().map(ms);
         let usage_out = t.usage.and_then(|u| u.completion_tokens);
@@ -187,6 +189,7 @@ pub fn summarize(level: &LevelRun) -> SweepRow {
                 input_tokens: input,
                 output_tokens: output,
                 error: Some(message),
+                retried: t.retried,
             });
             continue;
         }
@@ -217,6 +220,7 @@ pub fn summarize(level: &LevelRun) -> SweepRow {
             input_tokens: input,
             output_tokens: output,
             error: None,
+            retried: t.retried,
         });
     }
     let errors = u32::try_from(level.records.len())
@@ -224,6 +228,7 @@ pub fn summarize(level: &LevelRun) -> SweepRow {
         .saturating_sub(completed);
     row.completed = Some(completed);
     row.errors = Some(errors);
+    row.connection_retries = (retries > 0).then_some(retries);
     row.error_samples = samples;
     if completed > 0 && secs > 0.0 {
         row.request_rate_rps = round(f64::from(completed) / secs, 3);
@@ -289,6 +294,7 @@ mod tests {
                 }),
                 latency: Duration::from_millis(t + 1),
                 saw_done: true,
+                retried: false,
                 error: None,
             },
             input_tokens: None,
@@ -372,6 +378,27 @@ mod tests {
             "usage says 10 (it counts BOS)"
         );
         assert_eq!(row.input_tokens, Some(7));
+    }
+
+    #[test]
+    fn retried_requests_are_counted_apart_from_errors() {
+        let mut retried = ok(10, &[5, 5], Some(3));
+        retried.timing.retried = true;
+        let level = LevelRun {
+            concurrency: 1,
+            num_prompts: 2,
+            records: vec![ok(10, &[5, 5], Some(3)), retried],
+            wall: Duration::from_secs(1),
+            interrupted: false,
+        };
+        let row = summarize(&level);
+        assert_eq!(row.errors, Some(0));
+        assert_eq!(row.completed, Some(2));
+        assert_eq!(row.connection_retries, Some(1));
+        assert_eq!(
+            row.requests.iter().map(|r| r.retried).collect::<Vec<_>>(),
+            [false, true]
+        );
     }
 
     #[test]

@@ -249,6 +249,10 @@ pub struct SweepRow {
     pub completed: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub errors: Option<u32>,
+    /// Requests sent twice because the load generator's pooled connection
+    /// was found closed before any response; not errors of the server.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub connection_retries: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub duration_s: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -285,6 +289,9 @@ pub struct RequestRow {
     pub input_tokens: Option<u32>,
     pub output_tokens: Option<u32>,
     pub error: Option<String>,
+    /// Sent a second time after its pooled connection was found closed.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub retried: bool,
 }
 
 /// A probe or domain verdict.

@@ -88,6 +88,15 @@ fn check_config(r: &mut Report, path: &Path) -> Option<TextConfig> {
                     c.vocab_size
                 ),
             );
+            if !c.unknown_keys.is_empty() {
+                r.warn(
+                    "config",
+                    format!(
+                        "ignored keys this version does not know: {}",
+                        c.unknown_keys.join(", ")
+                    ),
+                );
+            }
             Some(c)
         }
         Err(e) => {

@@ -60,6 +60,18 @@ pub struct Args {
     /// Seconds running requests get to finish after SIGTERM/SIGINT.
     #[arg(long, default_value_t = 30.0)]
     drain_timeout: f64,
+    /// Seconds a connection may take to send a request's headers (idle kept-alive ones too).
+    #[arg(long, default_value_t = 30.0)]
+    header_read_timeout: f64,
+    /// Seconds a request's body may take to arrive after its headers; slower ones get 408.
+    #[arg(long, default_value_t = 60.0)]
+    body_read_timeout: f64,
+    /// Open connections at most; more are answered 503 and closed.
+    #[arg(long, default_value_t = 1024)]
+    max_connections: usize,
+    /// Let browser pages from this origin call the server (repeatable; `*` for any) [default: none].
+    #[arg(long = "cors-allow-origin", value_name = "ORIGIN")]
+    cors_allow_origin: Vec<String>,
     /// Largest request body in bytes; larger ones get 413.
     #[arg(long, default_value_t = 2 * 1024 * 1024)]
     max_body: usize,
@@ -83,6 +95,14 @@ pub struct Args {
 fn seconds(flag: &str, value: f64) -> Result<Duration> {
     Duration::try_from_secs_f64(value)
         .with_context(|| format!("{flag} must be a non-negative number of seconds"))
+}
+
+fn positive_seconds(flag: &str, value: f64) -> Result<Duration> {
+    let d = seconds(flag, value)?;
+    if d.is_zero() {
+        bail!("{flag} must be more than 0 seconds");
+    }
+    Ok(d)
 }
 
 /// The model id: a GGUF file's stem or a checkpoint folder's name.
@@ -130,12 +150,19 @@ async fn serve(args: Args) -> Result<ExitCode> {
             .clone()
             .unwrap_or_else(|| model_name(&path)),
         api_key,
+        header_read_timeout: positive_seconds("--header-read-timeout", args.header_read_timeout)?,
+        body_read_timeout: positive_seconds("--body-read-timeout", args.body_read_timeout)?,
+        max_connections: args.max_connections,
+        cors_allow_origins: args.cors_allow_origin.clone(),
         max_body_bytes: args.max_body,
         request_timeout: (!request_timeout.is_zero()).then_some(request_timeout),
         drain_timeout: seconds("--drain-timeout", args.drain_timeout)?,
         default_max_tokens: args.default_max_tokens.max(1),
         default_thinking_budget: args.thinking_token_budget,
     };
+    if args.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
     if args.max_num_seqs == 0 {
         bail!("--max-num-seqs must be at least 1");
     }

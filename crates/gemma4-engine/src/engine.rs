@@ -5,11 +5,12 @@
 //! step, sample, detokenize, check stops, and send events.
 
 use std::collections::HashMap;
+use std::panic::{self, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use gemma4_model::config::AttentionKind;
 use gemma4_model::paged::{kv_groups, KvDtype, PagedKvPool, SeqBlocks};
 use gemma4_model::plan::kv_pool_blocks;
@@ -23,7 +24,7 @@ use crate::api::{
 use crate::kv_manager::KvManager;
 use crate::output::OutputState;
 use crate::sampler::Sampler;
-use crate::scheduler::{Scheduler, SchedulerLimits, SeqState};
+use crate::scheduler::{Chunk, Scheduler, SchedulerLimits, SeqState};
 
 /// Engine settings.
 #[derive(Debug, Clone)]
@@ -73,6 +74,7 @@ pub struct KvPlanReport {
 enum Command {
     Submit(Box<Pending>),
     Cancel(u64),
+    CancelAll,
 }
 
 struct Pending {
@@ -86,6 +88,8 @@ struct Shared {
     waiting: AtomicUsize,
     draining: AtomicBool,
     stopped: AtomicBool,
+    /// Why the engine thread gave up, once it has.
+    failure: Mutex<Option<String>>,
     next_id: AtomicU64,
 }
 
@@ -96,6 +100,7 @@ pub struct EngineHandle {
     shared: Arc<Shared>,
     config: Arc<EngineConfig>,
     tokenizer: Arc<Tokenizer>,
+    token_id_limit: usize,
     kv_plan: Arc<KvPlanReport>,
 }
 
@@ -141,7 +146,7 @@ impl EngineHandle {
     /// Queues a request. Refused when the queue is full, the engine drains,
     /// or the request cannot fit the context.
     pub fn submit(&self, request: GenerationRequest) -> Result<RequestStream, SubmitError> {
-        if self.shared.stopped.load(Ordering::SeqCst) {
+        if self.health().is_err() {
             return Err(SubmitError::Stopped);
         }
         if self.shared.draining.load(Ordering::SeqCst) {
@@ -175,6 +180,7 @@ impl EngineHandle {
         })
     }
 
+    /// The engine's own defence; the server checks the same limits first to name the field.
     fn validate(&self, r: &GenerationRequest) -> Result<(), SubmitError> {
         let limit = self.config.max_model_len;
         if r.prompt_ids.is_empty() {
@@ -196,11 +202,35 @@ impl EngineHandle {
                 r.params.max_tokens
             )));
         }
-        let vocab = self.tokenizer.vocab_size();
-        if let Some(bad) = r.prompt_ids.iter().find(|&&t| t as usize >= vocab) {
-            return Err(SubmitError::Invalid(format!(
-                "token id {bad} is outside the vocabulary (size {vocab})"
-            )));
+        self.check_token_ids(&r.prompt_ids)?;
+        self.check_token_ids(&r.params.stop_token_ids)?;
+        crate::api::check_stop_strings(&r.params.stop_strings).map_err(SubmitError::Invalid)
+    }
+
+    /// Token ids at or past [`EngineHandle::token_id_limit`] are refused, naming the first.
+    pub fn check_token_ids(&self, ids: &[u32]) -> Result<(), SubmitError> {
+        let limit = self.token_id_limit;
+        match ids.iter().find(|&&t| t as usize >= limit) {
+            Some(bad) => Err(SubmitError::Invalid(format!(
+                "token id {bad} is outside the vocabulary (valid ids are below {limit})"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// One past the largest valid token id: the smaller of the tokenizer's
+    /// vocabulary (added tokens included) and the model's embedding rows.
+    pub fn token_id_limit(&self) -> usize {
+        self.token_id_limit
+    }
+
+    /// `Err` with the reason once the engine thread has failed or stopped.
+    pub fn health(&self) -> Result<(), String> {
+        if let Some(why) = self.shared.failure.lock().ok().and_then(|f| f.clone()) {
+            return Err(why);
+        }
+        if self.shared.stopped.load(Ordering::SeqCst) {
+            return Err("the engine thread has stopped".into());
         }
         Ok(())
     }
@@ -214,6 +244,12 @@ impl EngineHandle {
     /// Stop accepting requests; running and queued ones continue.
     pub fn start_draining(&self) {
         self.shared.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Ends every running and waiting request with [`FinishReason::Cancelled`]
+    /// (each stream still gets its `Finished` event).
+    pub fn cancel_all(&self) {
+        let _ = self.tx.send(Command::CancelAll);
     }
 
     pub fn is_draining(&self) -> bool {
@@ -245,7 +281,42 @@ pub fn start(
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
 ) -> gemma4_model::Result<EngineHandle> {
+    start_worker(
+        model,
+        tokenizer,
+        config,
+        #[cfg(feature = "fault-injection")]
+        None,
+    )
+}
+
+/// Starts the engine thread with a fault to inject (tests of the supervision only).
+#[cfg(feature = "fault-injection")]
+pub fn start_with_fault(
+    model: Gemma4,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+    fault: crate::fault::FaultPlan,
+) -> gemma4_model::Result<EngineHandle> {
+    start_worker(model, tokenizer, config, Some(fault))
+}
+
+fn start_worker(
+    model: Gemma4,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+    #[cfg(feature = "fault-injection")] fault: Option<crate::fault::FaultPlan>,
+) -> gemma4_model::Result<EngineHandle> {
     let cfg = model.config().clone();
+    // A token id must be known to both the tokenizer (added tokens included) and the embedding.
+    let token_id_limit = tokenizer.vocab_size().min(cfg.vocab_size);
+    if tokenizer.vocab_size() != cfg.vocab_size {
+        tracing::warn!(
+            tokenizer = tokenizer.vocab_size(),
+            model = cfg.vocab_size,
+            "the tokenizer and the model disagree on the vocabulary size; token ids from {token_id_limit} on are refused"
+        );
+    }
     let groups = kv_groups(&cfg);
     let bs = config.block_size.max(1);
     let window = cfg.sliding_window;
@@ -293,6 +364,7 @@ pub fn start(
         waiting: AtomicUsize::new(0),
         draining: AtomicBool::new(false),
         stopped: AtomicBool::new(false),
+        failure: Mutex::new(None),
         next_id: AtomicU64::new(1),
     });
     let (tx, rx) = mpsc::channel();
@@ -309,6 +381,10 @@ pub fn start(
         live: HashMap::new(),
         shared: shared.clone(),
         max_model_len: config.max_model_len,
+        step_retries: 0,
+        token_texts: HashMap::new(),
+        #[cfg(feature = "fault-injection")]
+        fault,
     };
     std::thread::Builder::new()
         .name("gemma4-engine".into())
@@ -321,6 +397,7 @@ pub fn start(
         shared,
         config: Arc::new(config),
         tokenizer,
+        token_id_limit,
         kv_plan: Arc::new(kv_plan),
     })
 }
@@ -346,37 +423,98 @@ struct Worker {
     live: HashMap<u64, Live>,
     shared: Arc<Shared>,
     max_model_len: usize,
+    /// Steps whose batch failed and were run again sequence by sequence.
+    step_retries: u64,
+    /// Each token's own text, decoded the first time a log-prob needs it.
+    token_texts: HashMap<u32, String>,
+    #[cfg(feature = "fault-injection")]
+    fault: Option<crate::fault::FaultPlan>,
+}
+
+/// A token's text on its own (for log-probs), decoded once per engine.
+fn token_text(cache: &mut HashMap<u32, String>, tokenizer: &Tokenizer, id: u32) -> String {
+    cache
+        .entry(id)
+        .or_insert_with(|| tokenizer.decode(&[id], false).unwrap_or_default())
+        .clone()
+}
+
+/// The text of a panic's payload.
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 impl Worker {
+    /// Runs iterations until every handle is gone. A panic outside the model
+    /// step (in the bookkeeping) leaves no state to trust: every request gets
+    /// the error, the reason is kept for [`EngineHandle::health`], and the thread ends.
     fn run(&mut self, rx: mpsc::Receiver<Command>) {
         loop {
-            let idle = self.scheduler.running.is_empty() && self.scheduler.waiting.is_empty();
-            // Block only when there is nothing to do.
-            if idle {
-                match rx.recv() {
-                    Ok(c) => self.command(c),
-                    Err(_) => break,
+            match panic::catch_unwind(AssertUnwindSafe(|| self.iterate(&rx))) {
+                Ok(true) => {}
+                Ok(false) => break,
+                Err(payload) => {
+                    self.fail(&panic_message(payload.as_ref()));
+                    break;
                 }
             }
-            loop {
-                match rx.try_recv() {
-                    Ok(c) => self.command(c),
-                    Err(mpsc::TryRecvError::Empty) => break,
-                    Err(mpsc::TryRecvError::Disconnected) => {
-                        if self.scheduler.running.is_empty() && self.scheduler.waiting.is_empty() {
-                            self.shared.stopped.store(true, Ordering::SeqCst);
-                            return;
-                        }
-                        break;
-                    }
-                }
-            }
-            self.expire();
-            self.step();
-            self.publish_stats();
         }
         self.shared.stopped.store(true, Ordering::SeqCst);
+    }
+
+    /// One iteration; false when the engine should stop.
+    fn iterate(&mut self, rx: &mpsc::Receiver<Command>) -> bool {
+        let idle = self.scheduler.running.is_empty() && self.scheduler.waiting.is_empty();
+        // Block only when there is nothing to do.
+        if idle {
+            match rx.recv() {
+                Ok(c) => self.command(c),
+                Err(_) => return false,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(c) => self.command(c),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    if self.scheduler.running.is_empty() && self.scheduler.waiting.is_empty() {
+                        return false;
+                    }
+                    break;
+                }
+            }
+        }
+        self.expire();
+        self.step();
+        self.publish_stats();
+        true
+    }
+
+    /// Gives up after a panic in the bookkeeping: records why and ends every request.
+    fn fail(&mut self, panic: &str) {
+        let reason = format!("the engine failed and must be restarted: {panic}");
+        tracing::error!(
+            running = self.scheduler.running.len(),
+            waiting = self.scheduler.waiting.len(),
+            "{reason}"
+        );
+        if let Ok(mut failure) = self.shared.failure.lock() {
+            *failure = Some(reason.clone());
+        }
+        for (_, live) in self.live.drain() {
+            let _ = live.events.send(EngineEvent::Finished {
+                reason: FinishReason::Error(reason.clone()),
+                text: String::new(),
+                usage: Usage {
+                    prompt_tokens: live.prompt_len,
+                    completion_tokens: live.generated,
+                },
+            });
+        }
     }
 
     fn command(&mut self, c: Command) {
@@ -409,6 +547,12 @@ impl Worker {
                 });
             }
             Command::Cancel(id) => self.end(id, FinishReason::Cancelled),
+            Command::CancelAll => {
+                let ids: Vec<u64> = self.live.keys().copied().collect();
+                for id in ids {
+                    self.end(id, FinishReason::Cancelled);
+                }
+            }
         }
     }
 
@@ -484,92 +628,159 @@ impl Worker {
             }
             return;
         }
+        #[cfg(feature = "fault-injection")]
+        self.inject_engine_fault(&chunks);
+        let rows = self.forward(&chunks);
+        let mut finished = Vec::new();
+        for (c, row) in chunks.iter().zip(rows) {
+            let id = self.scheduler.running[c.index].id;
+            let row = match row {
+                Ok(row) => row,
+                Err(e) => {
+                    finished.push((id, FinishReason::Error(e)));
+                    continue;
+                }
+            };
+            // One sequence's sampling and detokenizing: a panic there ends that request only.
+            let outcome = panic::catch_unwind(AssertUnwindSafe(|| self.advance(*c, row)));
+            match outcome {
+                Ok(Some(reason)) => finished.push((id, reason)),
+                Ok(None) => {}
+                Err(payload) => {
+                    let msg = panic_message(payload.as_ref());
+                    tracing::error!(request = id, "sampling panicked: {msg}");
+                    finished.push((id, FinishReason::Error(format!("sampling failed: {msg}"))));
+                }
+            }
+        }
+        for (id, reason) in finished {
+            self.end(id, reason);
+        }
+    }
+
+    /// A fault planned for a batch that holds the trigger token, outside the model.
+    #[cfg(feature = "fault-injection")]
+    fn inject_engine_fault(&self, chunks: &[Chunk]) {
+        if let Some(fault) = &self.fault {
+            let seqs: Vec<&[u32]> = chunks
+                .iter()
+                .map(|c| self.scheduler.running[c.index].tokens.as_slice())
+                .collect();
+            fault.in_bookkeeping(&seqs);
+        }
+    }
+
+    /// Runs the step's chunks as one batch. If the batch fails (an error or a
+    /// panic in the model), each chunk is run again alone, so only the chunks
+    /// that fail by themselves get the error and the rest go on.
+    fn forward(&mut self, chunks: &[Chunk]) -> Vec<Result<Option<Tensor>, String>> {
+        match self.forward_chunks(chunks) {
+            Ok(rows) => rows.into_iter().map(Ok).collect(),
+            Err(e) if chunks.len() == 1 => vec![Err(e)],
+            Err(e) => {
+                self.step_retries += 1;
+                tracing::warn!(
+                    sequences = chunks.len(),
+                    "a batched model step failed ({e}); running each sequence alone"
+                );
+                chunks
+                    .iter()
+                    .map(|c| {
+                        self.forward_chunks(std::slice::from_ref(c))
+                            .map(|mut rows| rows.pop().flatten())
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    fn forward_chunks(&mut self, chunks: &[Chunk]) -> Result<Vec<Option<Tensor>>, String> {
+        let running = &self.scheduler.running;
         let tables: Vec<SeqBlocks> = chunks
             .iter()
             .map(|c| SeqBlocks {
-                groups: self.scheduler.running[c.index].kv.tables.clone(),
+                groups: running[c.index].kv.tables.clone(),
                 len_after_step: c.start + c.len,
             })
             .collect();
         let batch: Vec<BatchSeq<'_>> = chunks
             .iter()
             .map(|c| BatchSeq {
-                ids: &self.scheduler.running[c.index].tokens[c.start..c.start + c.len],
+                ids: &running[c.index].tokens[c.start..c.start + c.len],
                 start: c.start,
                 logits: c.samples.then_some(LogitsFor::Last),
             })
             .collect();
-        let result = {
-            let mut view = self.pool.view(&tables);
-            self.model.forward_batch(&batch, &mut view, None)
-        };
-        let logits = match result {
-            Ok(l) => l,
-            Err(e) => {
-                let ids: Vec<u64> = chunks
-                    .iter()
-                    .map(|c| self.scheduler.running[c.index].id)
-                    .collect();
-                for id in ids {
-                    self.end(id, FinishReason::Error(format!("model step failed: {e}")));
-                }
-                return;
+        let (model, pool) = (&self.model, &mut self.pool);
+        #[cfg(feature = "fault-injection")]
+        let fault = self.fault.as_ref();
+        // The model only writes the chunks' own KV positions, which a retry writes again.
+        let result = panic::catch_unwind(AssertUnwindSafe(|| {
+            #[cfg(feature = "fault-injection")]
+            if let Some(fault) = fault {
+                fault.in_model_step(&batch)?;
             }
-        };
-        let mut finished = Vec::new();
-        for (c, row) in chunks.iter().zip(logits) {
-            let seq = &mut self.scheduler.running[c.index];
-            seq.computed = c.start + c.len;
-            self.kv
-                .register_full_blocks(&mut seq.kv, &seq.tokens, seq.computed);
-            let Some(row) = row else { continue };
-            let id = seq.id;
-            let Some(live) = self.live.get_mut(&id) else {
-                continue;
-            };
-            let values = match row.squeeze(0).and_then(|r| r.to_vec1::<f32>()) {
-                Ok(v) => v,
-                Err(e) => {
-                    finished.push((
-                        id,
-                        FinishReason::Error(format!("reading logits failed: {e}")),
-                    ));
-                    continue;
-                }
-            };
-            let sampled = live.sampler.sample(&values);
-            let token = sampled.token;
-            if live.sampler.params().stop_token_ids.contains(&token) {
-                finished.push((id, FinishReason::Stop));
-                continue;
-            }
-            live.generated += 1;
-            seq.tokens.push(token);
-            let logprob = sampled.logprobs.map(|(lp, top)| TokenLogprob {
-                token_id: token,
-                text: self.tokenizer.decode(&[token], false).unwrap_or_default(),
-                logprob: lp,
-                top: top
-                    .into_iter()
-                    .map(|(t, l)| (t, self.tokenizer.decode(&[t], false).unwrap_or_default(), l))
-                    .collect(),
-            });
-            let (text, stopped) = live.output.push(token);
-            let _ = live.events.send(EngineEvent::Token {
-                id: token,
-                text,
-                logprob,
-            });
-            if stopped {
-                finished.push((id, FinishReason::Stop));
-            } else if live.generated >= live.sampler.params().max_tokens
-                || seq.tokens.len() >= self.max_model_len
-            {
-                finished.push((id, FinishReason::Length));
+            let mut view = pool.view(&tables);
+            model.forward_batch(&batch, &mut view, None)
+        }));
+        match result {
+            Ok(Ok(rows)) => Ok(rows),
+            Ok(Err(e)) => Err(format!("model step failed: {e}")),
+            Err(payload) => {
+                let msg = panic_message(payload.as_ref());
+                let ids: Vec<u64> = chunks.iter().map(|c| running[c.index].id).collect();
+                let tokens: usize = chunks.iter().map(|c| c.len).sum();
+                tracing::error!(requests = ?ids, tokens, "the model step panicked: {msg}");
+                Err(format!("model step panicked: {msg}"))
             }
         }
-        for (id, reason) in finished {
-            self.end(id, reason);
+    }
+
+    /// Takes a chunk's computed tokens into account and, when it has logits,
+    /// samples the next token and sends it; `Some` when the request ends.
+    fn advance(&mut self, c: Chunk, row: Option<Tensor>) -> Option<FinishReason> {
+        let seq = &mut self.scheduler.running[c.index];
+        seq.computed = c.start + c.len;
+        self.kv
+            .register_full_blocks(&mut seq.kv, &seq.tokens, seq.computed);
+        let row = row?;
+        let live = self.live.get_mut(&seq.id)?;
+        let values = match row.squeeze(0).and_then(|r| r.to_vec1::<f32>()) {
+            Ok(v) => v,
+            Err(e) => return Some(FinishReason::Error(format!("reading logits failed: {e}"))),
+        };
+        let sampled = live.sampler.sample(&values);
+        let token = sampled.token;
+        if live.sampler.params().stop_token_ids.contains(&token) {
+            return Some(FinishReason::Stop);
+        }
+        live.generated += 1;
+        seq.tokens.push(token);
+        let texts = &mut self.token_texts;
+        let tokenizer = &self.tokenizer;
+        let logprob = sampled.logprobs.map(|(lp, top)| TokenLogprob {
+            token_id: token,
+            text: token_text(texts, tokenizer, token),
+            logprob: lp,
+            top: top
+                .into_iter()
+                .map(|(t, l)| (t, token_text(texts, tokenizer, t), l))
+                .collect(),
+        });
+        let (text, stopped) = live.output.push(token);
+        let _ = live.events.send(EngineEvent::Token {
+            id: token,
+            text,
+            logprob,
+        });
+        if stopped {
+            Some(FinishReason::Stop)
+        } else if live.generated >= live.sampler.params().max_tokens
+            || seq.tokens.len() >= self.max_model_len
+        {
+            Some(FinishReason::Length)
+        } else {
+            None
         }
     }
 
@@ -602,6 +813,7 @@ impl Worker {
             s.kv_blocks_used = usage.iter().map(|u| u.used).sum();
             s.prefix_cache_hits = self.scheduler.prefix_hits;
             s.preemptions = self.scheduler.preemptions;
+            s.step_retries = self.step_retries;
         }
     }
 }

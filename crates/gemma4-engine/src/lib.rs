@@ -2,17 +2,24 @@
 //! (shared-KV layers own no cache, sliding layers keep only their window),
 //! a continuous-batching scheduler with chunked prefill and preemption,
 //! the sampler, and the loop that runs batched model steps and streams
-//! tokens back to callers.
+//! tokens back to callers. The loop survives a panic or an error in a model
+//! step (only the requests that fail alone get the error) and reports a
+//! panic it cannot recover from through [`EngineHandle::health`].
 
 pub mod api;
 pub mod engine;
+#[cfg(feature = "fault-injection")]
+pub mod fault;
 pub mod kv_manager;
 pub mod output;
 pub mod sampler;
 pub mod scheduler;
 
 pub use api::{
-    ConstraintFactory, EngineEvent, EngineStats, FinishReason, GenerationRequest, SamplingParams,
-    SubmitError, ThinkingBudget, TokenConstraint, TokenLogprob, Usage,
+    check_stop_strings, ConstraintFactory, EngineEvent, EngineStats, FinishReason,
+    GenerationRequest, SamplingParams, SubmitError, ThinkingBudget, TokenConstraint, TokenLogprob,
+    Usage, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
 };
+#[cfg(feature = "fault-injection")]
+pub use engine::start_with_fault;
 pub use engine::{start, EngineConfig, EngineHandle, KvPlanReport, RequestStream};

@@ -142,39 +142,9 @@ impl Sampler {
         for v in x.iter_mut() {
             *v /= p.temperature;
         }
-        // Candidates sorted by logit, best first.
-        let mut idx: Vec<usize> = (0..x.len()).filter(|&i| x[i].is_finite()).collect();
-        idx.sort_by(|&a, &b| x[b].total_cmp(&x[a]).then(a.cmp(&b)));
+        let (idx, probs) = kept(x, p);
         if idx.is_empty() {
             return 0;
-        }
-        if p.top_k > 0 && p.top_k < idx.len() {
-            idx.truncate(p.top_k);
-        }
-        let max = x[idx[0]];
-        let mut probs: Vec<f64> = idx.iter().map(|&i| f64::from(x[i] - max).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        for q in probs.iter_mut() {
-            *q /= total;
-        }
-        if p.min_p > 0.0 {
-            let cut = probs[0] * f64::from(p.min_p);
-            let keep = probs.iter().take_while(|&&q| q >= cut).count().max(1);
-            idx.truncate(keep);
-            probs.truncate(keep);
-        }
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let mut keep = 0;
-            for q in &probs {
-                keep += 1;
-                acc += q;
-                if acc >= f64::from(p.top_p) {
-                    break;
-                }
-            }
-            idx.truncate(keep);
-            probs.truncate(keep);
         }
         let total: f64 = probs.iter().sum();
         let mut r = self.rng.random::<f64>() * total;
@@ -196,6 +166,76 @@ fn mask_disallowed(x: &mut [f32], allowed: &[u32]) {
             *v = f32::NEG_INFINITY;
         }
     }
+}
+
+/// The candidates the cuts keep (top-k, then min-p, then top-p), best first
+/// when any cut applies, with their probabilities; only as many logits are
+/// ordered as the cuts can keep.
+fn kept(x: &[f32], p: &SamplingParams) -> (Vec<usize>, Vec<f64>) {
+    let mut idx: Vec<usize> = (0..x.len()).filter(|&i| x[i].is_finite()).collect();
+    if idx.is_empty() {
+        return (idx, Vec::new());
+    }
+    if p.top_k > 0 && p.top_k < idx.len() {
+        idx = best_first(x, idx, p.top_k);
+    }
+    let max = idx.iter().map(|&i| x[i]).fold(f32::NEG_INFINITY, f32::max);
+    let total: f64 = idx.iter().map(|&i| f64::from(x[i] - max).exp()).sum();
+    let prob = |i: usize| f64::from(x[i] - max).exp() / total;
+    if p.top_p < 1.0 || p.min_p > 0.0 {
+        // Order only the best few, as many as the cuts below can keep.
+        let mut n = 64;
+        loop {
+            if n >= idx.len() {
+                idx.sort_by(|&a, &b| rank(x, a, b));
+                break;
+            }
+            let best = best_first(x, idx.clone(), n);
+            let probs: Vec<f64> = best.iter().map(|&i| prob(i)).collect();
+            let min_p_cut = p.min_p > 0.0 && probs[n - 1] < probs[0] * f64::from(p.min_p);
+            let top_p_cut = p.top_p < 1.0 && probs.iter().sum::<f64>() >= f64::from(p.top_p);
+            if min_p_cut || top_p_cut {
+                idx = best;
+                break;
+            }
+            n *= 8;
+        }
+    }
+    // Without cuts the order does not matter: nothing is sorted.
+    let mut probs: Vec<f64> = idx.iter().map(|&i| prob(i)).collect();
+    if p.min_p > 0.0 {
+        let cut = probs[0] * f64::from(p.min_p);
+        let keep = probs.iter().take_while(|&&q| q >= cut).count().max(1);
+        idx.truncate(keep);
+        probs.truncate(keep);
+    }
+    if p.top_p < 1.0 {
+        let mut acc = 0.0;
+        let mut keep = 0;
+        for q in &probs {
+            keep += 1;
+            acc += q;
+            if acc >= f64::from(p.top_p) {
+                break;
+            }
+        }
+        idx.truncate(keep);
+        probs.truncate(keep);
+    }
+    (idx, probs)
+}
+
+/// Higher logit first, then lower id.
+fn rank(x: &[f32], a: usize, b: usize) -> std::cmp::Ordering {
+    x[b].total_cmp(&x[a]).then(a.cmp(&b))
+}
+
+/// The `k` best of `idx`, best first, without sorting the rest.
+fn best_first(x: &[f32], mut idx: Vec<usize>, k: usize) -> Vec<usize> {
+    idx.select_nth_unstable_by(k - 1, |&a, &b| rank(x, a, b));
+    idx.truncate(k);
+    idx.sort_by(|&a, &b| rank(x, a, b));
+    idx
 }
 
 /// Index of the largest value (first on ties).
@@ -290,6 +330,69 @@ mod tests {
             &[],
         );
         assert!((0..20).all(|_| s.sample(&logits).token == 0));
+    }
+
+    /// The cuts as a plain full sort would make them: the kept ids, best first.
+    fn kept_by_full_sort(x: &[f32], p: &SamplingParams) -> Vec<usize> {
+        let mut idx: Vec<usize> = (0..x.len()).collect();
+        idx.sort_by(|&a, &b| rank(x, a, b));
+        if p.top_k > 0 {
+            idx.truncate(p.top_k);
+        }
+        let max = x[idx[0]];
+        let total: f64 = idx.iter().map(|&i| f64::from(x[i] - max).exp()).sum();
+        let probs: Vec<f64> = idx
+            .iter()
+            .map(|&i| f64::from(x[i] - max).exp() / total)
+            .collect();
+        let mut keep = idx.len();
+        if p.min_p > 0.0 {
+            keep = probs
+                .iter()
+                .take_while(|&&q| q >= probs[0] * f64::from(p.min_p))
+                .count();
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let n = probs.iter().take(keep).take_while(|&&q| {
+                let before = acc;
+                acc += q;
+                before < f64::from(p.top_p)
+            });
+            keep = n.count();
+        }
+        idx.truncate(keep.max(1));
+        idx
+    }
+
+    #[test]
+    fn partial_selection_keeps_what_a_full_sort_keeps() {
+        let n = 20_000;
+        let x: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919 % 10007) as f32 / 1000.0) - 5.0)
+            .collect();
+        for (top_k, top_p, min_p) in [
+            (0, 0.9, 0.0),
+            (0, 0.999, 0.0),
+            (0, 1.0, 0.05),
+            (40, 1.0, 0.0),
+            (40, 0.5, 0.1),
+            (0, 0.3, 0.01),
+        ] {
+            let p = SamplingParams {
+                temperature: 1.0,
+                top_k,
+                top_p,
+                min_p,
+                seed: Some(3),
+                ..Default::default()
+            };
+            assert_eq!(
+                kept(&x, &p).0,
+                kept_by_full_sort(&x, &p),
+                "top_k {top_k} top_p {top_p} min_p {min_p}"
+            );
+        }
     }
 
     #[test]

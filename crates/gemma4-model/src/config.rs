@@ -95,9 +95,12 @@ pub struct TextConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
+    /// Keys of the text config this loader does not know and ignored (named
+    /// with their `text_config.` prefix), for warnings and `gemma4 doctor`.
+    pub unknown_keys: Vec<String>,
 }
 
-/// `text_config` exactly as stored. Unknown keys are rejected before this is built.
+/// `text_config` exactly as stored, without the keys this loader does not know.
 #[derive(Debug, Deserialize)]
 struct RawTextConfig {
     model_type: Option<String>,
@@ -217,6 +220,19 @@ const KNOWN_TEXT_KEYS: &[&str] = &[
     "unk_token_id",
 ];
 
+/// Keys a loader could meet that change the computation in ways this one
+/// cannot honour: present with any value but `null`, they are errors.
+const UNSUPPORTED_TEXT_KEYS: &[(&str, &str)] = &[
+    (
+        "rope_scaling",
+        "RoPE scaling is read from `rope_parameters`; a separate `rope_scaling` cannot be applied",
+    ),
+    (
+        "quantization_config",
+        "quantized safetensors checkpoints are not supported; use a GGUF file or unquantized weights",
+    ),
+];
+
 const TEXT_MODEL_TYPES: &[&str] = &[
     "gemma4_text",
     "gemma4_unified_text",
@@ -261,24 +277,43 @@ impl TextConfig {
                 ))
             }
         };
-        for key in text.keys() {
-            if !KNOWN_TEXT_KEYS.contains(&key.as_str()) {
-                return Err(ConfigError::UnknownField(format!("{field_prefix}{key}")));
+        for (key, why) in UNSUPPORTED_TEXT_KEYS {
+            if text.get(*key).is_some_and(|v| !v.is_null()) {
+                return Err(ConfigError::invalid(format!("{field_prefix}{key}"), *why));
             }
         }
-        let raw: RawTextConfig =
-            serde_json::from_value(Value::Object(text.clone())).map_err(|e| {
-                ConfigError::invalid(
-                    field_prefix.trim_end_matches('.').to_string(),
-                    e.to_string(),
-                )
-            })?;
+        // Keys from newer releases are ignored (with a warning): a key that
+        // changed the computation would have to be listed above to be refused.
+        let mut known = text.clone();
+        let mut unknown_keys = Vec::new();
+        known.retain(|key, _| {
+            let keep = KNOWN_TEXT_KEYS.contains(&key.as_str())
+                || UNSUPPORTED_TEXT_KEYS.iter().any(|(k, _)| k == key);
+            if !keep {
+                unknown_keys.push(format!("{field_prefix}{key}"));
+            }
+            keep
+        });
+        if !unknown_keys.is_empty() {
+            tracing::warn!(
+                keys = %unknown_keys.join(", "),
+                "config.json has keys this version does not know; ignoring them"
+            );
+        }
+        let raw: RawTextConfig = serde_json::from_value(Value::Object(known)).map_err(|e| {
+            ConfigError::invalid(
+                field_prefix.trim_end_matches('.').to_string(),
+                e.to_string(),
+            )
+        })?;
         // The top-level eos list (e.g. [1, 106]) is the generation contract; prefer it.
         let eos = top
             .get("eos_token_id")
             .or(raw.eos_token_id.as_ref())
             .cloned();
-        resolve(raw, eos.as_ref(), field_prefix)
+        let mut config = resolve(raw, eos.as_ref(), field_prefix)?;
+        config.unknown_keys = unknown_keys;
+        Ok(config)
     }
 
     /// Number of layers.
@@ -505,6 +540,7 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
         bos_token_id: raw.bos_token_id,
         eos_token_ids: eos_list(eos, &f("eos_token_id"))?,
         pad_token_id: raw.pad_token_id,
+        unknown_keys: Vec::new(),
     })
 }
 
@@ -726,12 +762,38 @@ mod tests {
     }
 
     #[test]
-    fn unknown_and_inconsistent_fields_are_named() {
+    fn unknown_keys_are_ignored_and_named() {
+        let plain = TextConfig::from_hf_json(&fixture("e-style")).expect("fixture");
+        assert!(plain.unknown_keys.is_empty());
         let mut j = fixture("e-style");
         j["text_config"]["frobnicate"] = Value::from(1);
-        let e = TextConfig::from_hf_json(&j).unwrap_err().to_string();
-        assert!(e.contains("text_config.frobnicate"), "{e}");
+        j["text_config"]["some_future_flag"] = Value::from(true);
+        let c = TextConfig::from_hf_json(&j).expect("unknown keys are not fatal");
+        assert_eq!(
+            c.unknown_keys,
+            ["text_config.frobnicate", "text_config.some_future_flag"]
+        );
+        assert_eq!(c.layers, plain.layers);
+        assert_eq!(c.vocab_size, plain.vocab_size);
+    }
 
+    #[test]
+    fn keys_that_cannot_be_honoured_are_errors() {
+        let mut j = fixture("e-style");
+        j["text_config"]["rope_scaling"] =
+            serde_json::json!({"rope_type": "linear", "factor": 8.0});
+        let e = TextConfig::from_hf_json(&j).unwrap_err().to_string();
+        assert!(e.contains("text_config.rope_scaling"), "{e}");
+        j["text_config"]["rope_scaling"] = Value::Null;
+        assert!(TextConfig::from_hf_json(&j).is_ok());
+        let mut j = fixture("e-style");
+        j["text_config"]["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
+        let e = TextConfig::from_hf_json(&j).unwrap_err().to_string();
+        assert!(e.contains("text_config.quantization_config"), "{e}");
+    }
+
+    #[test]
+    fn inconsistent_fields_are_named() {
         let mut j = fixture("e-style");
         j["text_config"]["num_hidden_layers"] = Value::from(9);
         let e = TextConfig::from_hf_json(&j).unwrap_err().to_string();

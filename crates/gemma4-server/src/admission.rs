@@ -1,7 +1,10 @@
-//! Admission limits checked before a request is queued: body size (413),
+//! Admission limits checked before a request is queued: body size (413) and
+//! arrival time (408),
 //! prompt and output length against the context (400 naming the limit),
 //! the number of choices, and the engine's own refusals (429 with
 //! `Retry-After` when the wait queue is full, 503 while draining).
+
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use gemma4_engine::{EngineConfig, SubmitError};
@@ -13,9 +16,18 @@ use crate::server::draining;
 /// Seconds a client is told to wait after a 429.
 pub const RETRY_AFTER_SECS: u64 = 1;
 
-/// Reads the whole body, refusing more than `limit` bytes.
-pub async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    match Limited::new(body, limit).collect().await {
+/// Reads the whole body, refusing more than `limit` bytes (413) and a body
+/// still incomplete after `timeout` (408).
+pub async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<Bytes, ApiError> {
+    let collected = tokio::time::timeout(timeout, Limited::new(body, limit).collect())
+        .await
+        .map_err(|_| {
+            ApiError::body_timeout(format!(
+                "the request body did not arrive within {} s (--body-read-timeout); send the whole body at once",
+                timeout.as_secs_f64()
+            ))
+        })?;
+    match collected {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<LengthLimitError>() => Err(ApiError::too_large(format!(
             "the request body is larger than {limit} bytes; send a smaller request or start the server with a larger --max-body"
@@ -143,12 +155,14 @@ mod tests {
 
     #[tokio::test]
     async fn body_limit_is_413() {
-        let e = read_body(Body::from(vec![b'x'; 100]), 10)
+        let e = read_body(Body::from(vec![b'x'; 100]), 10, Duration::from_secs(5))
             .await
             .expect_err("rejected");
         assert_eq!(e.status.as_u16(), 413);
         assert!(e.message.contains("--max-body"));
-        let ok = read_body(Body::from("{}"), 10).await.expect("small body");
+        let ok = read_body(Body::from("{}"), 10, Duration::from_secs(5))
+            .await
+            .expect("small body");
         assert_eq!(&ok[..], b"{}");
     }
 }

@@ -9,6 +9,14 @@ pub struct ServerConfig {
     pub served_model_name: String,
     /// When set, `/v1/*` and `/generate` need `Authorization: Bearer KEY`.
     pub api_key: Option<String>,
+    /// A connection must deliver a request's headers within this (idle kept-alive ones too).
+    pub header_read_timeout: Duration,
+    /// A request's body must arrive within this once its headers have; else 408.
+    pub body_read_timeout: Duration,
+    /// Open connections at most; more are answered 503 and closed.
+    pub max_connections: usize,
+    /// Origins browsers may call from (`*`: any); empty sends no CORS headers.
+    pub cors_allow_origins: Vec<String>,
     /// Largest accepted request body; larger ones get 413.
     pub max_body_bytes: usize,
     /// Each request ends (with an error) once this has passed since it arrived.
@@ -26,6 +34,10 @@ impl Default for ServerConfig {
         Self {
             served_model_name: "gemma4".into(),
             api_key: None,
+            header_read_timeout: Duration::from_secs(30),
+            body_read_timeout: Duration::from_secs(60),
+            max_connections: 1024,
+            cors_allow_origins: Vec::new(),
             max_body_bytes: 2 * 1024 * 1024,
             request_timeout: Some(Duration::from_secs(600)),
             drain_timeout: Duration::from_secs(30),

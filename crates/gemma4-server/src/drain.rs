@@ -1,7 +1,8 @@
 //! Graceful shutdown. On SIGTERM/SIGINT the server stops admitting requests
 //! (503, `/health` says draining), lets running requests finish — a
 //! streaming request counts until its last byte is handed to the connection —
-//! for up to the drain timeout, then closes the listener and returns.
+//! for up to the drain timeout, then closes the listener and returns. An
+//! engine that fails beyond recovery ends the server the same way, with an error.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -9,13 +10,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::{watch, Notify};
 
+use crate::connections::{accept_loop, ConnectionLimits};
 use crate::error::ServerError;
 use crate::server::Server;
 
 /// How long the HTTP side may take to close connections once no request is running.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+/// How long `/health` reports a failed engine before the server exits.
+const FAILURE_REPORT: Duration = Duration::from_secs(1);
 
 /// Counts requests being handled (including response bodies still streaming).
 #[derive(Debug, Default)]
@@ -62,7 +67,9 @@ impl Drop for ActiveGuard {
 }
 
 /// Serves `server` on `listener` until `shutdown` completes, then drains:
-/// no new requests, running ones finish within the drain timeout.
+/// no new requests, running ones finish within the drain timeout. Requests
+/// whose bodies are still arriving are not running yet and do not hold the
+/// drain up; their connections are closed with the rest.
 pub async fn serve(
     listener: TcpListener,
     server: Server,
@@ -70,20 +77,32 @@ pub async fn serve(
 ) -> Result<(), ServerError> {
     let address = listener.local_addr()?;
     let app = server.router();
-    let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let mut http = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stop_rx.await;
-            })
-            .await
-    });
+    let limits = ConnectionLimits {
+        header_read_timeout: server.config().header_read_timeout,
+        max_connections: server.config().max_connections,
+    };
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut http = tokio::spawn(accept_loop(
+        listener,
+        app,
+        limits,
+        server.state(),
+        stop_rx,
+        CLOSE_GRACE,
+    ));
     tracing::info!("listening on http://{address}");
+    let mut failure = None;
     tokio::select! {
         () = shutdown => {}
+        reason = server.engine_failed() => {
+            tracing::error!("{reason}; exiting so that the server can be restarted");
+            // Health checks see the reason before the listener closes.
+            tokio::time::sleep(FAILURE_REPORT).await;
+            failure = Some(reason);
+        }
         done = &mut http => {
             return match done {
-                Ok(r) => r.map_err(ServerError::from),
+                Ok(r) => r,
                 Err(e) => Err(ServerError::Task(e.to_string())),
             };
         }
@@ -99,14 +118,24 @@ pub async fn serve(
     } else {
         tracing::warn!(
             running = server.active_requests(),
-            "drain timeout ({limit:?}) passed with requests still running; closing them"
+            "drain timeout ({limit:?}) passed with requests still running; cancelling them"
         );
+        // Cancelled requests end their responses properly: an error event and `[DONE]`.
+        server.cancel_running();
+        if !server.wait_idle(CLOSE_GRACE).await {
+            tracing::warn!(
+                running = server.active_requests(),
+                "responses still open after cancelling; closing their connections"
+            );
+        }
     }
-    let _ = stop_tx.send(());
-    match tokio::time::timeout(CLOSE_GRACE, &mut http).await {
-        Ok(Ok(r)) => r?,
-        Ok(Err(e)) => return Err(ServerError::Task(e.to_string())),
-        Err(_) => http.abort(),
+    let _ = stop_tx.send(true);
+    match http.await {
+        Ok(r) => r?,
+        Err(e) => return Err(ServerError::Task(e.to_string())),
+    }
+    if let Some(reason) = failure {
+        return Err(ServerError::EngineFailed(reason));
     }
     tracing::info!("stopped");
     Ok(())

@@ -64,6 +64,16 @@ impl ApiError {
         .with_code("request_too_large")
     }
 
+    /// 408: the body did not arrive within `--body-read-timeout`.
+    pub fn body_timeout(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::REQUEST_TIMEOUT,
+            "invalid_request_error",
+            message,
+        )
+        .with_code("body_timeout")
+    }
+
     /// 429: the wait queue is full.
     pub fn rate_limited(message: impl Into<String>, retry_after: u64) -> Self {
         let mut e = Self::new(StatusCode::TOO_MANY_REQUESTS, "rate_limit_error", message)
@@ -141,6 +151,8 @@ pub enum ServerError {
     Io(#[from] std::io::Error),
     #[error("HTTP server task failed: {0}")]
     Task(String),
+    #[error("{0}")]
+    EngineFailed(String),
 }
 
 #[cfg(test)]

@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use gemma4_engine::{
-    ConstraintFactory, EngineEvent, FinishReason, GenerationRequest, RequestStream, SamplingParams,
-    ThinkingBudget, TokenLogprob, Usage,
+    check_stop_strings, ConstraintFactory, EngineEvent, FinishReason, GenerationRequest,
+    RequestStream, SamplingParams, ThinkingBudget, TokenLogprob, Usage,
 };
 
 use gemma4_text::{
@@ -199,7 +199,9 @@ fn thinking_budget(
     })
 }
 
-/// One engine request per (prompt, choice), checked against the limits.
+/// One engine request per (prompt, choice), checked against the limits:
+/// the one place a request's lengths and token ids are validated before
+/// the engine (which checks them again in its own defence).
 /// Choice `j` of prompt `p` gets index `p * n + j` and, with a seed, `seed + j`.
 #[allow(clippy::too_many_arguments)]
 pub fn build_requests(
@@ -216,18 +218,20 @@ pub fn build_requests(
     let vocab = model.engine.tokenizer().vocab_size();
     let tokens = ProtocolTokens::new(model.engine.tokenizer());
     let logit_bias = logit_bias(sampling, chat, &tokens, vocab)?;
+    let engine = &model.engine;
     let mut stop_token_ids = if sampling.ignore_eos {
         Vec::new()
     } else {
         model.stop_token_ids.clone()
     };
+    engine
+        .check_token_ids(&sampling.stop_token_ids)
+        .map_err(|e| {
+            ApiError::bad_request(format!("`stop_token_ids`: {e}")).with_param("stop_token_ids")
+        })?;
+    check_stop_strings(&sampling.stop)
+        .map_err(|e| ApiError::bad_request(format!("`stop`: {e}")).with_param("stop"))?;
     for &id in &sampling.stop_token_ids {
-        if id as usize >= vocab {
-            return Err(ApiError::bad_request(format!(
-                "`stop_token_ids` has {id}, outside the vocabulary (size {vocab})"
-            ))
-            .with_param("stop_token_ids"));
-        }
         if !stop_token_ids.contains(&id) {
             stop_token_ids.push(id);
         }
@@ -235,12 +239,9 @@ pub fn build_requests(
     let deadline = state.config.request_timeout.map(|t| arrival + t);
     let mut requests = Vec::with_capacity(prompts.len() * sampling.n);
     for prompt in prompts {
-        if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
-            return Err(ApiError::bad_request(format!(
-                "the prompt has token id {bad}, outside the vocabulary (size {vocab})"
-            ))
-            .with_param(prompt_param));
-        }
+        engine.check_token_ids(prompt).map_err(|e| {
+            ApiError::bad_request(format!("the prompt: {e}")).with_param(prompt_param)
+        })?;
         let max_tokens = max_tokens_for(
             sampling.max_tokens,
             prompt.len(),
@@ -302,7 +303,29 @@ struct Choice {
     state: Arc<AppState>,
     arrival: Instant,
     last_token: Option<Instant>,
+    prompt_tokens: usize,
+    generated: usize,
     done: bool,
+}
+
+/// A choice dropped before its end (the client went away, or a refused
+/// sibling cancelled it) is counted and logged as cancelled, with its tokens.
+impl Drop for Choice {
+    fn drop(&mut self) {
+        if !self.done {
+            self.state.metrics.record_finished(
+                FinishReason::Cancelled.as_openai(),
+                self.prompt_tokens,
+                self.generated,
+                self.arrival.elapsed(),
+            );
+            tracing::info!(
+                request = self.stream.id,
+                generated = self.generated,
+                "request cancelled: its response is no longer wanted"
+            );
+        }
+    }
 }
 
 impl Choice {
@@ -325,6 +348,7 @@ impl Choice {
         let metrics = &self.state.metrics;
         match &event {
             EngineEvent::Token { .. } => {
+                self.generated += 1;
                 match self.last_token {
                     None => metrics.record_first_token(now - self.arrival),
                     Some(t) => metrics.record_inter_token(now - t),
@@ -332,6 +356,13 @@ impl Choice {
                 self.last_token = Some(now);
             }
             EngineEvent::Finished { reason, usage, .. } => {
+                if *reason == FinishReason::Cancelled {
+                    tracing::info!(
+                        request = self.stream.id,
+                        generated = usage.completion_tokens,
+                        "request cancelled by the server"
+                    );
+                }
                 metrics.record_finished(
                     reason.as_openai(),
                     usage.prompt_tokens,
@@ -387,6 +418,7 @@ impl Generation {
         };
         let mut streams = SelectAll::new();
         for (index, request) in requests.into_iter().enumerate() {
+            let prompt_tokens = request.prompt_ids.len();
             let stream = model.engine.submit(request).map_err(submit_error)?;
             let choice = Choice {
                 index,
@@ -394,6 +426,8 @@ impl Generation {
                 state: state.clone(),
                 arrival,
                 last_token: None,
+                prompt_tokens,
+                generated: 0,
                 done: false,
             };
             streams.push(stream::unfold(choice, Choice::next).boxed());

@@ -15,6 +15,7 @@
 //!   full (429 with `Retry-After`), draining (503).
 //! * [`auth`]: optional bearer key, compared in constant time.
 //! * [`metrics`]: Prometheus text.
+//! * [`connections`]: the accept loop: header deadline, connection cap.
 //! * [`drain`]: SIGTERM/SIGINT handling: stop admitting, finish running
 //!   requests up to a timeout, then return.
 //!
@@ -24,6 +25,7 @@
 pub mod admission;
 pub mod auth;
 pub mod config;
+pub mod connections;
 pub mod drain;
 pub mod error;
 mod fields;

@@ -33,9 +33,12 @@ pub struct Metrics {
     kv_cache_bytes: IntGauge,
     resident: IntGauge,
     active_http: IntGauge,
+    open_connections: IntGauge,
+    refused_connections: IntCounter,
     ready: IntGauge,
     prefix_hits: IntCounter,
     preemptions: IntCounter,
+    step_retries: IntCounter,
     /// Serializes mirroring the engine's counters into ours.
     mirror: Mutex<()>,
 }
@@ -178,6 +181,16 @@ impl Metrics {
                 "gemma4_active_http_requests",
                 "Requests being handled, streams included",
             )?,
+            open_connections: gauge(
+                &r,
+                "gemma4_open_connections",
+                "Open HTTP connections (at most --max-connections)",
+            )?,
+            refused_connections: counter(
+                &r,
+                "gemma4_refused_connections_total",
+                "Connections refused with 503 because --max-connections were open",
+            )?,
             ready: gauge(
                 &r,
                 "gemma4_ready",
@@ -193,6 +206,11 @@ impl Metrics {
                 "gemma4_preemptions_total",
                 "Sequences preempted to free KV-cache blocks",
             )?,
+            step_retries: counter(
+                &r,
+                "gemma4_engine_step_retries_total",
+                "Model steps that failed as a batch and were rerun one sequence at a time",
+            )?,
             mirror: Mutex::new(()),
             registry: r,
         })
@@ -202,6 +220,18 @@ impl Metrics {
         self.requests
             .with_label_values(&[route, &status.to_string()])
             .inc();
+    }
+
+    pub fn connection_opened(&self) {
+        self.open_connections.inc();
+    }
+
+    pub fn connection_closed(&self) {
+        self.open_connections.dec();
+    }
+
+    pub fn record_refused_connection(&self) {
+        self.refused_connections.inc();
     }
 
     pub fn record_first_token(&self, since_arrival: Duration) {
@@ -255,6 +285,8 @@ impl Metrics {
                     .inc_by(s.prefix_cache_hits.saturating_sub(self.prefix_hits.get()));
                 self.preemptions
                     .inc_by(s.preemptions.saturating_sub(self.preemptions.get()));
+                self.step_retries
+                    .inc_by(s.step_retries.saturating_sub(self.step_retries.get()));
             }
         }
         let mut out = Vec::new();
@@ -324,6 +356,8 @@ mod tests {
             "gemma4_prefix_cache_hits_total 5",
             "gemma4_preemptions_total 1",
             "gemma4_resident_memory_bytes",
+            "gemma4_open_connections 0",
+            "gemma4_refused_connections_total 0",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

@@ -212,7 +212,12 @@ pub async fn responses(
 ) -> Result<Json<Value>, ApiError> {
     let arrival = Instant::now();
     let (model, guard) = state.admit()?;
-    let bytes = read_body(body, state.config.max_body_bytes).await?;
+    let bytes = read_body(
+        body,
+        state.config.max_body_bytes,
+        state.config.body_read_timeout,
+    )
+    .await?;
     let f = Fields::parse(&bytes)?;
     let chat = chat_body(&f)?;
     let bytes = serde_json::to_vec(&chat)

@@ -10,7 +10,7 @@
 //! | `POST /tokenize` | key | `{prompt}` or `{messages}` → `{tokens, count, max_model_len}` |
 //! | `POST /detokenize` | key | `{tokens}` → `{prompt}` |
 //! | `POST /generate` | key | `{"prompt", …}` → `{"response", "token_ids", "usage"}` |
-//! | `GET /health` | open | 200 ready, 503 loading or draining |
+//! | `GET /health` | open | 200 ready, 503 loading, draining or failed (with the reason) |
 //! | `GET /metrics` | open | Prometheus text |
 
 use std::sync::Arc;
@@ -18,12 +18,11 @@ use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
-use axum::http::{header, Method, StatusCode, Uri};
+use axum::http::{header, Method, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde_json::json;
 
 use crate::admission::read_body;
 use crate::auth;
@@ -41,8 +40,8 @@ use crate::openai::response::{
 };
 use crate::openai::{ChatRequest, CompletionRequest, GenerateRequest};
 use crate::responses;
+use crate::server::AppState;
 use crate::server::ModelContext;
-use crate::server::{AppState, Phase};
 use crate::sse::{self, Format, StreamMeta};
 use crate::tokenize;
 
@@ -120,17 +119,8 @@ async fn method_not_allowed(method: Method, uri: Uri) -> ApiError {
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    let phase = state.phase();
-    let status = if phase == Phase::Ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (
-        status,
-        Json(json!({ "status": phase.as_str(), "model": state.config.served_model_name })),
-    )
-        .into_response()
+    let (status, body) = state.health();
+    (status, Json(body)).into_response()
 }
 
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
@@ -191,8 +181,14 @@ pub(crate) fn check_model_name(state: &AppState, requested: Option<&str>) -> Res
 
 async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let arrival = Instant::now();
+    // A request counts as running (and holds a drain) only once its body is in.
+    let bytes = read_body(
+        body,
+        state.config.max_body_bytes,
+        state.config.body_read_timeout,
+    )
+    .await?;
     let (model, guard) = state.admit()?;
-    let bytes = read_body(body, state.config.max_body_bytes).await?;
     let req = ChatRequest::parse(&bytes)?;
     let logprobs = req.logprobs;
     let (id, served, prompt_tokens, collected, guard) =
@@ -275,8 +271,14 @@ pub(crate) async fn run_chat(
 
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let arrival = Instant::now();
+    // A request counts as running (and holds a drain) only once its body is in.
+    let bytes = read_body(
+        body,
+        state.config.max_body_bytes,
+        state.config.body_read_timeout,
+    )
+    .await?;
     let (model, guard) = state.admit()?;
-    let bytes = read_body(body, state.config.max_body_bytes).await?;
     let req = CompletionRequest::parse(&bytes)?;
     check_model_name(&state, req.model.as_deref())?;
     let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
@@ -338,8 +340,14 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
 
 async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let arrival = Instant::now();
+    // A request counts as running (and holds a drain) only once its body is in.
+    let bytes = read_body(
+        body,
+        state.config.max_body_bytes,
+        state.config.body_read_timeout,
+    )
+    .await?;
     let (model, guard) = state.admit()?;
-    let bytes = read_body(body, state.config.max_body_bytes).await?;
     let req = GenerateRequest::parse(&bytes)?;
     let sampling = req.sampling.clone();
     let prompt = {

@@ -5,9 +5,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::Router;
 use gemma4_engine::EngineHandle;
 use gemma4_text::{ChatTemplate, TextError};
+use serde_json::json;
+use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use crate::config::ServerConfig;
 use crate::drain::{Active, ActiveGuard};
@@ -15,6 +18,9 @@ use crate::error::ApiError;
 use crate::grammar::Grammars;
 use crate::metrics::{EngineSnapshot, Metrics};
 use crate::routes;
+
+/// How often the server looks at the engine's health.
+const ENGINE_POLL: Duration = Duration::from_millis(100);
 
 /// A loaded model, ready to serve.
 pub struct ModelContext {
@@ -69,6 +75,8 @@ pub enum Phase {
     Loading,
     Ready,
     Draining,
+    /// The engine failed and cannot recover; the process is about to exit.
+    Failed,
 }
 
 impl Phase {
@@ -77,6 +85,7 @@ impl Phase {
             Phase::Loading => "loading",
             Phase::Ready => "ready",
             Phase::Draining => "draining",
+            Phase::Failed => "failed",
         }
     }
 }
@@ -94,13 +103,36 @@ pub struct AppState {
 
 impl AppState {
     pub fn phase(&self) -> Phase {
-        if self.draining.load(Ordering::SeqCst) {
+        if self.engine_failure().is_some() {
+            Phase::Failed
+        } else if self.draining.load(Ordering::SeqCst) {
             Phase::Draining
         } else if self.model.get().is_some() {
             Phase::Ready
         } else {
             Phase::Loading
         }
+    }
+
+    /// Why the engine cannot go on, if it cannot.
+    pub fn engine_failure(&self) -> Option<String> {
+        self.model.get().and_then(|m| m.engine.health().err())
+    }
+
+    /// `/health`: 200 when ready; 503 while loading or draining, or with the
+    /// reason once the engine has failed.
+    pub fn health(&self) -> (StatusCode, serde_json::Value) {
+        let phase = self.phase();
+        let mut body = json!({ "status": phase.as_str(), "model": self.config.served_model_name });
+        if let Some(reason) = self.engine_failure() {
+            body["reason"] = reason.into();
+        }
+        let status = if phase == Phase::Ready {
+            StatusCode::OK
+        } else {
+            StatusCode::SERVICE_UNAVAILABLE
+        };
+        (status, body)
     }
 
     pub fn model(&self) -> Option<&Arc<ModelContext>> {
@@ -113,6 +145,13 @@ impl AppState {
         match (self.phase(), self.model.get()) {
             (Phase::Ready, Some(model)) => Ok((model.clone(), guard)),
             (Phase::Draining, _) => Err(draining()),
+            (Phase::Failed, _) => Err(ApiError::unavailable(
+                format!(
+                    "{}; the server is exiting",
+                    self.engine_failure().unwrap_or_default()
+                ),
+                "engine_failed",
+            )),
             _ => Err(ApiError::unavailable(
                 "the model is still loading; retry when GET /health returns 200",
                 "model_loading",
@@ -216,9 +255,26 @@ impl Server {
         self.state.phase()
     }
 
+    /// Ends every request the engine runs or queues; their responses end with an error.
+    pub fn cancel_running(&self) {
+        if let Some(m) = self.state.model.get() {
+            m.engine.cancel_all();
+        }
+    }
+
     /// Requests being handled, response streams included.
     pub fn active_requests(&self) -> usize {
         self.state.active.count()
+    }
+
+    /// Resolves once the engine has failed beyond recovery, with the reason.
+    pub async fn engine_failed(&self) -> String {
+        loop {
+            if let Some(reason) = self.state.engine_failure() {
+                return reason;
+            }
+            tokio::time::sleep(ENGINE_POLL).await;
+        }
     }
 
     /// Waits until no request is being handled, or `limit` passes; true when idle.
@@ -226,7 +282,47 @@ impl Server {
         self.state.active.wait_idle(limit).await
     }
 
-    pub fn router(&self) -> Router {
-        routes::router(self.state.clone())
+    pub(crate) fn state(&self) -> Arc<AppState> {
+        self.state.clone()
     }
+
+    pub fn router(&self) -> Router {
+        let router = routes::router(self.state.clone());
+        match cors_layer(&self.state.config.cors_allow_origins) {
+            Some(cors) => router.layer(cors),
+            None => router,
+        }
+    }
+}
+
+/// Answers browsers' preflight requests and adds the CORS headers for the
+/// configured origins; `None` when no origin is allowed. Origins that are not
+/// valid header values are left out with a warning.
+fn cors_layer(origins: &[String]) -> Option<CorsLayer> {
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        let valid: Vec<HeaderValue> = origins
+            .iter()
+            .filter_map(|o| {
+                let v = HeaderValue::from_str(o.trim_end_matches('/')).ok();
+                if v.is_none() {
+                    tracing::warn!("--cors-allow-origin {o:?} is not a valid origin; ignoring it");
+                }
+                v
+            })
+            .collect();
+        AllowOrigin::list(valid)
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([Method::GET, Method::POST])
+            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+            .expose_headers([header::RETRY_AFTER])
+            .max_age(Duration::from_secs(600)),
+    )
 }

@@ -45,7 +45,12 @@ pub async fn tokenize(
     body: Body,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
     let model = ready(&state)?;
-    let bytes = read_body(body, state.config.max_body_bytes).await?;
+    let bytes = read_body(
+        body,
+        state.config.max_body_bytes,
+        state.config.body_read_timeout,
+    )
+    .await?;
     let f = Fields::parse(&bytes)?;
     check_model_name(&state, f.string("model")?)?;
     let tokens = if f.get("messages").is_some() {
@@ -87,7 +92,12 @@ pub async fn detokenize(
     body: Body,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
     let model = ready(&state)?;
-    let bytes = read_body(body, state.config.max_body_bytes).await?;
+    let bytes = read_body(
+        body,
+        state.config.max_body_bytes,
+        state.config.body_read_timeout,
+    )
+    .await?;
     let f = Fields::parse(&bytes)?;
     check_model_name(&state, f.string("model")?)?;
     let ids = f.token_ids("tokens")?.ok_or_else(|| {
