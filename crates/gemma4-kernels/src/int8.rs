@@ -43,6 +43,28 @@ impl Int8Matrix {
     }
 }
 
+impl Int8Matrix {
+    /// The rows of `parts`, in order, as one matrix (all of the same width).
+    pub fn concat(parts: Vec<Int8Matrix>) -> Option<Self> {
+        let cols = parts.first()?.cols;
+        if parts.iter().any(|p| p.cols != cols) {
+            return None;
+        }
+        let mut out = Self {
+            quants: Vec::new(),
+            scales: Vec::new(),
+            rows: 0,
+            cols,
+        };
+        for p in parts {
+            out.quants.extend_from_slice(&p.quants);
+            out.scales.extend_from_slice(&p.scales);
+            out.rows += p.rows;
+        }
+        Some(out)
+    }
+}
+
 impl WeightMatrix for Int8Matrix {
     fn rows(&self) -> usize {
         self.rows

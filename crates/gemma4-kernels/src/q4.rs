@@ -92,6 +92,28 @@ fn quantize_group(values: &[f32], out: &mut [u8]) -> (f32, bool) {
     (scale, on_grid)
 }
 
+impl Q4Matrix {
+    /// The rows of `parts`, in order, as one matrix (all of the same width).
+    pub fn concat(parts: Vec<Q4Matrix>) -> Option<Self> {
+        let cols = parts.first()?.cols;
+        if parts.iter().any(|p| p.cols != cols) {
+            return None;
+        }
+        let mut out = Self {
+            nibbles: Vec::new(),
+            scales: Vec::new(),
+            rows: 0,
+            cols,
+        };
+        for p in parts {
+            out.nibbles.extend_from_slice(&p.nibbles);
+            out.scales.extend_from_slice(&p.scales);
+            out.rows += p.rows;
+        }
+        Some(out)
+    }
+}
+
 impl WeightMatrix for Q4Matrix {
     fn rows(&self) -> usize {
         self.rows

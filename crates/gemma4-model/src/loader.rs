@@ -318,23 +318,7 @@ impl<'a> Weights<'a> {
                 }
                 match self.policy.quant {
                     Quant::AsStored => m,
-                    Quant::Int8 => self.quantized(t, Arc::new(Int8Matrix::quantize(m.as_ref()))),
-                    Quant::Q4 if cols.is_multiple_of(GROUP) => {
-                        let (q, rep) = Q4Matrix::quantize(m.as_ref()).ok_or_else(|| {
-                            ModelError::Input(format!(
-                                "`{}`: width {cols} is not a multiple of {GROUP}",
-                                t.name
-                            ))
-                        })?;
-                        {
-                            let mut r = self.report.borrow_mut();
-                            r.q4.groups += rep.groups;
-                            r.q4.on_grid += rep.on_grid;
-                        }
-                        self.quantized(t, Arc::new(q))
-                    }
-                    // A width 4-bit groups cannot tile keeps 8 bits.
-                    Quant::Q4 => self.quantized(t, Arc::new(Int8Matrix::quantize(m.as_ref()))),
+                    quant => self.quantize(t, rows, cols, quant)?,
                 }
             }
             // Our kernels over the blocks in place, f32 activations (exact);
@@ -353,11 +337,48 @@ impl<'a> Weights<'a> {
         Ok(Linear::new(Arc::new(KernelLinear::new(matrix))))
     }
 
-    fn quantized(&self, t: &StoredTensor, q: Arc<dyn WeightMatrix>) -> Arc<dyn WeightMatrix> {
-        // The float bytes are no longer needed in memory.
-        t.release();
+    /// Quantizes a float matrix a slice of rows at a time, dropping each
+    /// slice's float pages once it is quantized, so a load never holds more
+    /// than one slice of floats beside the quantized weights.
+    fn quantize(
+        &self,
+        t: &StoredTensor,
+        rows: usize,
+        cols: usize,
+        quant: Quant,
+    ) -> Result<Arc<dyn WeightMatrix>> {
+        const SLICE_BYTES: usize = 16 << 20;
+        let row_bytes = (t.bytes.len() / rows.max(1)).max(1);
+        let step = (SLICE_BYTES / row_bytes).max(1);
+        // A width 4-bit groups cannot tile keeps 8 bits.
+        let four_bit = quant == Quant::Q4 && cols.is_multiple_of(GROUP);
+        let (mut int8, mut q4) = (Vec::new(), Vec::new());
+        for start in (0..rows).step_by(step) {
+            let part = t.row_range(start..(start + step).min(rows), cols)?;
+            let m = part.matrix(part.shape[0], cols)?;
+            if four_bit {
+                let (q, rep) = Q4Matrix::quantize(m.as_ref()).ok_or_else(|| {
+                    ModelError::Input(format!(
+                        "`{}`: width {cols} is not a multiple of {GROUP}",
+                        t.name
+                    ))
+                })?;
+                let mut r = self.report.borrow_mut();
+                r.q4.groups += rep.groups;
+                r.q4.on_grid += rep.on_grid;
+                q4.push(q);
+            } else {
+                int8.push(Int8Matrix::quantize(m.as_ref()));
+            }
+            part.release();
+        }
         self.report.borrow_mut().quantized_from_bytes += t.bytes.len() as u64;
-        q
+        let bad = || ModelError::Input(format!("`{}`: quantized slices do not fit", t.name));
+        Ok(if four_bit {
+            Arc::new(Q4Matrix::concat(q4).ok_or_else(bad)?)
+        } else {
+            Arc::new(Int8Matrix::concat(int8).ok_or_else(bad)?)
+        })
     }
 }
 

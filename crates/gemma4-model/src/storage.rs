@@ -467,6 +467,30 @@ impl StoredTensor {
         })
     }
 
+    /// Rows `rows` of a `[rows, cols]` matrix, as their own tensor (a view).
+    pub fn row_range(&self, rows: std::ops::Range<usize>, cols: usize) -> Result<Self> {
+        let total = self.shape.first().copied().unwrap_or(0);
+        let row_bytes = self.bytes.len() / total.max(1);
+        let bytes = self
+            .bytes
+            .slice(rows.start * row_bytes..rows.end * row_bytes)
+            .filter(|_| rows.end <= total)
+            .ok_or_else(|| ModelError::Input(format!("`{}` has no rows {rows:?}", self.name)))?;
+        let mapping = self.mapping.as_ref().map(|(f, r)| {
+            (
+                f.clone(),
+                r.start + rows.start * row_bytes..r.start + rows.end * row_bytes,
+            )
+        });
+        Ok(Self {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: vec![rows.len(), cols],
+            bytes,
+            mapping,
+        })
+    }
+
     /// Entry `i` of the first dimension (one expert of a stacked tensor).
     pub fn index_first(&self, i: usize) -> Result<Self> {
         let n = self.shape.first().copied().unwrap_or(0);

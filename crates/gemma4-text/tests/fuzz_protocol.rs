@@ -46,7 +46,10 @@ fn parse(tok: &Arc<Tokenizer>, ids: &[u32], whole: bool) -> Result<AssistantMess
     let mut events = Vec::new();
     let mut held = String::new();
     for &id in ids {
-        let text = decoder.push(id).map_err(|e| e.to_string())?.unwrap_or_default();
+        let text = decoder
+            .push(id)
+            .map_err(|e| e.to_string())?
+            .unwrap_or_default();
         if whole {
             // The engine holds every piece of text back until the end.
             held.push_str(&text);
@@ -55,7 +58,12 @@ fn parse(tok: &Arc<Tokenizer>, ids: &[u32], whole: bool) -> Result<AssistantMess
             events.extend(p.push(id, &text).map_err(|e| e.to_string())?);
         }
     }
-    held.push_str(&decoder.finish().map_err(|e| e.to_string())?.unwrap_or_default());
+    held.push_str(
+        &decoder
+            .finish()
+            .map_err(|e| e.to_string())?
+            .unwrap_or_default(),
+    );
     events.extend(p.finish(&held).map_err(|e| e.to_string())?);
     Ok(AssistantMessage::from_events(&events))
 }
