@@ -50,9 +50,11 @@ impl Int8Matrix {
         if parts.iter().any(|p| p.cols != cols) {
             return None;
         }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        // Reserved once: growing by doubling would briefly hold twice the matrix.
         let mut out = Self {
-            quants: Vec::new(),
-            scales: Vec::new(),
+            quants: Vec::with_capacity(rows * cols),
+            scales: Vec::with_capacity(rows),
             rows: 0,
             cols,
         };
@@ -130,6 +132,20 @@ mod tests {
     fn products_match_the_widened_int8_values() {
         let src = FloatMatrix::from_f32(&values(97 * 80, 5, 0.2), 97, 80).expect("shape");
         check_matmul(&Int8Matrix::quantize(&src));
+    }
+
+    #[test]
+    fn slices_quantized_apart_join_into_the_whole() {
+        let v = values(10 * 64, 13, 0.4);
+        let whole = Int8Matrix::quantize(&FloatMatrix::from_f32(&v, 10, 64).expect("shape"));
+        let top = Int8Matrix::quantize(&FloatMatrix::from_f32(&v[..4 * 64], 4, 64).expect("shape"));
+        let rest =
+            Int8Matrix::quantize(&FloatMatrix::from_f32(&v[4 * 64..], 6, 64).expect("shape"));
+        let joined = Int8Matrix::concat(vec![top, rest]).expect("same width");
+        assert_eq!(
+            (joined.quants, joined.scales, joined.rows),
+            (whole.quants, whole.scales, 10)
+        );
     }
 
     #[test]

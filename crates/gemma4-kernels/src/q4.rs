@@ -99,9 +99,11 @@ impl Q4Matrix {
         if parts.iter().any(|p| p.cols != cols) {
             return None;
         }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        // Reserved once: growing by doubling would briefly hold twice the matrix.
         let mut out = Self {
-            nibbles: Vec::new(),
-            scales: Vec::new(),
+            nibbles: Vec::with_capacity(rows * cols / 2),
+            scales: Vec::with_capacity(rows * cols / GROUP),
             rows: 0,
             cols,
         };
@@ -193,6 +195,23 @@ mod tests {
         let (q, report) = Q4Matrix::quantize(&src).expect("width");
         assert_eq!(report.groups, 75 * 3);
         check_matmul(&q);
+    }
+
+    #[test]
+    fn slices_quantized_apart_join_into_the_whole() {
+        let v = values(10 * 64, 17, 0.4);
+        let q = |v: &[f32], rows| {
+            Q4Matrix::quantize(&FloatMatrix::from_f32(v, rows, 64).expect("shape"))
+                .expect("width")
+                .0
+        };
+        let whole = q(&v, 10);
+        let joined =
+            Q4Matrix::concat(vec![q(&v[..4 * 64], 4), q(&v[4 * 64..], 6)]).expect("same width");
+        assert_eq!(
+            (joined.nibbles, joined.scales, joined.rows),
+            (whole.nibbles, whole.scales, 10)
+        );
     }
 
     #[test]
