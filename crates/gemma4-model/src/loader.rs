@@ -303,12 +303,9 @@ impl<'a> Weights<'a> {
 
     /// The linear op for a stored matrix, by the policy.
     fn linear_from(&self, t: &StoredTensor, rows: usize, cols: usize) -> Result<Linear> {
-        let float = match t.dtype {
-            StoredDtype::Float(_) => true,
-            StoredDtype::Ggml(d) => matches!(d, GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16),
-        };
         let matrix: Arc<dyn WeightMatrix> = match t.dtype {
-            StoredDtype::Float(_) | StoredDtype::Ggml(_) if float => {
+            StoredDtype::Float(_)
+            | StoredDtype::Ggml(GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16) => {
                 let m = t.matrix(rows, cols)?;
                 {
                     let mut r = self.report.borrow_mut();
@@ -324,7 +321,6 @@ impl<'a> Weights<'a> {
             // Our kernels over the blocks in place, f32 activations (exact);
             // exact mode takes the remaining types through widened tiles.
             StoredDtype::Ggml(d) if self.policy.exact || has_kernel(d) => t.matrix(rows, cols)?,
-            StoredDtype::Float(_) => t.matrix(rows, cols)?,
             StoredDtype::Ggml(d) => {
                 let op = CandleQuantLinear::new(t.bytes.as_slice(), d, rows, cols)?;
                 // The blocks now live in candle's copy.
