@@ -61,6 +61,7 @@ fn main() -> ExitCode {
         // The tensor library sizes its thread pool from this variable on first use;
         // nothing has run yet.
         std::env::set_var("RAYON_NUM_THREADS", n.max(1).to_string());
+        gemma4_kernels::pool::set_threads(n);
     }
     let result = match cli.command {
         Command::Serve(a) => serve::run(a),

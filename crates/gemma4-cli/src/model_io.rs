@@ -18,9 +18,10 @@ pub struct ModelArgs {
     /// Defaults to the demo model (see `gemma4 fetch-demo`).
     #[arg(long)]
     pub model: Option<PathBuf>,
-    /// GGUF only: f32 activations against the stored blocks (exact against
-    /// the widened weights; slower) instead of the kernels that round
-    /// activations to 8 bits.
+    /// f32 activations against quantized weights (GGUF blocks, `--quant`
+    /// layouts): exact against the widened weights, and slower than the
+    /// default integer kernels, which round activations to 8 bits per block.
+    /// Float weights are exact either way.
     #[arg(long)]
     pub exact: bool,
     /// Quantize matrices stored as floats (safetensors, f16/bf16 GGUF) on

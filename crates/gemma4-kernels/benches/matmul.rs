@@ -1,14 +1,18 @@
-//! `y = x · Wᵀ` for every storage type, decode (1 row) and prefill (64
-//! rows), against the `gemm` crate's f32 product on a widened copy, run in
-//! the same process. Prints milliseconds per call and the ratio to gemm.
+//! `y = x · Wᵀ` for every storage type, decode (1 row), batched decode (4
+//! rows) and prefill (64 rows), against the `gemm` crate's f32 product on a
+//! widened copy, run in the same process. Quantized types are timed with
+//! f32 activations (`exact`) and with their integer kernel (`int8 act`).
+//! Prints milliseconds per call and the ratio to gemm.
 
 use std::time::Instant;
 
 use gemma4_kernels::float::{FloatMatrix, FloatType};
 use gemma4_kernels::int8::Int8Matrix;
+use gemma4_kernels::kquant::{self, SuperBlockMatrix};
+use gemma4_kernels::legacy::{self, BlockMatrix};
 use gemma4_kernels::q4::Q4Matrix;
 use gemma4_kernels::q8_0::{self, Q8_0Matrix};
-use gemma4_kernels::{matmul, Bytes, WeightMatrix};
+use gemma4_kernels::{matmul_with, Bytes, Precision, WeightMatrix};
 
 fn values(len: usize, seed: u32) -> Vec<f32> {
     (0..len)
@@ -16,6 +20,19 @@ fn values(len: usize, seed: u32) -> Vec<f32> {
             ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0 - 0.5
         })
         .collect()
+}
+
+/// Block bytes with sane f16 scales at offsets `halves` of each block.
+fn blocks(rows: usize, cols: usize, per: usize, bytes: usize, halves: &[usize]) -> Bytes {
+    let n = rows * cols / per;
+    let raw = values(n * bytes, 3);
+    let mut out: Vec<u8> = raw.iter().map(|v| ((v + 0.5) * 255.0) as u8).collect();
+    for blk in out.chunks_exact_mut(bytes) {
+        for &at in halves {
+            blk[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
+        }
+    }
+    Bytes::from_vec(out)
 }
 
 fn time(reps: usize, mut f: impl FnMut()) -> f64 {
@@ -58,7 +75,14 @@ fn gemm_f32(w: &[f32], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32
 }
 
 fn main() {
-    let (rows, cols) = (2048, 2048);
+    // `MATMUL_SHAPE=262144x640` times another shape (default 2048x2048).
+    let (rows, cols) = std::env::var("MATMUL_SHAPE")
+        .ok()
+        .and_then(|v| {
+            let (r, c) = v.split_once('x')?;
+            Some((r.parse().ok()?, c.parse().ok()?))
+        })
+        .unwrap_or((2048, 2048));
     let w = values(rows * cols, 1);
     let bf16: Vec<u8> = w
         .iter()
@@ -82,25 +106,76 @@ fn main() {
         Box::new(
             Q8_0Matrix::new(Bytes::from_vec(q8_0::quantize(&w, cols)), rows, cols).expect("shape"),
         ),
+        Box::new(
+            BlockMatrix::<legacy::Q4_0>::new(blocks(rows, cols, 32, 18, &[0]), rows, cols)
+                .expect("shape"),
+        ),
+        Box::new(
+            BlockMatrix::<legacy::Q4_1>::new(blocks(rows, cols, 32, 20, &[0, 2]), rows, cols)
+                .expect("shape"),
+        ),
+        Box::new(
+            BlockMatrix::<legacy::Q5_0>::new(blocks(rows, cols, 32, 22, &[0]), rows, cols)
+                .expect("shape"),
+        ),
+        Box::new(
+            BlockMatrix::<legacy::Q5_1>::new(blocks(rows, cols, 32, 24, &[0, 2]), rows, cols)
+                .expect("shape"),
+        ),
+        Box::new(
+            SuperBlockMatrix::<kquant::Q4K>::new(blocks(rows, cols, 256, 144, &[0, 2]), rows, cols)
+                .expect("shape"),
+        ),
+        Box::new(
+            SuperBlockMatrix::<kquant::Q5K>::new(blocks(rows, cols, 256, 176, &[0, 2]), rows, cols)
+                .expect("shape"),
+        ),
+        Box::new(
+            SuperBlockMatrix::<kquant::Q6K>::new(blocks(rows, cols, 256, 210, &[208]), rows, cols)
+                .expect("shape"),
+        ),
     ];
+    // `cargo bench … -- Q8_0 int8` times only the storage types named.
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let mats: Vec<_> = mats
+        .into_iter()
+        .filter(|m| only.is_empty() || only.iter().any(|o| o == m.storage()))
+        .collect();
     println!("{rows}x{cols}, {} threads", rayon::current_num_threads());
-    for n in [1usize, 64] {
+    for n in [1usize, 4, 64] {
         let x = values(n * cols, 7);
-        let reps = if n == 1 { 200 } else { 20 };
+        let reps = match n {
+            1 => 200,
+            4 => 100,
+            _ => 20,
+        };
         let base = time(reps, || {
             std::hint::black_box(gemm_f32(&w, rows, cols, &x, n));
         });
         println!("n={n:<3} gemm f32 (baseline) {base:8.3} ms");
         for m in &mats {
-            let t = time(reps, || {
-                std::hint::black_box(matmul(m.as_ref(), &x, n));
-            });
-            println!(
-                "n={n:<3} {:<6} {:>5.1} MB  {t:8.3} ms  {:5.2}x gemm f32",
-                m.storage(),
-                m.stored_bytes() as f64 / 1e6,
-                base / t
-            );
+            let modes: &[(Precision, &str)] = if m.integer().is_some() {
+                &[
+                    (Precision::Exact, "exact"),
+                    (Precision::Int8Activations, "int8 act"),
+                ]
+            } else {
+                &[(Precision::Exact, "exact")]
+            };
+            for &(p, label) in modes {
+                let t = time(reps, || {
+                    std::hint::black_box(matmul_with(m.as_ref(), &x, n, p));
+                });
+                println!(
+                    "n={n:<3} {:<6} {label:<8} {:>5.1} MB  {t:8.3} ms  {:5.2}x gemm f32",
+                    m.storage(),
+                    m.stored_bytes() as f64 / 1e6,
+                    base / t
+                );
+            }
         }
     }
 }

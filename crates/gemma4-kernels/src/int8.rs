@@ -4,7 +4,8 @@
 use std::ops::Range;
 
 use crate::dispatch::multiversion;
-use crate::WeightMatrix;
+use crate::intdot::{matrix32, Kind32, Row};
+use crate::{ActBlock, IntegerDots, QuantizedActs, WeightMatrix};
 
 const LANES: usize = 16;
 
@@ -100,6 +101,28 @@ impl WeightMatrix for Int8Matrix {
                 out[t * len + i] = self.scales[r] * dot_i8(&x[t * cols..(t + 1) * cols], q);
             }
         }
+    }
+    fn integer(&self) -> Option<&dyn IntegerDots> {
+        Some(self)
+    }
+}
+
+impl IntegerDots for Int8Matrix {
+    fn act_block(&self) -> ActBlock {
+        ActBlock::B32
+    }
+    fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
+        let cols = self.cols;
+        let row_of = |r: usize| {
+            let q = &self.quants[r * cols..(r + 1) * cols];
+            Row {
+                // SAFETY: i8 and u8 have the same size and alignment.
+                data: unsafe { std::slice::from_raw_parts(q.as_ptr().cast::<u8>(), q.len()) },
+                scales: &[],
+                scale: self.scales[r],
+            }
+        };
+        matrix32(Kind32::Int8, rows, &row_of, acts, out);
     }
 }
 

@@ -6,7 +6,8 @@ use std::marker::PhantomData;
 use std::ops::Range;
 
 use crate::dispatch::multiversion;
-use crate::{f16_to_f32, Bytes, WeightMatrix};
+use crate::intdot::{matrix_k, KindK};
+use crate::{f16_to_f32, ActBlock, Bytes, IntegerDots, QuantizedActs, WeightMatrix};
 
 /// Values per super-block.
 pub const SUPER: usize = 256;
@@ -15,6 +16,8 @@ pub const SUPER: usize = 256;
 pub trait SuperBlock: Send + Sync + std::fmt::Debug + 'static {
     const NAME: &'static str;
     const BYTES: usize;
+    /// The super-block as the integer kernels decode it.
+    const KIND: KindK;
     fn decode(block: &[u8], out: &mut [f32; SUPER]);
 }
 
@@ -42,6 +45,7 @@ fn scale_min(j: usize, q: &[u8]) -> (f32, f32) {
 pub struct Q4K;
 impl SuperBlock for Q4K {
     const NAME: &'static str = "Q4_K";
+    const KIND: KindK = KindK::Q4K;
     const BYTES: usize = 144;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; SUPER]) {
@@ -67,6 +71,7 @@ impl SuperBlock for Q4K {
 pub struct Q5K;
 impl SuperBlock for Q5K {
     const NAME: &'static str = "Q5_K";
+    const KIND: KindK = KindK::Q5K;
     const BYTES: usize = 176;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; SUPER]) {
@@ -96,6 +101,7 @@ impl SuperBlock for Q5K {
 pub struct Q6K;
 impl SuperBlock for Q6K {
     const NAME: &'static str = "Q6_K";
+    const KIND: KindK = KindK::Q6K;
     const BYTES: usize = 210;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; SUPER]) {
@@ -180,13 +186,25 @@ impl<F: SuperBlock> WeightMatrix for SuperBlockMatrix<F> {
             let row = self.row(r);
             for t in 0..n {
                 let xs = &x[t * cols..(t + 1) * cols];
-                out[t * len + i] = match F::NAME {
-                    "Q4_K" => dot_q4k(xs, row),
-                    "Q5_K" => dot_q5k(xs, row),
-                    _ => dot_q6k(xs, row),
+                out[t * len + i] = match F::KIND {
+                    KindK::Q4K => dot_q4k(xs, row),
+                    KindK::Q5K => dot_q5k(xs, row),
+                    KindK::Q6K => dot_q6k(xs, row),
                 };
             }
         }
+    }
+    fn integer(&self) -> Option<&dyn IntegerDots> {
+        Some(self)
+    }
+}
+
+impl<F: SuperBlock> IntegerDots for SuperBlockMatrix<F> {
+    fn act_block(&self) -> ActBlock {
+        ActBlock::B256
+    }
+    fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
+        matrix_k(F::KIND, rows, &|r| self.row(r), acts, out);
     }
 }
 

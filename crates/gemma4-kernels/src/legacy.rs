@@ -6,7 +6,8 @@ use std::marker::PhantomData;
 use std::ops::Range;
 
 use crate::dispatch::multiversion;
-use crate::{f16_to_f32, Bytes, WeightMatrix};
+use crate::intdot::{matrix32, Kind32, Row};
+use crate::{f16_to_f32, ActBlock, Bytes, IntegerDots, QuantizedActs, WeightMatrix};
 
 /// Values per block.
 pub const BLOCK: usize = 32;
@@ -15,6 +16,8 @@ pub const BLOCK: usize = 32;
 pub trait BlockFormat: Send + Sync + std::fmt::Debug + 'static {
     const NAME: &'static str;
     const BYTES: usize;
+    /// The block as the integer kernels decode it.
+    const KIND: Kind32;
     fn decode(block: &[u8], out: &mut [f32; BLOCK]);
 }
 
@@ -28,6 +31,7 @@ fn half(b: &[u8], at: usize) -> f32 {
 pub struct Q4_0;
 impl BlockFormat for Q4_0 {
     const NAME: &'static str = "Q4_0";
+    const KIND: Kind32 = Kind32::Q4_0;
     const BYTES: usize = 18;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; BLOCK]) {
@@ -45,6 +49,7 @@ impl BlockFormat for Q4_0 {
 pub struct Q4_1;
 impl BlockFormat for Q4_1 {
     const NAME: &'static str = "Q4_1";
+    const KIND: Kind32 = Kind32::Q4_1;
     const BYTES: usize = 20;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; BLOCK]) {
@@ -70,6 +75,7 @@ fn fifth_bits(qh: u32, j: usize) -> (u8, u8) {
 pub struct Q5_0;
 impl BlockFormat for Q5_0 {
     const NAME: &'static str = "Q5_0";
+    const KIND: Kind32 = Kind32::Q5_0;
     const BYTES: usize = 22;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; BLOCK]) {
@@ -89,6 +95,7 @@ impl BlockFormat for Q5_0 {
 pub struct Q5_1;
 impl BlockFormat for Q5_1 {
     const NAME: &'static str = "Q5_1";
+    const KIND: Kind32 = Kind32::Q5_1;
     const BYTES: usize = 24;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; BLOCK]) {
@@ -164,6 +171,18 @@ impl<F: BlockFormat> WeightMatrix for BlockMatrix<F> {
                 out[t * len + i] = dot_blocks::<F>(&x[t * cols..(t + 1) * cols], row);
             }
         }
+    }
+    fn integer(&self) -> Option<&dyn IntegerDots> {
+        Some(self)
+    }
+}
+
+impl<F: BlockFormat> IntegerDots for BlockMatrix<F> {
+    fn act_block(&self) -> ActBlock {
+        ActBlock::B32
+    }
+    fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
+        matrix32(F::KIND, rows, &|r| Row::blocks(self.row(r)), acts, out);
     }
 }
 

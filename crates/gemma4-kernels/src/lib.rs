@@ -10,22 +10,32 @@
 //! accumulates in f32 and keeps activations in f32, so results match the
 //! widened f32 product up to summation order.
 //!
+//! Quantized storage types also have an integer kernel ([`IntegerDots`],
+//! module [`intdot`]): with [`Precision::Int8Activations`] the activations
+//! are rounded to 8 bits per block once per product and meet the weights'
+//! integer levels in 8-bit multiplies, as llama.cpp computes; faster, and
+//! not exact.
+//!
 //! Embedding tables use the same interface: a lookup widens only the rows
 //! of the step's tokens.
 
+pub mod acts;
 mod bytes;
 mod dispatch;
 pub mod float;
 pub mod int8;
+pub mod intdot;
 pub mod kquant;
 pub mod legacy;
+pub mod pool;
 pub mod q4;
 pub mod q8_0;
 
+pub use acts::{ActBlock, QuantizedActs};
 pub use bytes::Bytes;
 
-use rayon::prelude::*;
 use std::ops::Range;
+use std::sync::Mutex;
 
 /// A row-major `[rows, cols]` weight matrix in some storage.
 pub trait WeightMatrix: Send + Sync + std::fmt::Debug {
@@ -51,6 +61,31 @@ pub trait WeightMatrix: Send + Sync + std::fmt::Debug {
             }
         }
     }
+    /// The integer kernel of this storage, if it has one.
+    fn integer(&self) -> Option<&dyn IntegerDots> {
+        None
+    }
+}
+
+/// Dot products of a storage type's rows with activations rounded to 8
+/// bits per block.
+pub trait IntegerDots: Sync {
+    /// The block length the activations are rounded in.
+    fn act_block(&self) -> ActBlock;
+    /// `out[t · rows.len() + (r − rows.start)] = Σ_c acts[t, c] · W[r, c]`
+    /// for every activation row `t` of `acts`.
+    fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]);
+}
+
+/// How a product treats the activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// f32 activations against the stored values (exact up to summation order).
+    #[default]
+    Exact,
+    /// Activations rounded to 8 bits per block for storage types with an
+    /// integer kernel (the rest stay exact).
+    Int8Activations,
 }
 
 /// IEEE half → f32, exact, branch-light (inlined into kernels, unlike a
@@ -83,6 +118,11 @@ const TILE_ROWS: usize = 64;
 /// Weight rows are split across the thread pool once, so every weight byte
 /// is read once per call whatever `n` is.
 pub fn matmul(w: &dyn WeightMatrix, x: &[f32], n: usize) -> Vec<f32> {
+    matmul_with(w, x, n, Precision::Exact)
+}
+
+/// [`matmul`] with the activations treated as `precision` says.
+pub fn matmul_with(w: &dyn WeightMatrix, x: &[f32], n: usize, precision: Precision) -> Vec<f32> {
     let (rows, cols) = (w.rows(), w.cols());
     assert_eq!(
         x.len(),
@@ -93,24 +133,37 @@ pub fn matmul(w: &dyn WeightMatrix, x: &[f32], n: usize) -> Vec<f32> {
     if n == 0 || rows == 0 {
         return y;
     }
-    let threads = rayon::current_num_threads().max(1);
+    let integer = match (precision, w.integer()) {
+        (Precision::Int8Activations, Some(k)) if cols.is_multiple_of(k.act_block().values()) => {
+            Some((k, QuantizedActs::quantize(x, n, cols, k.act_block())))
+        }
+        _ => None,
+    };
+    let tiled = integer.is_none() && n >= GEMM_MIN_ROWS;
+    let pool = pool::global();
+    let threads = pool.threads();
     // Several chunks per thread balance uneven progress; on the tiled path a
     // chunk is a whole number of tiles.
-    let granule = if n >= GEMM_MIN_ROWS { TILE_ROWS } else { 16 };
+    let granule = if tiled { TILE_ROWS } else { 16 };
     let chunk = rows.div_ceil(threads * 4).div_ceil(granule).max(1) * granule;
     let starts: Vec<usize> = (0..rows).step_by(chunk).collect();
-    let parts: Vec<Vec<f32>> = starts
-        .par_iter()
-        .map(|&start| {
-            let range = start..(start + chunk).min(rows);
-            let mut out = vec![0f32; n * range.len()];
-            if n >= GEMM_MIN_ROWS {
-                tiled_product(w, range, x, n, &mut out);
-            } else {
-                w.dots(range, x, n, &mut out);
-            }
-            out
-        })
+    let parts: Vec<Mutex<Vec<f32>>> = starts.iter().map(|_| Mutex::new(Vec::new())).collect();
+    pool.run(starts.len(), &|ci| {
+        let start = starts[ci];
+        let range = start..(start + chunk).min(rows);
+        let mut out = vec![0f32; n * range.len()];
+        if let Some((k, acts)) = &integer {
+            k.int_dots(range, acts, &mut out);
+        } else if tiled {
+            tiled_product(w, range, x, n, &mut out);
+        } else {
+            w.dots(range, x, n, &mut out);
+        }
+        *parts[ci].lock().unwrap_or_else(|e| e.into_inner()) = out;
+    });
+    let parts: Vec<Vec<f32>> = parts
+        .into_iter()
+        .map(|p| p.into_inner().unwrap_or_else(|e| e.into_inner()))
         .collect();
     for (&start, part) in starts.iter().zip(&parts) {
         let len = part.len() / n;

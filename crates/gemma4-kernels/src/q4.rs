@@ -11,7 +11,8 @@
 use std::ops::Range;
 
 use crate::dispatch::multiversion;
-use crate::WeightMatrix;
+use crate::intdot::{matrix32, Kind32, Row};
+use crate::{ActBlock, IntegerDots, QuantizedActs, WeightMatrix};
 
 /// Values per group.
 pub const GROUP: usize = 32;
@@ -155,6 +156,25 @@ impl WeightMatrix for Q4Matrix {
                 out[t * len + i] = dot_q4(&x[t * cols..(t + 1) * cols], q, s);
             }
         }
+    }
+    fn integer(&self) -> Option<&dyn IntegerDots> {
+        Some(self)
+    }
+}
+
+impl IntegerDots for Q4Matrix {
+    fn act_block(&self) -> ActBlock {
+        ActBlock::B32
+    }
+    fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
+        let cols = self.cols;
+        let per_row = cols / GROUP;
+        let row_of = |r: usize| Row {
+            data: &self.nibbles[r * cols / 2..(r + 1) * cols / 2],
+            scales: &self.scales[r * per_row..(r + 1) * per_row],
+            scale: 0.0,
+        };
+        matrix32(Kind32::Q4, rows, &row_of, acts, out);
     }
 }
 

@@ -7,7 +7,8 @@ use std::ops::Range;
 use half::f16;
 
 use crate::dispatch::multiversion;
-use crate::{Bytes, WeightMatrix};
+use crate::intdot::{matrix32, Kind32, Row};
+use crate::{ActBlock, Bytes, IntegerDots, QuantizedActs, WeightMatrix};
 
 /// Values per block.
 pub const BLOCK: usize = 32;
@@ -70,6 +71,18 @@ impl WeightMatrix for Q8_0Matrix {
                 out[t * len + i] = dot_q8_0(&x[t * cols..(t + 1) * cols], row);
             }
         }
+    }
+    fn integer(&self) -> Option<&dyn IntegerDots> {
+        Some(self)
+    }
+}
+
+impl IntegerDots for Q8_0Matrix {
+    fn act_block(&self) -> ActBlock {
+        ActBlock::B32
+    }
+    fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
+        matrix32(Kind32::Q8_0, rows, &|r| Row::blocks(self.row(r)), acts, out);
     }
 }
 

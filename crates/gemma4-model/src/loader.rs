@@ -15,7 +15,7 @@ use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use gemma4_kernels::int8::Int8Matrix;
 use gemma4_kernels::q4::{Q4Matrix, Q4Report, GROUP};
-use gemma4_kernels::WeightMatrix;
+use gemma4_kernels::{Precision, WeightMatrix};
 
 use crate::error::{ModelError, Result};
 use crate::source::WeightSource;
@@ -65,9 +65,11 @@ impl std::str::FromStr for Quant {
 pub struct LoadPolicy {
     /// Quantization of matrices stored as floats (GGUF blocks stay as they are).
     pub quant: Quant,
-    /// Every GGUF block type with f32 activations (exact against the widened
-    /// weights). Without it, the types our kernels lack (Q2_K, Q3_K) run
-    /// through candle's kernels, which round activations to 8 bits.
+    /// f32 activations against every quantized matrix (exact against the
+    /// widened weights). Without it, quantized matrices (GGUF blocks,
+    /// `--quant` layouts) take integer kernels that round activations to 8
+    /// bits per block, and the types our kernels lack (Q2_K, Q3_K) run
+    /// through candle's, which do the same. Float matrices are exact either way.
     pub exact: bool,
 }
 
@@ -318,8 +320,8 @@ impl<'a> Weights<'a> {
                     quant => self.quantize(t, rows, cols, quant)?,
                 }
             }
-            // Our kernels over the blocks in place, f32 activations (exact);
-            // exact mode takes the remaining types through widened tiles.
+            // Our kernels over the blocks in place; exact mode takes the
+            // remaining types through widened tiles.
             StoredDtype::Ggml(d) if self.policy.exact || has_kernel(d) => t.matrix(rows, cols)?,
             StoredDtype::Ggml(d) => {
                 let op = CandleQuantLinear::new(t.bytes.as_slice(), d, rows, cols)?;
@@ -330,7 +332,14 @@ impl<'a> Weights<'a> {
             }
         };
         self.record(matrix.storage(), matrix.stored_bytes(), true);
-        Ok(Linear::new(Arc::new(KernelLinear::new(matrix))))
+        let precision = if self.policy.exact {
+            Precision::Exact
+        } else {
+            Precision::Int8Activations
+        };
+        Ok(Linear::new(Arc::new(KernelLinear::with_precision(
+            matrix, precision,
+        ))))
     }
 
     /// Quantizes a float matrix a slice of rows at a time, dropping each

@@ -19,7 +19,7 @@ use gemma4_kernels::float::{FloatMatrix, FloatType};
 use gemma4_kernels::kquant::{self, SuperBlockMatrix};
 use gemma4_kernels::legacy::{self, BlockMatrix};
 use gemma4_kernels::q8_0::Q8_0Matrix;
-use gemma4_kernels::{Bytes, WeightMatrix};
+use gemma4_kernels::{Bytes, Precision, WeightMatrix};
 
 use crate::error::{ModelError, Result, WeightError};
 use crate::mapped::MappedFile;
@@ -115,18 +115,24 @@ fn activations(x: &Tensor, inp: usize) -> Result<(Vec<f32>, usize)> {
 #[derive(Debug, Clone)]
 pub struct KernelLinear {
     matrix: Arc<dyn WeightMatrix>,
+    precision: Precision,
 }
 
 impl KernelLinear {
+    /// Exact: f32 activations against the stored values.
     pub fn new(matrix: Arc<dyn WeightMatrix>) -> Self {
-        Self { matrix }
+        Self::with_precision(matrix, Precision::Exact)
+    }
+
+    pub fn with_precision(matrix: Arc<dyn WeightMatrix>, precision: Precision) -> Self {
+        Self { matrix, precision }
     }
 }
 
 impl LinearOp for KernelLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (xs, n) = activations(x, self.matrix.cols())?;
-        let y = gemma4_kernels::matmul(self.matrix.as_ref(), &xs, n);
+        let y = gemma4_kernels::matmul_with(self.matrix.as_ref(), &xs, n, self.precision);
         Ok(Tensor::from_vec(y, (n, self.matrix.rows()), x.device())?)
     }
     fn in_features(&self) -> usize {

@@ -1,0 +1,141 @@
+//! Activations rounded to 8 bits per block, the other operand of the
+//! integer kernels.
+//!
+//! Each block of [`ActBlock`] values gets one f32 scale `d = max |x| / 127`
+//! and signed bytes `q = round(x / d)`, so `x ≈ d · q`. Sums of `q` over
+//! every 16 values are kept beside them: weight formats with an offset or
+//! a minimum (Q4_0's −8, Q4_K's mins, Q6_K's −32) fold it in through these
+//! sums instead of per value.
+
+/// The block length a weight format's integer kernel wants its
+/// activations in: 32 for ggml's small-block formats and our layouts, 256
+/// for the k-quants' super-blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActBlock {
+    B32,
+    B256,
+}
+
+impl ActBlock {
+    /// Values per block.
+    pub fn values(self) -> usize {
+        match self {
+            ActBlock::B32 => 32,
+            ActBlock::B256 => 256,
+        }
+    }
+}
+
+/// `n` rows of `cols` activations rounded to 8 bits per block.
+#[derive(Debug, Clone)]
+pub struct QuantizedActs {
+    pub block: ActBlock,
+    pub n: usize,
+    pub cols: usize,
+    /// `[n, cols]` quants.
+    pub qs: Vec<i8>,
+    /// One scale per block, `[n, cols / block]`.
+    pub scales: Vec<f32>,
+    /// `Σ q` over every 16 values, `[n, cols / 16]`.
+    pub sums: Vec<i32>,
+}
+
+impl QuantizedActs {
+    /// Rounds `x` (`[n, cols]`, `cols` a multiple of the block) block by block.
+    pub fn quantize(x: &[f32], n: usize, cols: usize, block: ActBlock) -> Self {
+        let len = block.values();
+        assert!(
+            cols.is_multiple_of(len) && x.len() == n * cols,
+            "activations of width {cols} do not tile into blocks of {len}"
+        );
+        let mut qs = vec![0i8; n * cols];
+        let mut scales = vec![0f32; n * cols / len];
+        for ((xb, qb), d) in x
+            .chunks_exact(len)
+            .zip(qs.chunks_exact_mut(len))
+            .zip(scales.iter_mut())
+        {
+            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            *d = amax / 127.0;
+            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+            for (q, &v) in qb.iter_mut().zip(xb) {
+                *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+            }
+        }
+        let sums = qs
+            .chunks_exact(16)
+            .map(|g| g.iter().map(|&q| i32::from(q)).sum())
+            .collect();
+        Self {
+            block,
+            n,
+            cols,
+            qs,
+            scales,
+            sums,
+        }
+    }
+
+    /// Quants of row `t`.
+    #[inline(always)]
+    pub fn row(&self, t: usize) -> &[i8] {
+        &self.qs[t * self.cols..(t + 1) * self.cols]
+    }
+
+    /// Scale of block `b` of row `t`.
+    #[inline(always)]
+    pub fn scale(&self, t: usize, b: usize) -> f32 {
+        self.scales[t * (self.cols / self.block.values()) + b]
+    }
+
+    /// `Σ q` of the 16-value group `g` of row `t`.
+    #[inline(always)]
+    pub fn sum16(&self, t: usize, g: usize) -> i32 {
+        self.sums[t * (self.cols / 16) + g]
+    }
+
+    /// Row `t` widened back to f32 (`d · q`), for references in tests.
+    pub fn dequantize_row(&self, t: usize) -> Vec<f32> {
+        let len = self.block.values();
+        self.row(t)
+            .iter()
+            .enumerate()
+            .map(|(c, &q)| self.scale(t, c / len) * f32::from(q))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::values;
+
+    #[test]
+    fn rounding_error_is_within_half_a_step() {
+        for block in [ActBlock::B32, ActBlock::B256] {
+            let x = values(3 * 512, 5, 3.0);
+            let q = QuantizedActs::quantize(&x, 3, 512, block);
+            for t in 0..3 {
+                let back = q.dequantize_row(t);
+                for (c, (&v, &w)) in x[t * 512..(t + 1) * 512].iter().zip(&back).enumerate() {
+                    let d = q.scale(t, c / block.values());
+                    assert!((v - w).abs() <= 0.5 * d * 1.0001, "{block:?} {t} {c}");
+                }
+                for g in 0..512 / 16 {
+                    let want: i32 = q.row(t)[16 * g..16 * g + 16]
+                        .iter()
+                        .map(|&v| i32::from(v))
+                        .sum();
+                    assert_eq!(q.sum16(t, g), want);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn zero_blocks_round_to_zero() {
+        let q = QuantizedActs::quantize(&[0.0; 64], 1, 64, ActBlock::B32);
+        assert!(q.qs.iter().all(|&v| v == 0));
+        assert!(q.scales.iter().all(|&d| d == 0.0));
+    }
+}

@@ -1,0 +1,1026 @@
+//! Integer dot products of quantized weight rows with activations rounded
+//! to 8 bits per block ([`QuantizedActs`]), as llama.cpp's CPU backend does:
+//! the weights' integer levels meet the activations' bytes in 8-bit
+//! multiplies with 32-bit sums, and the two scales are applied once per
+//! block. It is not exact against the f32 product (the activations are
+//! rounded); [`crate::Precision::Exact`] keeps f32 activations.
+//!
+//! One kernel per block family: the 32-value formats (Q8_0, Q4_0, Q4_1,
+//! Q5_0, Q5_1, our int8 and q4 layouts) share one loop over a per-format
+//! block decoder, the k-quants (Q4_K, Q5_K, Q6_K) have one each. Each is
+//! written twice: with AVX-512 VNNI intrinsics (chosen at run time), and
+//! portably (the reference in tests; compiled for AVX2 where present).
+//! Every kernel decodes a weight block once for up to [`GROUP`] activation
+//! rows.
+
+use std::ops::Range;
+
+use crate::acts::{ActBlock, QuantizedActs};
+use crate::f16_to_f32;
+
+/// Activation rows that share one decoding of a weight row.
+pub const GROUP: usize = 4;
+
+/// The 32-value block formats, as the integer kernels decode them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind32 {
+    /// ggml Q8_0: f16 scale, 32 signed bytes.
+    Q8_0,
+    /// ggml Q4_0: f16 scale, 16 bytes of nibbles, levels − 8.
+    Q4_0,
+    /// ggml Q4_1: f16 scale and min, 16 bytes of nibbles.
+    Q4_1,
+    /// ggml Q5_0: f16 scale, 32 fifth bits, 16 bytes of nibbles, levels − 16.
+    Q5_0,
+    /// ggml Q5_1: f16 scale and min, fifth bits, nibbles.
+    Q5_1,
+    /// Our int8: 32 signed bytes, the row's scale.
+    Int8,
+    /// Our q4: 16 bytes of nibbles (levels − 8), an f32 scale per block.
+    Q4,
+}
+
+impl Kind32 {
+    /// Every kind, indexed by the const parameter of the kernels.
+    const ALL: [Kind32; 7] = [
+        Kind32::Q8_0,
+        Kind32::Q4_0,
+        Kind32::Q4_1,
+        Kind32::Q5_0,
+        Kind32::Q5_1,
+        Kind32::Int8,
+        Kind32::Q4,
+    ];
+    /// Bytes of one block in the row's data.
+    pub const fn bytes(self) -> usize {
+        match self {
+            Kind32::Q8_0 => 34,
+            Kind32::Q4_0 => 18,
+            Kind32::Q4_1 => 20,
+            Kind32::Q5_0 => 22,
+            Kind32::Q5_1 => 24,
+            Kind32::Int8 => 32,
+            Kind32::Q4 => 16,
+        }
+    }
+    /// Whether values are `d · u + m` with unsigned `u` (else `d · v`, signed `v`).
+    const fn affine(self) -> bool {
+        matches!(self, Kind32::Q4_1 | Kind32::Q5_1)
+    }
+}
+
+/// The super-block formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KindK {
+    Q4K,
+    Q5K,
+    Q6K,
+}
+
+impl KindK {
+    const ALL: [KindK; 3] = [KindK::Q4K, KindK::Q5K, KindK::Q6K];
+}
+
+/// One weight row as the kernels read it: its block bytes, and for our
+/// layouts the scales kept apart (q4: one per block; int8: the row's).
+#[derive(Clone, Copy)]
+pub struct Row<'a> {
+    pub data: &'a [u8],
+    pub scales: &'a [f32],
+    pub scale: f32,
+}
+
+impl<'a> Row<'a> {
+    /// A row of GGUF blocks, scales inside.
+    pub fn blocks(data: &'a [u8]) -> Self {
+        Self {
+            data,
+            scales: &[],
+            scale: 0.0,
+        }
+    }
+}
+
+#[inline(always)]
+fn half(b: &[u8], at: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+/// Block `b` of `row`: 32 integer values and `(d, m)` with `w = d · v + m`.
+#[inline(always)]
+fn decode32(kind: Kind32, row: &Row, b: usize, v: &mut [i16; 32]) -> (f32, f32) {
+    let blk = &row.data[b * kind.bytes()..(b + 1) * kind.bytes()];
+    let nibbles = |qs: &[u8], v: &mut [i16; 32], off: i16| {
+        for j in 0..16 {
+            v[j] = i16::from(qs[j] & 15) - off;
+            v[j + 16] = i16::from(qs[j] >> 4) - off;
+        }
+    };
+    let fifth = |qh: u32, v: &mut [i16; 32]| {
+        for (i, x) in v.iter_mut().enumerate() {
+            *x += (((qh >> i) & 1) as i16) << 4;
+        }
+    };
+    let qh = |at: usize| u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+    match kind {
+        Kind32::Q8_0 => {
+            for (x, &q) in v.iter_mut().zip(&blk[2..34]) {
+                *x = i16::from(q as i8);
+            }
+            (half(blk, 0), 0.0)
+        }
+        Kind32::Int8 => {
+            for (x, &q) in v.iter_mut().zip(blk) {
+                *x = i16::from(q as i8);
+            }
+            (row.scale, 0.0)
+        }
+        Kind32::Q4_0 => {
+            nibbles(&blk[2..18], v, 8);
+            (half(blk, 0), 0.0)
+        }
+        Kind32::Q4 => {
+            nibbles(blk, v, 8);
+            (row.scales[b], 0.0)
+        }
+        Kind32::Q4_1 => {
+            nibbles(&blk[4..20], v, 0);
+            (half(blk, 0), half(blk, 2))
+        }
+        Kind32::Q5_0 => {
+            nibbles(&blk[6..22], v, 0);
+            fifth(qh(2), v);
+            for x in v.iter_mut() {
+                *x -= 16;
+            }
+            (half(blk, 0), 0.0)
+        }
+        Kind32::Q5_1 => {
+            nibbles(&blk[8..24], v, 0);
+            fifth(qh(4), v);
+            (half(blk, 0), half(blk, 2))
+        }
+    }
+}
+
+#[inline(always)]
+fn dots32_portable_body(
+    kind: Kind32,
+    row: &Row,
+    acts: &QuantizedActs,
+    ts: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    let blocks = acts.cols / 32;
+    let mut acc = [0f32; GROUP];
+    let mut v = [0i16; 32];
+    for b in 0..blocks {
+        let (d, m) = decode32(kind, row, b, &mut v);
+        for (k, t) in ts.clone().enumerate() {
+            let q = &acts.row(t)[32 * b..32 * b + 32];
+            let isum: i32 = v
+                .iter()
+                .zip(q)
+                .map(|(&w, &a)| i32::from(w) * i32::from(a))
+                .sum();
+            let da = acts.scale(t, b);
+            acc[k] += da * (d * isum as f32);
+            if m != 0.0 {
+                let qsum = acts.sum16(t, 2 * b) + acts.sum16(t, 2 * b + 1);
+                acc[k] += da * m * qsum as f32;
+            }
+        }
+    }
+    out[..ts.len()].copy_from_slice(&acc[..ts.len()]);
+}
+
+crate::dispatch::multiversion!(
+    /// `out[k] = Σ w · x` of one weight row of 32-value blocks with the
+    /// activation rows `ts` (at most [`GROUP`]), portably.
+    pub fn dots32_portable(
+        kind: Kind32,
+        row: &Row,
+        acts: &QuantizedActs,
+        ts: std::ops::Range<usize>,
+        out: &mut [f32]
+    ) => dots32_portable_body
+);
+
+/// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K super-block.
+#[inline(always)]
+fn scale_min(j: usize, q: &[u8]) -> (i32, i32) {
+    let (d, m) = if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    };
+    (i32::from(d), i32::from(m))
+}
+
+/// Super-block `blk` as unsigned levels, with per-16 integer scales and the
+/// float factors: `w_i = d · sc[i/16] · u_i − dmin · mn[i/16]` (Q4_K/Q5_K) or
+/// `w_i = d · sc[i/16] · (u_i − 32)` (Q6_K, `dmin = 0`, offset folded later).
+#[inline(always)]
+fn decode_k(
+    kind: KindK,
+    blk: &[u8],
+    u: &mut [u8; 256],
+    sc: &mut [i32; 16],
+    mn: &mut [i32; 16],
+) -> (f32, f32) {
+    match kind {
+        KindK::Q4K | KindK::Q5K => {
+            let scales = &blk[4..16];
+            let (qs, qh) = if kind == KindK::Q4K {
+                (&blk[16..144], None)
+            } else {
+                (&blk[48..176], Some(&blk[16..48]))
+            };
+            for j in 0..4 {
+                let q = &qs[32 * j..32 * j + 32];
+                for l in 0..32 {
+                    let (mut lo, mut hi) = (q[l] & 15, q[l] >> 4);
+                    if let Some(qh) = qh {
+                        lo |= ((qh[l] >> (2 * j)) & 1) << 4;
+                        hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+                    }
+                    u[64 * j + l] = lo;
+                    u[64 * j + 32 + l] = hi;
+                }
+            }
+            for s in 0..8 {
+                let (d, m) = scale_min(s, scales);
+                sc[2 * s] = d;
+                sc[2 * s + 1] = d;
+                mn[2 * s] = m;
+                mn[2 * s + 1] = m;
+            }
+            (half(blk, 0), half(blk, 2))
+        }
+        KindK::Q6K => {
+            for n in 0..2 {
+                let ql = &blk[64 * n..64 * n + 64];
+                let qh = &blk[128 + 32 * n..128 + 32 * n + 32];
+                let o = &mut u[128 * n..128 * n + 128];
+                for l in 0..32 {
+                    o[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+                    o[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+                    o[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+                    o[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+                }
+            }
+            for (s, &b) in sc.iter_mut().zip(&blk[192..208]) {
+                *s = i32::from(b as i8);
+            }
+            mn.fill(0);
+            (half(blk, 208), 0.0)
+        }
+    }
+}
+
+/// Bytes of one super-block.
+pub const fn k_bytes(kind: KindK) -> usize {
+    match kind {
+        KindK::Q4K => 144,
+        KindK::Q5K => 176,
+        KindK::Q6K => 210,
+    }
+}
+
+#[inline(always)]
+fn dots_k_portable_body(
+    kind: KindK,
+    row: &[u8],
+    acts: &QuantizedActs,
+    ts: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
+    let bytes = k_bytes(kind);
+    let mut acc = [0f32; GROUP];
+    let (mut u, mut sc, mut mn) = ([0u8; 256], [0i32; 16], [0i32; 16]);
+    for (s, blk) in row.chunks_exact(bytes).enumerate() {
+        let (d, dmin) = decode_k(kind, blk, &mut u, &mut sc, &mut mn);
+        for (k, t) in ts.clone().enumerate() {
+            let q = &acts.row(t)[256 * s..256 * s + 256];
+            let mut isum = 0i32;
+            let mut msum = 0i32;
+            for g in 0..16 {
+                let part: i32 = u[16 * g..16 * g + 16]
+                    .iter()
+                    .zip(&q[16 * g..16 * g + 16])
+                    .map(|(&w, &a)| i32::from(w) * i32::from(a))
+                    .sum();
+                let gsum = acts.sum16(t, 16 * s + g);
+                isum += sc[g] * part;
+                if kind == KindK::Q6K {
+                    isum -= 32 * sc[g] * gsum;
+                }
+                msum += mn[g] * gsum;
+            }
+            let da = acts.scale(t, s);
+            acc[k] += da * (d * isum as f32 - dmin * msum as f32);
+        }
+    }
+    out[..ts.len()].copy_from_slice(&acc[..ts.len()]);
+}
+
+crate::dispatch::multiversion!(
+    /// `out[k] = Σ w · x` of one row of k-quant super-blocks with the
+    /// activation rows `ts` (at most [`GROUP`]), portably.
+    pub fn dots_k_portable(
+        kind: KindK,
+        row: &[u8],
+        acts: &QuantizedActs,
+        ts: std::ops::Range<usize>,
+        out: &mut [f32]
+    ) => dots_k_portable_body
+);
+
+#[cfg(test)]
+thread_local! {
+    /// Set by tests to run the portable kernels on this thread.
+    static FORCE_PORTABLE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the AVX-512 VNNI kernels can run here.
+#[inline]
+pub fn has_vnni() -> bool {
+    #[cfg(test)]
+    if FORCE_PORTABLE.with(|f| f.get()) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        static VNNI: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *VNNI.get_or_init(|| {
+            crate::dispatch::level() == crate::dispatch::Level::Avx512
+                && is_x86_feature_detected!("avx512vnni")
+                && is_x86_feature_detected!("avx512vl")
+                && is_x86_feature_detected!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `out[t · rows.len() + i] = Σ_c acts[t, c] · W[rows.start + i, c]` for a
+/// matrix of 32-value blocks whose row `r` is `row_of(r)`, with the fastest
+/// kernel this CPU has.
+pub fn matrix32<'a>(
+    kind: Kind32,
+    rows: Range<usize>,
+    row_of: &dyn Fn(usize) -> Row<'a>,
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    assert_eq!(acts.block, ActBlock::B32);
+    #[cfg(target_arch = "x86_64")]
+    if has_vnni() {
+        // SAFETY: the features the kernel is compiled for were detected.
+        unsafe { vnni::matrix32(kind, rows, row_of, acts, out) };
+        return;
+    }
+    let len = rows.len();
+    for (i, r) in rows.enumerate() {
+        let row = row_of(r);
+        for_groups(acts.n, len, i, out, |ts, part| {
+            dots32_portable(kind, &row, acts, ts, part)
+        });
+    }
+}
+
+/// [`matrix32`] for k-quant super-blocks; row `r` is `row_of(r)`.
+pub fn matrix_k<'a>(
+    kind: KindK,
+    rows: Range<usize>,
+    row_of: &dyn Fn(usize) -> &'a [u8],
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    assert_eq!(acts.block, ActBlock::B256);
+    #[cfg(target_arch = "x86_64")]
+    if has_vnni() {
+        // SAFETY: the features the kernel is compiled for were detected.
+        unsafe { vnni::matrix_k(kind, rows, row_of, acts, out) };
+        return;
+    }
+    let len = rows.len();
+    for (i, r) in rows.enumerate() {
+        let row = row_of(r);
+        for_groups(acts.n, len, i, out, |ts, part| {
+            dots_k_portable(kind, row, acts, ts, part)
+        });
+    }
+}
+
+/// Calls `each(ts, part)` for consecutive groups `ts` of at most [`GROUP`]
+/// activation rows, then scatters each group's outputs for weight row `i`
+/// of the range into `out` (`[n, len]`).
+#[inline(always)]
+fn for_groups(
+    n: usize,
+    len: usize,
+    i: usize,
+    out: &mut [f32],
+    mut each: impl FnMut(Range<usize>, &mut [f32]),
+) {
+    let mut part = [0f32; GROUP];
+    for t0 in (0..n).step_by(GROUP) {
+        let ts = t0..(t0 + GROUP).min(n);
+        let k = ts.len();
+        each(ts, &mut part[..k]);
+        for (j, &v) in part[..k].iter().enumerate() {
+            out[(t0 + j) * len + i] = v;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod vnni {
+    //! The kernels with AVX-512 VNNI on 256-bit registers: `vpdpbusd` /
+    //! `vpmaddubsw` + `vpdpwssd` for the 8-bit products, one f32 FMA per
+    //! block and activation row for the scales.
+
+    use super::{k_bytes, Kind32, KindK, Row, GROUP};
+    use crate::acts::QuantizedActs;
+    use std::arch::x86_64::*;
+    use std::ops::Range;
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn half(p: &[u8], at: usize) -> f32 {
+        let h = u16::from_le_bytes([p[at], p[at + 1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn load32(p: &[u8]) -> __m256i {
+        debug_assert!(p.len() >= 32);
+        // SAFETY: the caller's slice holds 32 bytes.
+        unsafe { _mm256_loadu_si256(p.as_ptr().cast()) }
+    }
+
+    /// 16 bytes of nibbles → 32 values: low nibbles first, then high.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn nibbles(p: &[u8]) -> __m256i {
+        debug_assert!(p.len() >= 16);
+        // SAFETY: the caller's slice holds 16 bytes.
+        let x = unsafe { _mm_loadu_si128(p.as_ptr().cast()) };
+        let m = _mm_set1_epi8(15);
+        let lo = _mm_and_si128(x, m);
+        let hi = _mm_and_si128(_mm_srli_epi16(x, 4), m);
+        _mm256_set_m128i(hi, lo)
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn fifth(qh: &[u8]) -> __m256i {
+        let bits = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
+        _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(16))
+    }
+
+    /// Block `b`: the values (signed, or unsigned for affine kinds) and `(d, m)`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn decode(kind: Kind32, row: &Row, b: usize) -> (__m256i, f32, f32) {
+        let blk = &row.data[b * kind.bytes()..(b + 1) * kind.bytes()];
+        // SAFETY (all loads): `blk` is one whole block of `kind`.
+        unsafe {
+            match kind {
+                Kind32::Q8_0 => (load32(&blk[2..]), half(blk, 0), 0.0),
+                Kind32::Int8 => (load32(blk), row.scale, 0.0),
+                Kind32::Q4_0 => (
+                    _mm256_sub_epi8(nibbles(&blk[2..]), _mm256_set1_epi8(8)),
+                    half(blk, 0),
+                    0.0,
+                ),
+                Kind32::Q4 => (
+                    _mm256_sub_epi8(nibbles(blk), _mm256_set1_epi8(8)),
+                    row.scales[b],
+                    0.0,
+                ),
+                Kind32::Q4_1 => (nibbles(&blk[4..]), half(blk, 0), half(blk, 2)),
+                Kind32::Q5_0 => (
+                    _mm256_sub_epi8(
+                        _mm256_or_si256(nibbles(&blk[6..]), fifth(&blk[2..6])),
+                        _mm256_set1_epi8(16),
+                    ),
+                    half(blk, 0),
+                    0.0,
+                ),
+                Kind32::Q5_1 => (
+                    _mm256_or_si256(nibbles(&blk[8..]), fifth(&blk[4..8])),
+                    half(blk, 0),
+                    half(blk, 2),
+                ),
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// One block `b` of the row against the activation rows `t0..t0 + T`,
+    /// into `acc` (scales applied) and `corr` (the mins of affine kinds).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn block32<const T: usize, const K: usize>(
+        row: &Row,
+        acts: &QuantizedActs,
+        t0: usize,
+        b: usize,
+        acc: &mut [__m256; T],
+        corr: &mut [f32; T],
+    ) {
+        let kind = Kind32::ALL[K];
+        let blocks = acts.cols / 32;
+        // SAFETY: `b` is a block of the row.
+        let (v, d, m) = unsafe { decode(kind, row, b) };
+        // Signed values: |v| against the activations carrying v's sign
+        // (vpdpbusd multiplies unsigned by signed bytes).
+        let u = if kind.affine() { v } else { _mm256_abs_epi8(v) };
+        for k in 0..T {
+            let t = t0 + k;
+            let a = &acts.qs[t * acts.cols + 32 * b..t * acts.cols + 32 * b + 32];
+            // SAFETY: `a` holds 32 bytes.
+            let a = unsafe { _mm256_loadu_si256(a.as_ptr().cast()) };
+            let a = if kind.affine() {
+                a
+            } else {
+                _mm256_sign_epi8(a, v)
+            };
+            let p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, a);
+            let da = acts.scales[t * blocks + b];
+            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(d * da), acc[k]);
+            if kind.affine() {
+                let s = &acts.sums[t * 2 * blocks + 2 * b..t * 2 * blocks + 2 * b + 2];
+                corr[k] += da * m * (s[0] + s[1]) as f32;
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn dots32_t<const T: usize, const K: usize>(
+        row: &Row,
+        acts: &QuantizedActs,
+        t0: usize,
+        out: &mut [f32],
+    ) {
+        let blocks = acts.cols / 32;
+        // Two accumulators per activation row, for alternate blocks, so
+        // consecutive FMAs do not wait on each other.
+        let mut acc0 = [_mm256_setzero_ps(); T];
+        let mut acc1 = [_mm256_setzero_ps(); T];
+        let mut corr = [0f32; T];
+        let mut b = 0;
+        // SAFETY (all calls): same features; blocks of the row.
+        while b + 1 < blocks {
+            unsafe {
+                block32::<T, K>(row, acts, t0, b, &mut acc0, &mut corr);
+                block32::<T, K>(row, acts, t0, b + 1, &mut acc1, &mut corr);
+            }
+            b += 2;
+        }
+        if b < blocks {
+            unsafe { block32::<T, K>(row, acts, t0, b, &mut acc0, &mut corr) };
+        }
+        for k in 0..T {
+            out[k] = hsum(_mm256_add_ps(acc0[k], acc1[k])) + corr[k];
+        }
+    }
+
+    /// Bytes ahead of the current block that decode prefetches.
+    const PREFETCH: usize = 4096;
+
+    /// Two weight rows against activation row 0.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn two_rows<const K: usize>(a: &Row, b: &Row, acts: &QuantizedActs) -> [f32; 2] {
+        let blocks = acts.cols / 32;
+        let mut acc = [[_mm256_setzero_ps(); 1]; 2];
+        let mut corr = [[0f32; 1]; 2];
+        let stride = Kind32::ALL[K].bytes();
+        for blk in 0..blocks {
+            // The rows that follow, a few blocks ahead of their use (a hint;
+            // the address is never dereferenced).
+            let ahead = PREFETCH + blk * stride;
+            _mm_prefetch::<_MM_HINT_T0>(b.data.as_ptr().wrapping_add(ahead).cast());
+            _mm_prefetch::<_MM_HINT_T0>(b.data.as_ptr().wrapping_add(ahead + 64).cast());
+            // SAFETY: same features; blocks of the rows.
+            unsafe {
+                block32::<1, K>(a, acts, 0, blk, &mut acc[0], &mut corr[0]);
+                block32::<1, K>(b, acts, 0, blk, &mut acc[1], &mut corr[1]);
+            }
+        }
+        [hsum(acc[0][0]) + corr[0][0], hsum(acc[1][0]) + corr[1][0]]
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn matrix32_k<'a, const K: usize>(
+        rows: Range<usize>,
+        row_of: &dyn Fn(usize) -> Row<'a>,
+        acts: &QuantizedActs,
+        out: &mut [f32],
+    ) {
+        let len = rows.len();
+        if acts.n == 1 {
+            // One activation row (decode): weight rows in pairs, two
+            // independent streams of loads and FMAs.
+            let mut i = 0;
+            while i + 1 < len {
+                let (a, b) = (row_of(rows.start + i), row_of(rows.start + i + 1));
+                // SAFETY: same features; rows of the matrix.
+                let [ya, yb] = unsafe { two_rows::<K>(&a, &b, acts) };
+                out[i] = ya;
+                out[i + 1] = yb;
+                i += 2;
+            }
+            if i < len {
+                let row = row_of(rows.start + i);
+                // SAFETY: same features; one activation row.
+                unsafe { dots32_t::<1, K>(&row, acts, 0, &mut out[i..i + 1]) };
+            }
+            return;
+        }
+        for (i, r) in rows.enumerate() {
+            let row = row_of(r);
+            // SAFETY (all calls): same features; groups of at most GROUP rows.
+            super::for_groups(acts.n, len, i, out, |ts, part| unsafe {
+                match ts.len() {
+                    1 => dots32_t::<1, K>(&row, acts, ts.start, part),
+                    2 => dots32_t::<2, K>(&row, acts, ts.start, part),
+                    3 => dots32_t::<3, K>(&row, acts, ts.start, part),
+                    _ => dots32_t::<GROUP, K>(&row, acts, ts.start, part),
+                }
+            });
+        }
+    }
+
+    /// See [`super::matrix32`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn matrix32<'a>(
+        kind: Kind32,
+        rows: Range<usize>,
+        row_of: &dyn Fn(usize) -> Row<'a>,
+        acts: &QuantizedActs,
+        out: &mut [f32],
+    ) {
+        // SAFETY (all calls): same features.
+        unsafe {
+            match kind {
+                Kind32::Q8_0 => matrix32_k::<0>(rows, row_of, acts, out),
+                Kind32::Q4_0 => matrix32_k::<1>(rows, row_of, acts, out),
+                Kind32::Q4_1 => matrix32_k::<2>(rows, row_of, acts, out),
+                Kind32::Q5_0 => matrix32_k::<3>(rows, row_of, acts, out),
+                Kind32::Q5_1 => matrix32_k::<4>(rows, row_of, acts, out),
+                Kind32::Int8 => matrix32_k::<5>(rows, row_of, acts, out),
+                Kind32::Q4 => matrix32_k::<6>(rows, row_of, acts, out),
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn dots_k_t<const T: usize, const K: usize>(
+        row: &[u8],
+        acts: &QuantizedActs,
+        t0: usize,
+        out: &mut [f32],
+    ) {
+        let kind = KindK::ALL[K];
+        let bytes = k_bytes(kind);
+        let mut acc = [_mm256_setzero_ps(); T];
+        let rows: [&[i8]; T] = std::array::from_fn(|k| acts.row(t0 + k));
+        let low4 = _mm256_set1_epi8(15);
+        let low2 = _mm256_set1_epi8(3);
+        for (s, blk) in row.chunks_exact(bytes).enumerate() {
+            // 8 chunks of 32 levels each, with the scale of each 16-value half.
+            let mut u = [_mm256_setzero_si256(); 8];
+            let mut sc = [0i32; 16];
+            let mut mn = [0i32; 8];
+            let (d, dmin) = match kind {
+                KindK::Q4K | KindK::Q5K => {
+                    let (qs, qh) = if kind == KindK::Q4K {
+                        (&blk[16..144], None)
+                    } else {
+                        (&blk[48..176], Some(&blk[16..48]))
+                    };
+                    // SAFETY: 32-byte loads inside the super-block.
+                    let qhv = qh.map(|q| unsafe { super::vnni::load32(q) });
+                    for j in 0..4 {
+                        let x = unsafe { load32(&qs[32 * j..]) };
+                        let mut lo = _mm256_and_si256(x, low4);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
+                        if let Some(qhv) = qhv {
+                            let sixteen = _mm256_set1_epi8(16);
+                            let m1 = _mm256_test_epi8_mask(qhv, _mm256_set1_epi8(1 << (2 * j)));
+                            let m2 = _mm256_test_epi8_mask(qhv, _mm256_set1_epi8(2 << (2 * j)));
+                            lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(m1, sixteen));
+                            hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(m2, sixteen));
+                        }
+                        u[2 * j] = lo;
+                        u[2 * j + 1] = hi;
+                    }
+                    for c in 0..8 {
+                        let (sv, mv) = super::scale_min(c, &blk[4..16]);
+                        sc[2 * c] = sv;
+                        sc[2 * c + 1] = sv;
+                        mn[c] = mv;
+                    }
+                    (half(blk, 0), half(blk, 2))
+                }
+                KindK::Q6K => {
+                    for n in 0..2 {
+                        // SAFETY: 32-byte loads inside the super-block.
+                        let (l0, l1, h) = unsafe {
+                            (
+                                load32(&blk[64 * n..]),
+                                load32(&blk[64 * n + 32..]),
+                                load32(&blk[128 + 32 * n..]),
+                            )
+                        };
+                        let hi_bits = |shift: i32| {
+                            let h = match shift {
+                                0 => h,
+                                2 => _mm256_srli_epi16(h, 2),
+                                4 => _mm256_srli_epi16(h, 4),
+                                _ => _mm256_srli_epi16(h, 6),
+                            };
+                            _mm256_slli_epi16(_mm256_and_si256(h, low2), 4)
+                        };
+                        u[4 * n] = _mm256_or_si256(_mm256_and_si256(l0, low4), hi_bits(0));
+                        u[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), hi_bits(2));
+                        u[4 * n + 2] = _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
+                            hi_bits(4),
+                        );
+                        u[4 * n + 3] = _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                            hi_bits(6),
+                        );
+                    }
+                    // The 16 scales are stored in value order (one per 16 values).
+                    for (s, &b) in sc.iter_mut().zip(&blk[192..208]) {
+                        *s = i32::from(b as i8);
+                    }
+                    (half(blk, 208), 0.0)
+                }
+            };
+            let scales: [__m256i; 8] = std::array::from_fn(|c| {
+                _mm256_set_m128i(
+                    _mm_set1_epi16(sc[2 * c + 1] as i16),
+                    _mm_set1_epi16(sc[2 * c] as i16),
+                )
+            });
+            for k in 0..T {
+                let q = &rows[k][256 * s..256 * s + 256];
+                let mut isum = _mm256_setzero_si256();
+                for c in 0..8 {
+                    // SAFETY: chunk c of the super-block's 256 activations.
+                    let a = unsafe { _mm256_loadu_si256(q[32 * c..].as_ptr().cast()) };
+                    let p = _mm256_maddubs_epi16(u[c], a);
+                    isum = _mm256_dpwssd_epi32(isum, p, scales[c]);
+                }
+                let t = t0 + k;
+                let mut fix = 0i32;
+                let mut msum = 0i32;
+                for g in 0..16 {
+                    let gsum = acts.sum16(t, 16 * s + g);
+                    if kind == KindK::Q6K {
+                        fix += 32 * sc[g] * gsum;
+                    } else {
+                        msum += mn[g / 2] * gsum;
+                    }
+                }
+                let da = acts.scale(t, s);
+                let isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(fix, 0, 0, 0, 0, 0, 0, 0));
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * da), acc[k]);
+                if msum != 0 {
+                    let c = -dmin * da * msum as f32;
+                    acc[k] =
+                        _mm256_add_ps(acc[k], _mm256_setr_ps(c, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0));
+                }
+            }
+        }
+        for k in 0..T {
+            out[k] = hsum(acc[k]);
+        }
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn matrix_k_k<'a, const K: usize>(
+        rows: Range<usize>,
+        row_of: &dyn Fn(usize) -> &'a [u8],
+        acts: &QuantizedActs,
+        out: &mut [f32],
+    ) {
+        let len = rows.len();
+        for (i, r) in rows.enumerate() {
+            let row = row_of(r);
+            // SAFETY (all calls): same features; groups of at most GROUP rows.
+            super::for_groups(acts.n, len, i, out, |ts, part| unsafe {
+                match ts.len() {
+                    1 => dots_k_t::<1, K>(row, acts, ts.start, part),
+                    2 => dots_k_t::<2, K>(row, acts, ts.start, part),
+                    3 => dots_k_t::<3, K>(row, acts, ts.start, part),
+                    _ => dots_k_t::<GROUP, K>(row, acts, ts.start, part),
+                }
+            });
+        }
+    }
+
+    /// See [`super::matrix_k`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    pub unsafe fn matrix_k<'a>(
+        kind: KindK,
+        rows: Range<usize>,
+        row_of: &dyn Fn(usize) -> &'a [u8],
+        acts: &QuantizedActs,
+        out: &mut [f32],
+    ) {
+        // SAFETY (all calls): same features.
+        unsafe {
+            match kind {
+                KindK::Q4K => matrix_k_k::<0>(rows, row_of, acts, out),
+                KindK::Q5K => matrix_k_k::<1>(rows, row_of, acts, out),
+                KindK::Q6K => matrix_k_k::<2>(rows, row_of, acts, out),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::int8::Int8Matrix;
+    use crate::kquant::{self, SuperBlockMatrix};
+    use crate::legacy::{self, BlockMatrix};
+    use crate::q4::Q4Matrix;
+    use crate::q8_0::{self, Q8_0Matrix};
+    use crate::testing::values;
+    use crate::{matmul_with, Bytes, Precision, WeightMatrix};
+
+    /// Random block bytes whose f16 fields (at `halves` within each block) are sane scales.
+    fn random_blocks(blocks: usize, bytes: usize, halves: &[usize], seed: u64) -> Bytes {
+        let raw = values(blocks * bytes, seed, 1.0);
+        let mut out: Vec<u8> = raw.iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
+        let scales = values(blocks * halves.len(), seed + 1, 0.05);
+        for (b, blk) in out.chunks_exact_mut(bytes).enumerate() {
+            for (k, &at) in halves.iter().enumerate() {
+                let h = half::f16::from_f32(scales[b * halves.len() + k]).to_le_bytes();
+                blk[at..at + 2].copy_from_slice(&h);
+            }
+        }
+        Bytes::from_vec(out)
+    }
+
+    fn matrices(rows: usize, cols: usize) -> Vec<Box<dyn WeightMatrix>> {
+        let b32 = rows * cols / 32;
+        let b256 = rows * cols / 256;
+        let f = crate::float::FloatMatrix::from_f32(&values(rows * cols, 3, 0.2), rows, cols)
+            .expect("shape");
+        vec![
+            Box::new(
+                Q8_0Matrix::new(
+                    Bytes::from_vec(q8_0::quantize(&values(rows * cols, 9, 0.3), cols)),
+                    rows,
+                    cols,
+                )
+                .expect("sizes"),
+            ),
+            Box::new(
+                BlockMatrix::<legacy::Q4_0>::new(random_blocks(b32, 18, &[0], 11), rows, cols)
+                    .expect("sizes"),
+            ),
+            Box::new(
+                BlockMatrix::<legacy::Q4_1>::new(random_blocks(b32, 20, &[0, 2], 12), rows, cols)
+                    .expect("sizes"),
+            ),
+            Box::new(
+                BlockMatrix::<legacy::Q5_0>::new(random_blocks(b32, 22, &[0], 13), rows, cols)
+                    .expect("sizes"),
+            ),
+            Box::new(
+                BlockMatrix::<legacy::Q5_1>::new(random_blocks(b32, 24, &[0, 2], 14), rows, cols)
+                    .expect("sizes"),
+            ),
+            Box::new(
+                SuperBlockMatrix::<kquant::Q4K>::new(
+                    random_blocks(b256, 144, &[0, 2], 15),
+                    rows,
+                    cols,
+                )
+                .expect("sizes"),
+            ),
+            Box::new(
+                SuperBlockMatrix::<kquant::Q5K>::new(
+                    random_blocks(b256, 176, &[0, 2], 16),
+                    rows,
+                    cols,
+                )
+                .expect("sizes"),
+            ),
+            Box::new(
+                SuperBlockMatrix::<kquant::Q6K>::new(
+                    random_blocks(b256, 210, &[208], 17),
+                    rows,
+                    cols,
+                )
+                .expect("sizes"),
+            ),
+            Box::new(Int8Matrix::quantize(&f)),
+            Box::new(Q4Matrix::quantize(&f).expect("width").0),
+        ]
+    }
+
+    /// The f64 product of the widened weights with the rounded activations
+    /// widened back: what an integer kernel must compute, up to f32 rounding.
+    fn reference(w: &dyn WeightMatrix, acts: &QuantizedActs) -> (Vec<f64>, Vec<f64>) {
+        let (rows, cols) = (w.rows(), w.cols());
+        let mut deq = vec![0f32; rows * cols];
+        w.dequantize_rows(0..rows, &mut deq);
+        let (mut y, mut mag) = (vec![0f64; acts.n * rows], vec![0f64; acts.n * rows]);
+        for t in 0..acts.n {
+            let x = acts.dequantize_row(t);
+            for r in 0..rows {
+                for c in 0..cols {
+                    let p = f64::from(x[c]) * f64::from(deq[r * cols + c]);
+                    y[t * rows + r] += p;
+                    mag[t * rows + r] += p.abs();
+                }
+            }
+        }
+        (y, mag)
+    }
+
+    fn check(name: &str, got: f32, want: f64, mag: f64) {
+        assert!(
+            (f64::from(got) - want).abs() <= 2e-6 * mag + 1e-9,
+            "{name}: {got} vs {want} (magnitude {mag})"
+        );
+    }
+
+    #[test]
+    fn integer_kernels_compute_the_product_with_rounded_activations() {
+        let (rows, cols) = (21, 512);
+        for w in matrices(rows, cols) {
+            let k = w.integer().expect("an integer kernel");
+            for n in [1, 2, 3, 4, 5, 9] {
+                let x = values(n * cols, n as u64 + 40, 2.0);
+                let acts = QuantizedActs::quantize(&x, n, cols, k.act_block());
+                let (want, mag) = reference(w.as_ref(), &acts);
+                // The kernel chosen at run time, through the whole product.
+                let y = matmul_with(w.as_ref(), &x, n, Precision::Int8Activations);
+                for (i, &got) in y.iter().enumerate() {
+                    check(
+                        &format!("{} n={n} [{i}]", w.storage()),
+                        got,
+                        want[i],
+                        mag[i],
+                    );
+                }
+                // Every row through `int_dots` on this thread, with the
+                // kernel chosen at run time and with the portable one.
+                for portable in [false, true] {
+                    FORCE_PORTABLE.with(|f| f.set(portable));
+                    let mut out = vec![0f32; n * rows];
+                    k.int_dots(0..rows, &acts, &mut out);
+                    FORCE_PORTABLE.with(|f| f.set(false));
+                    for (i, &got) in out.iter().enumerate() {
+                        let name = format!("{} portable={portable} n={n} [{i}]", w.storage());
+                        check(&name, got, want[i], mag[i]);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn rounded_activations_stay_close_to_the_exact_product() {
+        let (rows, cols) = (16, 512);
+        for w in matrices(rows, cols) {
+            let x = values(2 * cols, 77, 1.0);
+            let fast = matmul_with(w.as_ref(), &x, 2, Precision::Int8Activations);
+            let exact = matmul_with(w.as_ref(), &x, 2, Precision::Exact);
+            let scale = exact.iter().fold(0f32, |m, v| m.max(v.abs()));
+            for (a, b) in fast.iter().zip(&exact) {
+                // 8-bit activations: about 1% of the output's range.
+                assert!((a - b).abs() <= 0.02 * scale, "{}: {a} vs {b}", w.storage());
+            }
+        }
+    }
+}

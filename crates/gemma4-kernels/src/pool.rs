@@ -1,0 +1,291 @@
+//! The threads products split their rows over.
+//!
+//! A decode step runs a hundred or more products, each a few tens of
+//! microseconds, with short single-threaded work between them. A pool whose
+//! idle workers go to sleep at once pays a wake-up (a futex call and a
+//! thread switch) per product; that overhead is what kept a second thread
+//! from paying on two cores. Here the caller always takes a share of the
+//! work itself, and idle workers spin for a short while before they park,
+//! so back-to-back products find them awake. The pool has one worker fewer
+//! than its thread count (the caller is the last thread), so spinning never
+//! takes a core from the thread that runs the model.
+
+use std::any::Any;
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long an idle worker spins before it parks.
+const SPIN: Duration = Duration::from_micros(200);
+
+/// One job: `f(i)` for every chunk `i` below its count.
+struct Job<'a> {
+    f: &'a (dyn Fn(usize) + Sync),
+}
+
+struct Shared {
+    /// `epoch << 32 | next chunk`: workers claim chunks of the current
+    /// epoch's job by compare-and-swap, so a worker late from an earlier job
+    /// can never claim a chunk of a later one.
+    state: AtomicU64,
+    /// Chunks of the current job.
+    count: AtomicUsize,
+    /// Chunks finished; the caller returns when it reaches `count`, and
+    /// until then the job (on the caller's stack) stays alive.
+    done: AtomicUsize,
+    job: AtomicPtr<Job<'static>>,
+    /// A panic of a chunk run by a worker, re-raised in the caller.
+    panic: Mutex<Option<Box<dyn Any + Send>>>,
+    sleepers: AtomicUsize,
+    shutdown: AtomicBool,
+    park: Mutex<()>,
+    wake: Condvar,
+}
+
+/// A fixed set of worker threads plus the calling thread.
+pub struct Pool {
+    shared: Arc<Shared>,
+    threads: usize,
+    /// One job at a time; a second caller meanwhile runs its chunks itself.
+    caller: Mutex<()>,
+}
+
+impl Pool {
+    /// A pool of `threads` threads in all (`threads − 1` workers).
+    pub fn new(threads: usize) -> Self {
+        let threads = threads.max(1);
+        let shared = Arc::new(Shared {
+            state: AtomicU64::new(0),
+            count: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            job: AtomicPtr::new(std::ptr::null_mut()),
+            panic: Mutex::new(None),
+            sleepers: AtomicUsize::new(0),
+            shutdown: AtomicBool::new(false),
+            park: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let mut started = 1;
+        for i in 1..threads {
+            let s = shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("gemma4-kernel-{i}"))
+                .spawn(move || worker(&s));
+            if spawned.is_err() {
+                // Fewer workers: the caller does their share.
+                break;
+            }
+            started += 1;
+        }
+        Self {
+            shared,
+            threads: started,
+            caller: Mutex::new(()),
+        }
+    }
+
+    /// Threads that work on a job, the caller included.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `f(i)` for every `i` in `0..count`, spread over the pool, and
+    /// returns when all have run. A panic in any `f(i)` is re-raised here
+    /// once every chunk has finished.
+    pub fn run(&self, count: usize, f: &(dyn Fn(usize) + Sync)) {
+        if count == 0 {
+            return;
+        }
+        let guard = match self.caller.try_lock() {
+            Ok(g) if self.threads > 1 && count > 1 => g,
+            // Single-threaded, a single chunk, or another job in flight.
+            _ => {
+                (0..count).for_each(f);
+                return;
+            }
+        };
+        let s = &self.shared;
+        let job = Job { f };
+        // SAFETY of the lifetime erasure: workers dereference `job` only
+        // after claiming a chunk of this epoch, and this function does not
+        // return before every claimed chunk has finished.
+        let ptr = (&job as *const Job<'_>).cast::<Job<'static>>().cast_mut();
+        s.job.store(ptr, Ordering::SeqCst);
+        s.count.store(count, Ordering::SeqCst);
+        s.done.store(0, Ordering::SeqCst);
+        let epoch = (s.state.load(Ordering::SeqCst) >> 32).wrapping_add(1) & 0xffff_ffff;
+        s.state.store(epoch << 32, Ordering::SeqCst);
+        if s.sleepers.load(Ordering::SeqCst) > 0 {
+            let _g = s.park.lock().unwrap_or_else(|e| e.into_inner());
+            s.wake.notify_all();
+        }
+        claim_all(s, epoch);
+        while s.done.load(Ordering::Acquire) < count {
+            std::hint::spin_loop();
+        }
+        s.job.store(std::ptr::null_mut(), Ordering::SeqCst);
+        drop(guard);
+        let panic = s.panic.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(p) = panic {
+            std::panic::resume_unwind(p);
+        }
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let s = &self.shared;
+        s.shutdown.store(true, Ordering::SeqCst);
+        // A new epoch with no chunks: every worker wakes, finds nothing, exits.
+        s.count.store(0, Ordering::SeqCst);
+        let epoch = (s.state.load(Ordering::SeqCst) >> 32).wrapping_add(1) & 0xffff_ffff;
+        s.state.store(epoch << 32, Ordering::SeqCst);
+        let _g = s.park.lock().unwrap_or_else(|e| e.into_inner());
+        s.wake.notify_all();
+    }
+}
+
+/// Claims and runs chunks of job `epoch` until none is left.
+fn claim_all(s: &Shared, epoch: u64) {
+    loop {
+        let state = s.state.load(Ordering::SeqCst);
+        if state >> 32 != epoch {
+            return;
+        }
+        let i = (state & 0xffff_ffff) as usize;
+        if i >= s.count.load(Ordering::SeqCst) {
+            return;
+        }
+        if s.state
+            .compare_exchange(state, state + 1, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            continue;
+        }
+        // SAFETY: chunk `i` of this epoch is claimed and not yet done, so the
+        // caller of this epoch is still waiting and its job is alive.
+        let job = unsafe { &*s.job.load(Ordering::SeqCst) };
+        if let Err(p) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (job.f)(i))) {
+            s.panic
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert(p);
+        }
+        s.done.fetch_add(1, Ordering::Release);
+    }
+}
+
+fn worker(s: &Shared) {
+    let mut seen = s.state.load(Ordering::SeqCst) >> 32;
+    while !s.shutdown.load(Ordering::SeqCst) {
+        let spin_until = Instant::now() + SPIN;
+        let mut spins = 0u32;
+        loop {
+            let epoch = s.state.load(Ordering::SeqCst) >> 32;
+            if epoch != seen {
+                seen = epoch;
+                claim_all(s, epoch);
+                break;
+            }
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) && Instant::now() >= spin_until {
+                s.sleepers.fetch_add(1, Ordering::SeqCst);
+                let mut g = s.park.lock().unwrap_or_else(|e| e.into_inner());
+                while s.state.load(Ordering::SeqCst) >> 32 == seen {
+                    g = s.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+                }
+                drop(g);
+                s.sleepers.fetch_sub(1, Ordering::SeqCst);
+                break;
+            }
+            std::hint::spin_loop();
+        }
+    }
+}
+
+static THREADS: OnceLock<usize> = OnceLock::new();
+static GLOBAL: OnceLock<Pool> = OnceLock::new();
+
+/// Sets the number of threads of the pool products use (before its first
+/// use; later calls have no effect). Default: one per core.
+pub fn set_threads(threads: usize) {
+    let _ = THREADS.set(threads.max(1));
+}
+
+/// The pool products use.
+pub fn global() -> &'static Pool {
+    GLOBAL.get_or_init(|| {
+        let threads = THREADS.get().copied().unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        });
+        Pool::new(threads)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_chunk_runs_once_across_many_jobs() {
+        let pool = Pool::new(3);
+        for count in [1usize, 2, 7, 64, 1000] {
+            for _ in 0..50 {
+                let hits: Vec<AtomicUsize> = (0..count).map(|_| AtomicUsize::new(0)).collect();
+                pool.run(count, &|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            }
+        }
+    }
+
+    #[test]
+    fn jobs_after_a_pause_wake_parked_workers() {
+        let pool = Pool::new(2);
+        std::thread::sleep(SPIN * 5);
+        let sum = AtomicUsize::new(0);
+        pool.run(100, &|i| {
+            sum.fetch_add(i, Ordering::Relaxed);
+        });
+        assert_eq!(sum.load(Ordering::Relaxed), 4950);
+    }
+
+    #[test]
+    fn a_panicking_chunk_reaches_the_caller_and_the_pool_still_works() {
+        let pool = Pool::new(2);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.run(16, &|i| assert!(i != 5, "chunk five"));
+        }));
+        assert!(r.is_err());
+        let n = AtomicUsize::new(0);
+        pool.run(16, &|_| {
+            n.fetch_add(1, Ordering::Relaxed);
+        });
+        assert_eq!(n.load(Ordering::Relaxed), 16);
+    }
+
+    #[test]
+    fn concurrent_callers_each_get_their_chunks_run() {
+        let pool = Arc::new(Pool::new(2));
+        let handles: Vec<_> = (0..4)
+            .map(|_| {
+                let pool = pool.clone();
+                std::thread::spawn(move || {
+                    for _ in 0..100 {
+                        let n = AtomicUsize::new(0);
+                        pool.run(9, &|_| {
+                            n.fetch_add(1, Ordering::Relaxed);
+                        });
+                        assert_eq!(n.load(Ordering::Relaxed), 9);
+                    }
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().expect("caller thread");
+        }
+    }
+}
