@@ -77,7 +77,8 @@ pub trait IntegerDots: Sync {
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]);
 }
 
-/// How a product treats the activations.
+/// How a product treats the activations of a few rows (decode); products
+/// of [`GEMM_MIN_ROWS`] rows or more always keep f32 activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {
     /// f32 activations against the stored values (exact up to summation order).
@@ -133,8 +134,13 @@ pub fn matmul_with(w: &dyn WeightMatrix, x: &[f32], n: usize, precision: Precisi
     if n == 0 || rows == 0 {
         return y;
     }
+    // Many activation rows (prefill) go through dequantized tiles and f32
+    // `gemm` in either precision: faster than the integer kernels there
+    // (see the matmul bench), and exact.
     let integer = match (precision, w.integer()) {
-        (Precision::Int8Activations, Some(k)) if cols.is_multiple_of(k.act_block().values()) => {
+        (Precision::Int8Activations, Some(k))
+            if n < GEMM_MIN_ROWS && cols.is_multiple_of(k.act_block().values()) =>
+        {
             Some((k, QuantizedActs::quantize(x, n, cols, k.act_block())))
         }
         _ => None,

@@ -55,11 +55,19 @@ fn measure(variant: &str, quant: Quant, exact: bool) -> (usize, usize, f64) {
                     })
             })
             .expect("reference logits");
+        // One token per step, as decoding runs: products of many rows
+        // (prefill) keep f32 activations in every mode.
         let mut cache = model.new_cache();
-        let got = model
-            .forward(&p.input_ids, &mut cache, LogitsFor::All, None)
-            .and_then(|t| Ok(t.to_vec2::<f32>()?))
-            .expect("forward");
+        let got: Vec<Vec<f32>> = p
+            .input_ids
+            .iter()
+            .map(|&id| {
+                model
+                    .forward(&[id], &mut cache, LogitsFor::Last, None)
+                    .and_then(|t| Ok(t.squeeze(0)?.to_vec1::<f32>()?))
+                    .expect("forward")
+            })
+            .collect();
         for (w, g) in want.iter().zip(&got) {
             positions += 1;
             agree += usize::from(argmax(w) == argmax(g));
@@ -85,9 +93,9 @@ fn quantized_loads_stay_close_to_the_reference() {
     let floors = [
         (Quant::AsStored, false, 1.0, 1e-9),
         (Quant::Int8, true, 0.94, 8e-3),
-        (Quant::Int8, false, 0.92, 1.2e-2),
+        (Quant::Int8, false, 0.915, 1.2e-2),
         (Quant::Q4, true, 0.44, 0.53),
-        (Quant::Q4, false, 0.44, 0.53),
+        (Quant::Q4, false, 0.449, 0.53),
     ];
     println!("| mode | positions | top-1 agreement | mean KL (nats) |");
     println!("|---|---:|---:|---:|");
