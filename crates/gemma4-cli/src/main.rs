@@ -24,8 +24,8 @@ use clap::{Parser, Subcommand};
     about = "Inference engine and tools for Google's Gemma 4 models"
 )]
 struct Cli {
-    /// CPU threads for tensor operations (default: one per core). On small
-    /// machines one thread can be faster: matrix-vector work is memory-bound.
+    /// CPU threads the model's products split their rows over, the calling
+    /// thread included (default: one per core).
     #[arg(long, global = true, env = "GEMMA4_THREADS")]
     threads: Option<usize>,
     #[command(subcommand)]

@@ -12,7 +12,7 @@ use gemma4_kernels::kquant::{self, SuperBlockMatrix};
 use gemma4_kernels::legacy::{self, BlockMatrix};
 use gemma4_kernels::q4::Q4Matrix;
 use gemma4_kernels::q8_0::{self, Q8_0Matrix};
-use gemma4_kernels::{matmul_with, Bytes, Precision, WeightMatrix};
+use gemma4_kernels::{matmul_with, Bytes, Precision, WeightMatrix, GEMM_MIN_ROWS};
 
 fn values(len: usize, seed: u32) -> Vec<f32> {
     (0..len)
@@ -157,7 +157,8 @@ fn main() {
         });
         println!("n={n:<3} gemm f32 (baseline) {base:8.3} ms");
         for m in &mats {
-            let modes: &[(Precision, &str)] = if m.integer().is_some() {
+            // Products of GEMM_MIN_ROWS rows or more keep f32 activations.
+            let modes: &[(Precision, &str)] = if m.integer().is_some() && n < GEMM_MIN_ROWS {
                 &[
                     (Precision::Exact, "exact"),
                     (Precision::Int8Activations, "int8 act"),

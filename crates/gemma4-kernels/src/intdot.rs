@@ -588,7 +588,9 @@ mod vnni {
         let mut corr = [0f32; T];
         let mut b = 0;
         // SAFETY (all calls): same features; blocks of the row.
+        let stride = Kind32::ALL[K].bytes();
         while b + 1 < blocks {
+            prefetch(row.data, PREFETCH + b * stride);
             unsafe {
                 block32::<T, K>(row, acts, t0, b, &mut acc0, &mut corr);
                 block32::<T, K>(row, acts, t0, b + 1, &mut acc1, &mut corr);
@@ -603,8 +605,18 @@ mod vnni {
         }
     }
 
-    /// Bytes ahead of the current block that decode prefetches.
+    /// Bytes ahead of the current block that the kernels prefetch.
     const PREFETCH: usize = 4096;
+
+    /// Asks for the two cache lines `ahead` bytes past the start of `data`
+    /// (the rows that follow; a hint, the address is never dereferenced).
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    fn prefetch(data: &[u8], ahead: usize) {
+        let p = data.as_ptr().wrapping_add(ahead);
+        _mm_prefetch::<_MM_HINT_T0>(p.cast());
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
+    }
 
     /// Two weight rows against activation row 0.
     #[inline]
@@ -617,9 +629,7 @@ mod vnni {
         for blk in 0..blocks {
             // The rows that follow, a few blocks ahead of their use (a hint;
             // the address is never dereferenced).
-            let ahead = PREFETCH + blk * stride;
-            _mm_prefetch::<_MM_HINT_T0>(b.data.as_ptr().wrapping_add(ahead).cast());
-            _mm_prefetch::<_MM_HINT_T0>(b.data.as_ptr().wrapping_add(ahead + 64).cast());
+            prefetch(b.data, PREFETCH + blk * stride);
             // SAFETY: same features; blocks of the rows.
             unsafe {
                 block32::<1, K>(a, acts, 0, blk, &mut acc[0], &mut corr[0]);
@@ -708,6 +718,8 @@ mod vnni {
         let low4 = _mm256_set1_epi8(15);
         let low2 = _mm256_set1_epi8(3);
         for (s, blk) in row.chunks_exact(bytes).enumerate() {
+            prefetch(row, PREFETCH + s * bytes);
+            prefetch(row, PREFETCH + s * bytes + 128);
             // 8 chunks of 32 levels each, with the scale of each 16-value half.
             let mut u = [_mm256_setzero_si256(); 8];
             let mut sc = [0i32; 16];
