@@ -208,7 +208,7 @@ crate::dispatch::multiversion!(
 
 /// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K super-block.
 #[inline(always)]
-fn scale_min(j: usize, q: &[u8]) -> (i32, i32) {
+pub(crate) fn scale_min(j: usize, q: &[u8]) -> (i32, i32) {
     let (d, m) = if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {

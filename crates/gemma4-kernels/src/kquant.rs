@@ -29,15 +29,8 @@ fn half(b: &[u8], at: usize) -> f32 {
 /// Scale and min of sub-block `j` (0..8) from the 12 packed 6-bit bytes.
 #[inline(always)]
 fn scale_min(j: usize, q: &[u8]) -> (f32, f32) {
-    let (d, m) = if j < 4 {
-        (q[j] & 63, q[j + 4] & 63)
-    } else {
-        (
-            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
-            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
-        )
-    };
-    (f32::from(d), f32::from(m))
+    let (d, m) = crate::intdot::scale_min(j, q);
+    (d as f32, m as f32)
 }
 
 /// `d`, `dmin` (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles.

@@ -200,10 +200,10 @@ fn dot_blocks_body<F: BlockFormat>(x: &[f32], blocks: &[u8]) -> f32 {
 }
 
 fn dot_blocks<F: BlockFormat>(x: &[f32], blocks: &[u8]) -> f32 {
-    match F::NAME {
-        "Q4_0" => dot_q4_0(x, blocks),
-        "Q4_1" => dot_q4_1(x, blocks),
-        "Q5_0" => dot_q5_0(x, blocks),
+    match F::KIND {
+        Kind32::Q4_0 => dot_q4_0(x, blocks),
+        Kind32::Q4_1 => dot_q4_1(x, blocks),
+        Kind32::Q5_0 => dot_q5_0(x, blocks),
         _ => dot_q5_1(x, blocks),
     }
 }
