@@ -15,9 +15,9 @@ pub const SUPER: usize = 256;
 /// One super-block layout.
 pub trait SuperBlock: Send + Sync + std::fmt::Debug + 'static {
     const NAME: &'static str;
-    const BYTES: usize;
     /// The super-block as the integer kernels decode it.
     const KIND: KindK;
+    const BYTES: usize = crate::intdot::k_bytes(Self::KIND);
     fn decode(block: &[u8], out: &mut [f32; SUPER]);
 }
 
@@ -39,7 +39,6 @@ pub struct Q4K;
 impl SuperBlock for Q4K {
     const NAME: &'static str = "Q4_K";
     const KIND: KindK = KindK::Q4K;
-    const BYTES: usize = 144;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; SUPER]) {
         let (d, dmin) = (half(b, 0), half(b, 2));
@@ -65,7 +64,6 @@ pub struct Q5K;
 impl SuperBlock for Q5K {
     const NAME: &'static str = "Q5_K";
     const KIND: KindK = KindK::Q5K;
-    const BYTES: usize = 176;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; SUPER]) {
         let (d, dmin) = (half(b, 0), half(b, 2));
@@ -95,7 +93,6 @@ pub struct Q6K;
 impl SuperBlock for Q6K {
     const NAME: &'static str = "Q6_K";
     const KIND: KindK = KindK::Q6K;
-    const BYTES: usize = 210;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; SUPER]) {
         let d = half(b, 208);

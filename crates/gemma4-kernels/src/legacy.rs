@@ -15,9 +15,9 @@ pub const BLOCK: usize = 32;
 /// One block layout.
 pub trait BlockFormat: Send + Sync + std::fmt::Debug + 'static {
     const NAME: &'static str;
-    const BYTES: usize;
     /// The block as the integer kernels decode it.
     const KIND: Kind32;
+    const BYTES: usize = Self::KIND.bytes();
     fn decode(block: &[u8], out: &mut [f32; BLOCK]);
 }
 
@@ -32,7 +32,6 @@ pub struct Q4_0;
 impl BlockFormat for Q4_0 {
     const NAME: &'static str = "Q4_0";
     const KIND: Kind32 = Kind32::Q4_0;
-    const BYTES: usize = 18;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; BLOCK]) {
         let d = half(b, 0);
@@ -50,7 +49,6 @@ pub struct Q4_1;
 impl BlockFormat for Q4_1 {
     const NAME: &'static str = "Q4_1";
     const KIND: Kind32 = Kind32::Q4_1;
-    const BYTES: usize = 20;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; BLOCK]) {
         let (d, m) = (half(b, 0), half(b, 2));
@@ -76,7 +74,6 @@ pub struct Q5_0;
 impl BlockFormat for Q5_0 {
     const NAME: &'static str = "Q5_0";
     const KIND: Kind32 = Kind32::Q5_0;
-    const BYTES: usize = 22;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; BLOCK]) {
         let d = half(b, 0);
@@ -96,7 +93,6 @@ pub struct Q5_1;
 impl BlockFormat for Q5_1 {
     const NAME: &'static str = "Q5_1";
     const KIND: Kind32 = Kind32::Q5_1;
-    const BYTES: usize = 24;
     #[inline(always)]
     fn decode(b: &[u8], out: &mut [f32; BLOCK]) {
         let (d, m) = (half(b, 0), half(b, 2));

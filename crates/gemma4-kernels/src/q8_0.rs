@@ -13,7 +13,7 @@ use crate::{ActBlock, Bytes, IntegerDots, QuantizedActs, WeightMatrix};
 /// Values per block.
 pub const BLOCK: usize = 32;
 /// Bytes per block: f16 scale + 32 quants.
-pub const BLOCK_BYTES: usize = 34;
+pub const BLOCK_BYTES: usize = Kind32::Q8_0.bytes();
 
 /// A `[rows, cols]` matrix of Q8_0 blocks, row-major, as GGUF stores it.
 #[derive(Debug, Clone)]
