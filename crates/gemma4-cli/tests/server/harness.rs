@@ -394,7 +394,7 @@ impl EventStream {
 }
 
 /// The Python interpreter for the client tests: `$GEMMA4_PYTHON`, else `python3`.
-fn python() -> String {
+pub fn python() -> String {
     std::env::var("GEMMA4_PYTHON")
         .ok()
         .filter(|p| !p.is_empty())

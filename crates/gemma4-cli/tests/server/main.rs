@@ -6,6 +6,7 @@
 
 mod harness;
 mod protocol;
+mod real_vocab;
 
 use std::time::{Duration, Instant};
 

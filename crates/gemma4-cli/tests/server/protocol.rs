@@ -1,52 +1,74 @@
 //! The Gemma 4 protocol through the server and the official `openai` client:
 //! reasoning with a thinking budget, tool_choice, the tool round trip.
 
+use std::path::{Path, PathBuf};
+
 use serde_json::{json, Value};
 
 use crate::harness::{fixture, golden, openai_client, ServerProc};
 
-/// The id of a special token in a fixture's `tokenizer.json`.
-fn token_id(variant: &str, token: &str) -> u64 {
-    let path = fixture(variant).join("tokenizer.json");
+/// The ids of special tokens in a checkpoint's `tokenizer.json`, as decimal strings.
+fn token_ids(checkpoint: &Path, tokens: &[&str]) -> Vec<String> {
+    let path = checkpoint.join("tokenizer.json");
     let text = std::fs::read_to_string(&path).expect("tokenizer.json");
     let json: Value = serde_json::from_str(&text).expect("tokenizer JSON");
-    json["added_tokens"]
-        .as_array()
-        .and_then(|list| list.iter().find(|t| t["content"] == token))
-        .and_then(|t| t["id"].as_u64())
-        .unwrap_or_else(|| panic!("{token} is not in the {variant} vocabulary"))
+    let added = json["added_tokens"].as_array().expect("added_tokens");
+    tokens
+        .iter()
+        .map(|token| {
+            added
+                .iter()
+                .find(|t| t["content"] == *token)
+                .and_then(|t| t["id"].as_u64())
+                .unwrap_or_else(|| panic!("{token} is not in {}", path.display()))
+                .to_string()
+        })
+        .collect()
 }
 
-/// The e-style template, but with thinking on the generation prompt opens a
-/// thought channel, as the large checkpoints' templates do after a tool response.
-fn template_opening_a_channel() -> std::path::PathBuf {
-    let source = std::fs::read_to_string(fixture("e-style").join("chat_template.jinja"))
-        .expect("e-style template");
-    let opened = source.replace(
-        "{{- '<|turn>model\\n' -}}{%- endif -%}",
-        "{{- '<|turn>model\\n' -}}{%- if enable_thinking -%}{{- '<|channel>thought\\n' -}}{%- endif -%}{%- endif -%}",
-    );
+/// A checkpoint's template, but with thinking on the generation prompt opens
+/// a thought channel (`find` becomes `replace`), so a random model starts
+/// inside it, as it does after a tool response on the large checkpoints.
+fn template_opening_a_channel(checkpoint: &Path, find: &str, replace: &str) -> PathBuf {
+    let source =
+        std::fs::read_to_string(checkpoint.join("chat_template.jinja")).expect("chat template");
+    let opened = source.replace(find, replace);
     assert_ne!(opened, source, "the generation prompt was found");
-    let path =
-        std::env::temp_dir().join(format!("gemma4-open-channel-{}.jinja", std::process::id()));
+    static N: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let path = std::env::temp_dir().join(format!(
+        "gemma4-open-channel-{}-{n}.jinja",
+        std::process::id()
+    ));
     std::fs::write(&path, opened).expect("write template");
     path
 }
 
+/// The e-style template opening a channel when thinking.
+fn e_style_opening_a_channel() -> PathBuf {
+    template_opening_a_channel(
+        &fixture("e-style"),
+        "{{- '<|turn>model\\n' -}}{%- endif -%}",
+        "{{- '<|turn>model\\n' -}}{%- if enable_thinking -%}{{- '<|channel>thought\\n' -}}{%- endif -%}{%- endif -%}",
+    )
+}
+
 #[test]
 fn reasoning_budget_tool_choice_and_round_trip_through_the_openai_client() {
-    let template = template_opening_a_channel();
+    check_protocol(&fixture("e-style"), &e_style_opening_a_channel());
+}
+
+/// Reasoning under a budget of 12 tokens, `tool_choice: "none"` and the tool
+/// round trip, served from `checkpoint` with `template`.
+fn check_protocol(checkpoint: &Path, template: &Path) {
     let server = ServerProc::start(
-        &fixture("e-style"),
+        checkpoint,
         &["--chat-template", template.to_str().expect("utf-8 path")],
         &[],
     );
     // Random weights would close or reopen the channel, or call a tool, at
     // random; banning those markers leaves the budget as the only way out.
-    let ban: Vec<String> = ["<|channel>", "<channel|>", "<|tool_call>"]
-        .iter()
-        .map(|t| token_id("e-style", t).to_string())
-        .collect();
+    let ban = token_ids(checkpoint, &["<|channel>", "<channel|>", "<|tool_call>"]);
     let mut args = vec![
         "--scenario",
         "protocol",
@@ -63,7 +85,7 @@ fn reasoning_budget_tool_choice_and_round_trip_through_the_openai_client() {
     let Some(out) = openai_client(&server.url(), &args) else {
         return;
     };
-    let _ = std::fs::remove_file(&template);
+    let _ = std::fs::remove_file(template);
     let whole = &out["whole"];
     assert_eq!(
         whole["usage"]["completion_tokens_details"]["reasoning_tokens"], 12,
@@ -153,16 +175,13 @@ fn valid_weather(v: &Value) -> bool {
 
 #[test]
 fn enforced_structured_output_is_valid_even_from_random_weights() {
-    let template = template_opening_a_channel();
+    let template = e_style_opening_a_channel();
     let server = ServerProc::start(
         &fixture("e-style"),
         &["--chat-template", template.to_str().expect("utf-8 path")],
         &[],
     );
-    let ban: Vec<String> = ["<|channel>", "<channel|>"]
-        .iter()
-        .map(|t| token_id("e-style", t).to_string())
-        .collect();
+    let ban = token_ids(&fixture("e-style"), &["<|channel>", "<channel|>"]);
     let mut args = vec![
         "--scenario",
         "structured",
@@ -262,29 +281,9 @@ fn check_structured(out: &Value, expect_reasoning: bool) {
     );
 }
 
-/// The real Gemma 4 tokenizer and template with random weights
-/// (`$GEMMA4_REAL_VOCAB`, else `tests/fixtures/oracle/real-vocab`).
-fn real_vocab_dir() -> Option<std::path::PathBuf> {
-    let dir = std::env::var_os("GEMMA4_REAL_VOCAB")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| fixture("real-vocab"));
-    if dir.join("model.safetensors").is_file() {
-        return Some(dir);
-    }
-    // Too large for the repository (a 262k-entry vocabulary); kept beside it.
-    eprintln!(
-        "SKIPPED real-vocabulary checks: no checkpoint at {}; set GEMMA4_REAL_VOCAB",
-        dir.display()
-    );
-    None
-}
-
 #[test]
 fn enforced_output_with_the_real_vocabulary_and_template() {
-    let Some(dir) = real_vocab_dir() else {
-        return;
-    };
-    let server = ServerProc::start(&dir, &[], &[]);
+    let server = ServerProc::start(crate::real_vocab::dir(), &[], &[]);
     let args = [
         "--scenario",
         "structured",
@@ -301,6 +300,17 @@ fn enforced_output_with_the_real_vocabulary_and_template() {
     // The checkpoint's template does not open a channel for the model, so
     // whether a random model thinks first is up to it; the answer is enforced either way.
     check_structured(&out, false);
+}
+
+#[test]
+fn reasoning_budget_and_tool_choice_with_the_real_vocabulary_and_template() {
+    let dir = crate::real_vocab::dir();
+    let template = template_opening_a_channel(
+        dir,
+        "{%- if not enable_thinking | default(false) -%}\n            {{- '<|channel>thought\\n<channel|>' -}}\n        {%- endif -%}",
+        "{%- if not enable_thinking | default(false) -%}\n            {{- '<|channel>thought\\n<channel|>' -}}\n        {%- else -%}{{- '<|channel>thought\\n' -}}\n        {%- endif -%}",
+    );
+    check_protocol(dir, &template);
 }
 
 #[test]
