@@ -400,7 +400,65 @@ def scenario_structured(args):
     return out
 
 
+def without_ids(output):
+    """Output items with their per-request ids removed, for comparing two runs."""
+    items = []
+    for item in output:
+        item = dict(item)
+        item.pop("id", None)
+        item.pop("call_id", None)
+        items.append(item)
+    return items
+
+
+def scenario_responses(args):
+    """The Responses API whole, as raw stream events, and through the SDK's stream helper."""
+    c = client(args)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+              "required": ["city"], "additionalProperties": False}
+    cases = {
+        "json_schema": {"input": args.prompt[0], "max_output_tokens": args.max_tokens,
+                        "text": {"format": {"type": "json_schema", "name": "w", "schema": schema, "strict": True}}},
+        "named_call": {"input": [{"role": "user", "content": [{"type": "input_text", "text": args.prompt[0]}]}],
+                       "tools": [{"type": "function", "name": "get_time", "parameters": {
+                           "type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+                           "required": ["zone"]}}],
+                       "tool_choice": {"type": "function", "name": "get_time"},
+                       "max_output_tokens": args.max_tokens},
+        "thinking": {"input": args.prompt[0], "max_output_tokens": args.max_tokens,
+                     "extra_body": {"chat_template_kwargs": {"enable_thinking": True},
+                                    "thinking_token_budget": args.budget,
+                                    "logit_bias": {str(t): -100 for t in args.ban}}},
+    }
+    out = {}
+    for name, kw in cases.items():
+        whole = c.responses.create(model=args.model, temperature=0, **kw)
+        types, numbers, last = [], [], None
+        for event in c.responses.create(model=args.model, temperature=0, stream=True, **kw):
+            types.append(event.type)
+            numbers.append(event.sequence_number)
+            last = event
+        with c.responses.stream(model=args.model, temperature=0, **kw) as s:
+            ended = None
+            for event in s:
+                ended = event
+            # The helper keeps a final response only for `response.completed`.
+            helper = s.get_final_response() if ended.type == "response.completed" else ended.response
+        out[name] = {
+            "whole": {"status": whole.status, "output": [i.model_dump(exclude_none=True) for i in whole.output],
+                      "usage": whole.usage.model_dump(exclude_none=True), "output_text": whole.output_text},
+            "stream": {"types": types, "sequence_numbers": numbers, "status": last.response.status,
+                       "output": [i.model_dump(exclude_none=True) for i in last.response.output],
+                       "usage": last.response.usage.model_dump(exclude_none=True)},
+            "helper": {"status": helper.status, "output": [i.model_dump(exclude_none=True) for i in helper.output]},
+        }
+        for part in out[name].values():
+            part["output"] = without_ids(part["output"])
+    return out
+
+
 SCENARIOS = {
+    "responses": scenario_responses,
     "structured": scenario_structured,
     "protocol": scenario_protocol,
     "basic": scenario_basic,

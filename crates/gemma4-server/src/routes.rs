@@ -3,7 +3,7 @@
 //! | route | auth | what |
 //! |---|---|---|
 //! | `POST /v1/chat/completions` | key | chat through the model's template |
-//! | `POST /v1/responses` | key | the Responses API (whole responses): reasoning, message and function-call items |
+//! | `POST /v1/responses` | key | the Responses API, whole or streamed: reasoning, message and function-call items |
 //! | `POST /v1/completions` | key | plain-text completion |
 //! | `GET /v1/models` | key | the served model |
 //! | `GET /v1/models/{id}` | key | the served model's card; 404 for any other id |
@@ -191,8 +191,9 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
     let (model, guard) = state.admit()?;
     let req = ChatRequest::parse(&bytes)?;
     let logprobs = req.logprobs;
+    let submitted = submit_chat(&state, &model, req, arrival).await?;
     let (id, served, prompt_tokens, collected, guard) =
-        match run_chat(&state, &model, req, guard, arrival).await? {
+        match answer(&state, submitted, guard, Format::Chat).await? {
             Ran::Streamed(response) => return Ok(response),
             Ran::Collected {
                 id,
@@ -234,14 +235,13 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
     .into_response())
 }
 
-/// Renders, submits and streams or collects a parsed chat request.
-pub(crate) async fn run_chat(
+/// Renders and submits a parsed chat request.
+pub(crate) async fn submit_chat(
     state: &Arc<AppState>,
     model: &Arc<ModelContext>,
     req: ChatRequest,
-    guard: ActiveGuard,
     arrival: Instant,
-) -> Result<Ran, ApiError> {
+) -> Result<Submitted, ApiError> {
     check_model_name(state, req.model.as_deref())?;
     let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
     let chat = ChatControls {
@@ -266,7 +266,7 @@ pub(crate) async fn run_chat(
         arrival,
         prompt_param: "messages",
     };
-    run_openai(state, model, job, guard, Format::Chat).await
+    submit_openai(state, model, job, Format::Chat).await
 }
 
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
@@ -296,17 +296,23 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
         arrival,
         prompt_param: "prompt",
     };
-    let (id, served, prompt_tokens, collected, guard) =
-        match run_openai(&state, &model, job, guard, Format::Completion).await? {
-            Ran::Streamed(response) => return Ok(response),
-            Ran::Collected {
-                id,
-                served,
-                prompt_tokens,
-                collected,
-                guard,
-            } => (id, served, prompt_tokens, collected, guard),
-        };
+    let (id, served, prompt_tokens, collected, guard) = match answer(
+        &state,
+        submit_openai(&state, &model, job, Format::Completion).await?,
+        guard,
+        Format::Completion,
+    )
+    .await?
+    {
+        Ran::Streamed(response) => return Ok(response),
+        Ran::Collected {
+            id,
+            served,
+            prompt_tokens,
+            collected,
+            guard,
+        } => (id, served, prompt_tokens, collected, guard),
+    };
     let completion_tokens = collected.choices.iter().map(|o| o.completion_tokens).sum();
     let choices = collected
         .choices
@@ -401,14 +407,23 @@ pub(crate) enum Ran {
     },
 }
 
-/// Submits a chat or completion job and streams it, or waits for all its choices.
-async fn run_openai(
+/// A submitted chat or completion job.
+pub(crate) struct Submitted {
+    pub generation: Generation,
+    /// The response id (`chatcmpl-…`, `cmpl-…`).
+    pub id: String,
+    pub served: String,
+    logprobs: bool,
+    streaming: Streaming,
+}
+
+/// Builds a chat or completion job's engine requests and submits them.
+async fn submit_openai(
     state: &Arc<AppState>,
     model: &Arc<ModelContext>,
     job: OpenAiJob,
-    guard: ActiveGuard,
     format: Format,
-) -> Result<Ran, ApiError> {
+) -> Result<Submitted, ApiError> {
     let forces_call = job
         .chat
         .as_ref()
@@ -438,15 +453,37 @@ async fn run_openai(
         Format::Chat => "chatcmpl",
         Format::Completion => "cmpl",
     });
-    let served = state.config.served_model_name.clone();
-    if job.streaming.stream {
+    Ok(Submitted {
+        generation,
+        id,
+        served: state.config.served_model_name.clone(),
+        logprobs: job.logprobs.is_some(),
+        streaming: job.streaming,
+    })
+}
+
+/// Streams a submitted job, or waits for all its choices.
+async fn answer(
+    state: &Arc<AppState>,
+    submitted: Submitted,
+    guard: ActiveGuard,
+    format: Format,
+) -> Result<Ran, ApiError> {
+    let Submitted {
+        generation,
+        id,
+        served,
+        logprobs,
+        streaming,
+    } = submitted;
+    if streaming.stream {
         let meta = StreamMeta {
             id,
             created: unix_now(),
             model: served,
             format,
-            logprobs: job.logprobs.is_some(),
-            include_usage: job.streaming.include_usage,
+            logprobs,
+            include_usage: streaming.include_usage,
         };
         return Ok(Ran::Streamed(sse::respond(
             generation,
@@ -466,7 +503,7 @@ async fn run_openai(
     })
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs())

@@ -372,11 +372,110 @@ fn responses_api_returns_typed_output_items() {
             "tools": tools, "max_output_tokens": 4}),
     );
     assert_eq!(r.status, 200, "the tool round trip is accepted: {}", r.body);
-    let r = server.post("/v1/responses", &json!({"input": "x", "stream": true}));
-    assert_eq!(r.status, 400);
     let r = server.post(
         "/v1/responses",
         &json!({"input": "x", "previous_response_id": "resp_1"}),
     );
     assert_eq!(r.status, 400);
+}
+
+#[test]
+fn responses_api_streams_what_it_answers_whole() {
+    let template = e_style_opening_a_channel();
+    let server = ServerProc::start(
+        &fixture("e-style"),
+        &["--chat-template", template.to_str().expect("utf-8 path")],
+        &[],
+    );
+    let ban = token_ids(
+        &fixture("e-style"),
+        &["<|channel>", "<channel|>", "<|tool_call>"],
+    );
+    let mut args = vec![
+        "--scenario",
+        "responses",
+        "--prompt",
+        "Time in Paris?",
+        "--max-tokens",
+        "40",
+        "--budget",
+        "12",
+    ];
+    for id in &ban {
+        args.extend(["--ban", id.as_str()]);
+    }
+    let Some(out) = openai_client(&server.url(), &args) else {
+        return;
+    };
+    let _ = std::fs::remove_file(&template);
+    for case in ["json_schema", "named_call", "thinking"] {
+        let r = &out[case];
+        let (whole, stream, helper) = (&r["whole"], &r["stream"], &r["helper"]);
+        assert_eq!(stream["output"], whole["output"], "{case}: {r}");
+        assert_eq!(helper["output"], whole["output"], "{case}: {r}");
+        assert_eq!(stream["status"], whole["status"], "{case}: {r}");
+        assert_eq!(helper["status"], whole["status"], "{case}: {r}");
+        assert_eq!(stream["usage"], whole["usage"], "{case}: {r}");
+        let types: Vec<&str> = stream["types"]
+            .as_array()
+            .expect("types")
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        assert_eq!(types.first(), Some(&"response.created"), "{case}: {r}");
+        assert!(
+            matches!(
+                types.last(),
+                Some(&"response.completed" | &"response.incomplete")
+            ),
+            "{case}: {r}"
+        );
+        let numbers: Vec<u64> = stream["sequence_numbers"]
+            .as_array()
+            .expect("numbers")
+            .iter()
+            .filter_map(Value::as_u64)
+            .collect();
+        assert_eq!(numbers, (0..types.len() as u64).collect::<Vec<_>>());
+    }
+    let text = out["json_schema"]["whole"]["output_text"]
+        .as_str()
+        .unwrap_or_default();
+    let answer: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(
+        answer["city"]
+            .as_str()
+            .is_some_and(|c| c.chars().count() <= 8),
+        "{answer}"
+    );
+    let calls: Vec<&Value> = out["named_call"]["whole"]["output"]
+        .as_array()
+        .expect("output")
+        .iter()
+        .filter(|i| i["type"] == "function_call")
+        .collect();
+    assert_eq!(calls.len(), 1, "{out}");
+    assert_eq!(calls[0]["name"], "get_time");
+    let args: Value =
+        serde_json::from_str(calls[0]["arguments"].as_str().unwrap_or_default()).expect("JSON");
+    assert!(args["zone"] == "utc" || args["zone"] == "cet", "{args}");
+    let thinking = &out["thinking"]["whole"];
+    assert_eq!(
+        thinking["usage"]["output_tokens_details"]["reasoning_tokens"], 12,
+        "{thinking}"
+    );
+    let first = &thinking["output"][0];
+    assert_eq!(first["type"], "reasoning", "{thinking}");
+    assert!(
+        first["content"][0]["text"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty()),
+        "{thinking}"
+    );
+    assert!(
+        thinking["output"]
+            .as_array()
+            .is_some_and(|items| items.iter().any(|i| i["type"] == "message")),
+        "the answer follows the thought: {thinking}"
+    );
 }

@@ -1,23 +1,33 @@
-//! `POST /v1/responses` (OpenAI's Responses API), answered whole: the request is
-//! translated into a chat request and served by the same path, and the turn
-//! comes back as output items: `reasoning` (the thought channel), `message`
-//! (the answer) and one `function_call` per tool call.
+//! `POST /v1/responses` (OpenAI's Responses API), whole or streamed: the
+//! request is translated into a chat request and served by the same path,
+//! and the turn comes back as output items: `reasoning` (the thought
+//! channel), `message` (the answer) and one `function_call` per tool call.
 
+mod assemble;
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::State;
+use axum::response::sse::{Event, Sse};
+use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures_util::stream;
+use gemma4_engine::{EngineEvent, FinishReason};
 use serde_json::{json, Map, Value};
 
 use crate::admission::read_body;
+use crate::drain::ActiveGuard;
 use crate::error::ApiError;
 use crate::fields::Fields;
-use crate::openai::response::SYSTEM_FINGERPRINT;
+use crate::generation::{finish_error, Generation};
 use crate::openai::ChatRequest;
-use crate::routes::{run_chat, Ran};
+use crate::routes::{submit_chat, unix_now};
 use crate::server::AppState;
+use assemble::{Assembler, Ending, TurnUsage};
 
 /// Responses fields this server does not implement.
 const UNSUPPORTED: [&str; 5] = [
@@ -135,12 +145,6 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
 /// The chat request body equivalent to a Responses request.
 fn chat_body(f: &Fields) -> Result<Value, ApiError> {
     f.refuse(&UNSUPPORTED, "/v1/responses")?;
-    if f.bool("stream")? == Some(true) {
-        return Err(bad(
-            "/v1/responses does not stream on this server yet; use /v1/chat/completions for streams",
-            "stream",
-        ));
-    }
     let mut body = Map::new();
     body.insert("messages".into(), Value::Array(messages(f)?));
     if let Some(tools) = f.array("tools")? {
@@ -209,80 +213,127 @@ fn chat_body(f: &Fields) -> Result<Value, ApiError> {
 pub async fn responses(
     State(state): State<Arc<AppState>>,
     body: Body,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let arrival = Instant::now();
-    let (model, guard) = state.admit()?;
+    // A request counts as running (and holds a drain) only once its body is in.
     let bytes = read_body(
         body,
         state.config.max_body_bytes,
         state.config.body_read_timeout,
     )
     .await?;
+    let (model, guard) = state.admit()?;
     let f = Fields::parse(&bytes)?;
+    let streamed = f.bool("stream")?.unwrap_or(false);
     let chat = chat_body(&f)?;
     let bytes = serde_json::to_vec(&chat)
         .map_err(|e| ApiError::internal(format!("cannot restate the request: {e}")))?;
     let req = ChatRequest::parse(&bytes)?;
-    let Ran::Collected {
-        served,
-        prompt_tokens,
-        collected,
-        guard,
-        ..
-    } = run_chat(&state, &model, req, guard, arrival).await?
-    else {
-        return Err(ApiError::internal("a whole response was asked for"));
+    let submitted = submit_chat(&state, &model, req, arrival).await?;
+    let turn = Turn {
+        assembler: Assembler::new(state.response_id("resp"), submitted.served, unix_now()),
+        generation: submitted.generation,
+        state,
+        output_tokens: 0,
+        ended: false,
+        _guard: guard,
     };
-    drop(guard);
-    let id = state.response_id("resp");
-    let choice = collected.choices.into_iter().next().unwrap_or_default();
-    let turn = choice.message;
-    let mut output = Vec::new();
-    if !turn.reasoning.is_empty() {
-        output.push(json!({
-            "type": "reasoning",
-            "id": format!("rs_{id}"),
-            "summary": [],
-            "content": [{"type": "reasoning_text", "text": turn.reasoning}],
-        }));
+    if streamed {
+        return Ok(stream_turn(turn));
     }
-    if !turn.content.is_empty() || turn.tool_calls.is_empty() {
-        output.push(json!({
-            "type": "message",
-            "id": format!("msg_{id}"),
-            "role": "assistant",
-            "status": "completed",
-            "content": [{"type": "output_text", "text": turn.content, "annotations": []}],
-        }));
+    turn.whole().await.map(|v| Json(v).into_response())
+}
+
+/// A submitted turn and its assembler.
+struct Turn {
+    assembler: Assembler,
+    generation: Generation,
+    state: Arc<AppState>,
+    output_tokens: usize,
+    ended: bool,
+    _guard: ActiveGuard,
+}
+
+impl Turn {
+    /// The next events of the turn, or `None` after the last.
+    async fn next_events(&mut self) -> Option<Vec<Value>> {
+        if self.ended {
+            return None;
+        }
+        let Some(next) = self.generation.next().await else {
+            // Every choice ends with `Finished`; a stream that stops short is an engine failure.
+            self.ended = true;
+            let e = ApiError::internal("the engine stopped before finishing the request");
+            return Some(self.assembler.finish(&Ending::Failed(e), self.usage()));
+        };
+        let mut events = Vec::new();
+        for e in &next.parsed {
+            events.extend(self.assembler.apply(e));
+        }
+        if let EngineEvent::Finished { reason, usage, .. } = &next.event {
+            self.output_tokens = usage.completion_tokens;
+            self.ended = true;
+            let ending = self.ending(next.index, reason);
+            if let Ending::Failed(e) = &ending {
+                tracing::info!("response ended early: {}", e.message);
+            }
+            events.extend(self.assembler.finish(&ending, self.usage()));
+        }
+        Some(events)
     }
-    for call in turn.tool_calls {
-        output.push(json!({
-            "type": "function_call",
-            "id": format!("fc_{}", call.id),
-            "call_id": call.id,
-            "name": call.name,
-            "arguments": call.arguments,
-            "status": if call.complete { "completed" } else { "incomplete" },
-        }));
+
+    fn ending(&mut self, index: usize, reason: &FinishReason) -> Ending {
+        if let Some(e) = finish_error(reason, &self.state) {
+            self.generation.cancel();
+            return Ending::Failed(e);
+        }
+        match self.generation.finish_reason(index, reason) {
+            "length" => Ending::Incomplete,
+            _ => Ending::Completed,
+        }
     }
-    let incomplete = choice.finish_reason == "length";
-    Ok(Json(json!({
-        "id": id,
-        "object": "response",
-        "created_at": std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
-        "model": served,
-        "status": if incomplete { "incomplete" } else { "completed" },
-        "incomplete_details": if incomplete { json!({"reason": "max_output_tokens"}) } else { Value::Null },
-        "output": output,
-        "system_fingerprint": SYSTEM_FINGERPRINT,
-        "usage": {
-            "input_tokens": prompt_tokens,
-            "output_tokens": choice.completion_tokens,
-            "total_tokens": prompt_tokens + choice.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": collected.reasoning_tokens},
-        },
-    })))
+
+    fn usage(&self) -> TurnUsage {
+        TurnUsage {
+            input: self.generation.prompt_tokens,
+            output: self.output_tokens,
+            reasoning: self.generation.reasoning_tokens(),
+        }
+    }
+
+    /// Runs the turn to its end and returns the response object; a failed
+    /// turn is the request's error.
+    async fn whole(mut self) -> Result<Value, ApiError> {
+        let mut last = Value::Null;
+        while let Some(events) = self.next_events().await {
+            if let Some(e) = events.into_iter().last() {
+                last = e;
+            }
+        }
+        if last["type"] == "response.failed" {
+            let message = last["response"]["error"]["message"]
+                .as_str()
+                .unwrap_or("generation failed")
+                .to_owned();
+            return Err(ApiError::internal(message));
+        }
+        Ok(last["response"].take())
+    }
+}
+
+/// The turn as server-sent events, each named by its `type`; the stream
+/// ends after `response.completed`, `response.incomplete` or `response.failed`.
+fn stream_turn(mut turn: Turn) -> Response {
+    let pending: VecDeque<Value> = turn.assembler.start().into();
+    let events = stream::unfold((turn, pending), |(mut turn, mut pending)| async move {
+        loop {
+            if let Some(v) = pending.pop_front() {
+                let kind = v["type"].as_str().unwrap_or("message").to_owned();
+                let event = Event::default().event(kind).data(v.to_string());
+                return Some((Ok::<_, Infallible>(event), (turn, pending)));
+            }
+            pending.extend(turn.next_events().await?);
+        }
+    });
+    Sse::new(events).into_response()
 }
