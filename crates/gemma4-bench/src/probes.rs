@@ -28,6 +28,9 @@ const LEAK_MARKERS: &[&str] = &[
     "<start_function_call>",
 ];
 
+/// The underspecified request: no city is given.
+const UNDERSPECIFIED: &str = "What's the weather like right now?";
+
 /// One chat answer, reduced to what the rules look at.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ChatReply {
@@ -35,6 +38,8 @@ pub struct ChatReply {
     pub reasoning: String,
     pub tool_calls: Vec<ToolCall>,
     pub completion_tokens: Option<u32>,
+    /// `choices[0].finish_reason` (`length` when `max_tokens` ran out).
+    pub finish_reason: Option<String>,
 }
 
 /// A tool call: its function name and its arguments (parsed, or the raw text
@@ -105,11 +110,18 @@ pub fn parse_reply(value: &Value) -> Result<ChatReply, String> {
         .and_then(|u| u.get("completion_tokens"))
         .and_then(Value::as_u64)
         .and_then(|n| u32::try_from(n).ok());
+    let finish_reason = value
+        .get("choices")
+        .and_then(|c| c.get(0))
+        .and_then(|c| c.get("finish_reason"))
+        .and_then(Value::as_str)
+        .map(str::to_owned);
     Ok(ChatReply {
         content: text("content"),
         reasoning,
         tool_calls,
         completion_tokens,
+        finish_reason,
     })
 }
 
@@ -352,6 +364,14 @@ pub fn judge_underspecified(r: &ChatReply) -> (Verdict, String) {
     if lower.trim().is_empty() {
         return (Verdict::Fail, "empty answer".to_owned());
     }
+    // Repeating the question back is not asking for the city.
+    let lower = lower.replace(&UNDERSPECIFIED.to_lowercase(), "");
+    if lower.trim().is_empty() {
+        return (
+            Verdict::Fail,
+            format!("only repeated the question: {}", quote(&r.content)),
+        );
+    }
     let asks = lower.contains('?')
         || ["city", "where", "location", "which"]
             .iter()
@@ -446,6 +466,13 @@ pub fn judge_structured(r: &ChatReply) -> (Verdict, String) {
             Some(v) => (
                 Verdict::Partial,
                 format!("JSON wrapped in prose or a code fence; {}", describe(&v)),
+            ),
+            None if r.finish_reason.as_deref() == Some("length") => (
+                Verdict::Fail,
+                format!(
+                    "max_tokens ran out before the JSON was complete: {}",
+                    quote(content)
+                ),
             ),
             None => (
                 Verdict::Fail,
@@ -617,12 +644,7 @@ async fn tool_calling(endpoint: &Endpoint, model: &str, timeout: Duration) -> Ca
         timeout,
     )
     .await;
-    let vague = chat(
-        endpoint,
-        &ask(user("What's the weather like right now?")),
-        timeout,
-    )
-    .await;
+    let vague = chat(endpoint, &ask(user(UNDERSPECIFIED)), timeout).await;
 
     domain(
         "tool_calling",
@@ -717,7 +739,8 @@ mod tests {
     #[test]
     fn parses_chat_answers() {
         let v = json!({"choices": [{"message": {"content": null, "reasoning_content": "hm",
-            "tool_calls": [{"function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]}}],
+            "tool_calls": [{"function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+            "finish_reason": "tool_calls"}],
             "usage": {"completion_tokens": 12}});
         let r = parse_reply(&v);
         assert_eq!(
@@ -730,6 +753,7 @@ mod tests {
                     arguments: Ok(json!({"city": "Paris"}))
                 }],
                 completion_tokens: Some(12),
+                finish_reason: Some("tool_calls".to_owned()),
             })
         );
         assert!(parse_reply(&json!({"object": "error"})).is_err());
@@ -796,6 +820,8 @@ mod tests {
             judge_underspecified(&reply("It is sunny.", &[])).0,
             Verdict::Partial
         );
+        let echo = format!("{UNDERSPECIFIED} {UNDERSPECIFIED}");
+        assert_eq!(judge_underspecified(&reply(&echo, &[])).0, Verdict::Fail);
     }
 
     #[test]
@@ -822,6 +848,11 @@ mod tests {
             Verdict::Fail
         );
         assert_eq!(judge_structured(&reply("", &[])).0, Verdict::Fail);
+        let mut cut = reply(r#"{"title": "Login page returns"#, &[]);
+        cut.finish_reason = Some("length".to_owned());
+        let (v, observed) = judge_structured(&cut);
+        assert_eq!(v, Verdict::Fail);
+        assert!(observed.contains("max_tokens ran out"), "{observed}");
     }
 
     #[test]

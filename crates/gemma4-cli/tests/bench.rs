@@ -183,9 +183,8 @@ fn health_ok(port: u16) -> bool {
     matches!(http_get(port, "/health"), Some((200, _)))
 }
 
-#[test]
-fn sweep_against_gemma4_serve() {
-    let model = workspace().join("tests/fixtures/oracle/e-style");
+/// `gemma4 serve` on `model`, healthy, with its port and served model name.
+fn start_server(model: &Path) -> (Server, u16, String) {
     let port = free_port();
     let child = Command::new(BIN)
         .args([
@@ -214,7 +213,6 @@ fn sweep_against_gemma4_serve() {
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-
     let models = http_get(port, "/v1/models")
         .map(|(_, body)| body)
         .unwrap_or_default();
@@ -224,6 +222,13 @@ fn sweep_against_gemma4_serve() {
         .as_str()
         .unwrap_or("gemma4")
         .to_owned();
+    (server, port, served)
+}
+
+#[test]
+fn sweep_against_gemma4_serve() {
+    let model = workspace().join("tests/fixtures/oracle/e-style");
+    let (server, port, served) = start_server(&model);
 
     let dir = temp_dir("serve");
     let out_path = dir.join("ours.json");
@@ -278,6 +283,76 @@ fn sweep_against_gemma4_serve() {
     }
     assert_eq!(report["throughput"]["workload"]["prompt_len_exact"], true);
     assert_eq!(report["software"]["engine"], "gemma4");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The probes against our server on a random model: every probe is judged,
+/// and enforcement leaves the structured-output probes few outcomes: a valid
+/// ticket for a schema (any bare object for `json_object`), or an answer cut
+/// off by `max_tokens` inside the JSON.
+#[test]
+fn probes_against_gemma4_serve() {
+    let model = workspace().join("tests/fixtures/oracle/e-style");
+    let (server, port, served) = start_server(&model);
+    let dir = temp_dir("probes");
+    let out_path = dir.join("probes.json");
+    let url = format!("http://127.0.0.1:{port}");
+    let out = gemma4(&[
+        "bench",
+        "serve",
+        "--url",
+        &url,
+        "--model",
+        &served,
+        "--concurrency",
+        "1",
+        "--num-prompts",
+        "1",
+        "--input-len",
+        "8",
+        "--output-len",
+        "2",
+        "--warmup",
+        "0",
+        "--tokenizer",
+        model.to_str().unwrap_or_default(),
+        "--probes",
+        "--no-progress",
+        "--out",
+        out_path.to_str().unwrap_or_default(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "bench failed: {stderr}");
+    let report = read_report(&out_path);
+    let capabilities = report["capabilities"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let domains: Vec<&str> = capabilities
+        .iter()
+        .filter_map(|c| c["domain"].as_str())
+        .collect();
+    assert_eq!(domains, ["tool_calling", "structured_output", "reasoning"]);
+    for c in &capabilities {
+        for p in c["probes"].as_array().cloned().unwrap_or_default() {
+            let observed = p["observed"].as_str().unwrap_or_default();
+            assert!(!observed.is_empty(), "{p}");
+            assert!(
+                !observed.contains("HTTP"),
+                "our server answers every probe: {p}"
+            );
+            if c["domain"] == "structured_output" {
+                let any_object = p["name"] == "json_object-thinking-off"
+                    && p["verdict"] == "partial"
+                    && observed.starts_with("bare JSON");
+                assert!(
+                    p["verdict"] == "pass" || any_object || observed.contains("max_tokens ran out"),
+                    "enforced output is valid or cut off: {p}"
+                );
+            }
+        }
+    }
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -38,6 +38,10 @@ pub struct SamplingParams {
 
 /// A per-request rule on the next token, such as a grammar.
 pub trait TokenConstraint: Send {
+    /// Works out the next token's set ahead of [`allowed`](Self::allowed). The
+    /// engine calls it on another thread while the model computes the step's
+    /// logits, so the work is off the model's critical path.
+    fn prepare(&mut self) {}
     /// The tokens allowed next as a bit set over the vocabulary (bit `i % 32` of
     /// word `i / 32`), or `None` when any token may come.
     fn allowed(&mut self) -> Option<&[u32]>;

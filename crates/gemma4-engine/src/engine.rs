@@ -19,7 +19,8 @@ use gemma4_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::api::{
-    EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, TokenLogprob, Usage,
+    EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, TokenConstraint,
+    TokenLogprob, Usage,
 };
 use crate::kv_manager::KvManager;
 use crate::output::OutputState;
@@ -439,6 +440,23 @@ fn token_text(cache: &mut HashMap<u32, String>, tokenizer: &Tokenizer, id: u32) 
         .clone()
 }
 
+/// Constraints back from [`prepare_constraints`], each with its panic, if any.
+type PreparedConstraints =
+    std::thread::Result<Vec<(u64, Box<dyn TokenConstraint>, Option<String>)>>;
+
+/// Prepares each lent constraint's next mask; a panic is kept with its sequence.
+fn prepare_constraints(
+    lent: Vec<(u64, Box<dyn TokenConstraint>)>,
+) -> Vec<(u64, Box<dyn TokenConstraint>, Option<String>)> {
+    lent.into_iter()
+        .map(|(id, mut c)| {
+            let outcome = panic::catch_unwind(AssertUnwindSafe(|| c.prepare()));
+            let panicked = outcome.err().map(|p| panic_message(p.as_ref()));
+            (id, c, panicked)
+        })
+        .collect()
+}
+
 /// The text of a panic's payload.
 fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     payload
@@ -630,10 +648,21 @@ impl Worker {
         }
         #[cfg(feature = "fault-injection")]
         self.inject_engine_fault(&chunks);
-        let rows = self.forward(&chunks);
-        let mut finished = Vec::new();
+        // Grammar masks for this step's samples are worked out on another
+        // thread while the model computes the logits they will mask.
+        let lent = self.lend_constraints(&chunks);
+        let lent_ids: Vec<u64> = lent.iter().map(|(id, _)| *id).collect();
+        let (rows, prepared) = std::thread::scope(|s| {
+            let preparing = (!lent.is_empty()).then(|| s.spawn(|| prepare_constraints(lent)));
+            let rows = self.forward(&chunks);
+            (rows, preparing.map(|h| h.join()))
+        });
+        let mut finished = self.restore_constraints(&lent_ids, prepared);
         for (c, row) in chunks.iter().zip(rows) {
             let id = self.scheduler.running[c.index].id;
+            if finished.iter().any(|(failed, _)| *failed == id) {
+                continue;
+            }
             let row = match row {
                 Ok(row) => row,
                 Err(e) => {
@@ -656,6 +685,57 @@ impl Worker {
         for (id, reason) in finished {
             self.end(id, reason);
         }
+    }
+
+    /// The constraints of the sequences that sample this step, taken out of
+    /// their samplers.
+    fn lend_constraints(&mut self, chunks: &[Chunk]) -> Vec<(u64, Box<dyn TokenConstraint>)> {
+        chunks
+            .iter()
+            .filter(|c| c.samples)
+            .filter_map(|c| {
+                let id = self.scheduler.running[c.index].id;
+                let constraint = self.live.get_mut(&id)?.sampler.take_constraint()?;
+                Some((id, constraint))
+            })
+            .collect()
+    }
+
+    /// Gives prepared constraints back. A sequence whose constraint panicked
+    /// (or was lost with its thread) must not sample unconstrained: it ends.
+    fn restore_constraints(
+        &mut self,
+        lent: &[u64],
+        prepared: Option<PreparedConstraints>,
+    ) -> Vec<(u64, FinishReason)> {
+        let returned = match prepared {
+            None => return Vec::new(),
+            Some(Ok(returned)) => returned,
+            Some(Err(payload)) => {
+                let msg = panic_message(payload.as_ref());
+                tracing::error!(requests = ?lent, "preparing grammar masks failed: {msg}");
+                let reason = || FinishReason::Error(format!("the grammar failed: {msg}"));
+                return lent.iter().map(|&id| (id, reason())).collect();
+            }
+        };
+        let mut failed = Vec::new();
+        for (id, constraint, panicked) in returned {
+            match panicked {
+                Some(msg) => {
+                    tracing::error!(request = id, "the grammar mask panicked: {msg}");
+                    failed.push((
+                        id,
+                        FinishReason::Error(format!("the grammar failed: {msg}")),
+                    ));
+                }
+                None => {
+                    if let Some(live) = self.live.get_mut(&id) {
+                        live.sampler.restore_constraint(constraint);
+                    }
+                }
+            }
+        }
+        failed
     }
 
     /// A fault planned for a batch that holds the trigger token, outside the model.

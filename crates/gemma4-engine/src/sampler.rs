@@ -59,6 +59,16 @@ impl Sampler {
         &self.params
     }
 
+    /// Lends the constraint out (to prepare its next mask elsewhere); give it
+    /// back with [`restore_constraint`](Self::restore_constraint) before sampling.
+    pub fn take_constraint(&mut self) -> Option<Box<dyn TokenConstraint>> {
+        self.constraint.take()
+    }
+
+    pub fn restore_constraint(&mut self, constraint: Box<dyn TokenConstraint>) {
+        self.constraint = Some(constraint);
+    }
+
     /// Picks the next token from `logits` and records it.
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
         let logprobs = self.params.logprobs.map(|k| log_softmax_top(logits, k));

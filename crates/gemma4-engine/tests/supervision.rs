@@ -184,3 +184,97 @@ fn token_ids_the_embedding_lacks_are_refused() {
     stop.params.stop_token_ids = vec![512];
     assert!(matches!(engine.submit(stop), Err(SubmitError::Invalid(_))));
 }
+
+/// Allows only even token ids; records on which threads it prepared and was
+/// asked, and panics when preparing after `panic_after` accepted tokens.
+struct EvenTokens {
+    mask: Vec<u32>,
+    ready: bool,
+    accepted: usize,
+    panic_after: Option<usize>,
+    engine_thread: Arc<std::sync::Mutex<Vec<(std::thread::ThreadId, std::thread::ThreadId)>>>,
+    prepared_on: Option<std::thread::ThreadId>,
+}
+
+impl gemma4_engine::TokenConstraint for EvenTokens {
+    fn prepare(&mut self) {
+        if self.panic_after.is_some_and(|n| self.accepted >= n) {
+            panic!("a broken grammar");
+        }
+        self.mask = vec![0x5555_5555; 262_144 / 32];
+        self.ready = true;
+        self.prepared_on = Some(std::thread::current().id());
+    }
+
+    fn allowed(&mut self) -> Option<&[u32]> {
+        if !self.ready {
+            self.prepare();
+        }
+        if let (Some(p), Ok(mut seen)) = (self.prepared_on, self.engine_thread.lock()) {
+            seen.push((p, std::thread::current().id()));
+        }
+        Some(&self.mask)
+    }
+
+    fn accept(&mut self, _token: u32) {
+        self.ready = false;
+        self.accepted += 1;
+    }
+}
+
+fn constrained(
+    ids: &[u32],
+    panic_after: Option<usize>,
+    seen: &Arc<std::sync::Mutex<Vec<(std::thread::ThreadId, std::thread::ThreadId)>>>,
+) -> GenerationRequest {
+    let seen = seen.clone();
+    let factory = gemma4_engine::ConstraintFactory(Arc::new(move || {
+        Box::new(EvenTokens {
+            mask: Vec::new(),
+            ready: false,
+            accepted: 0,
+            panic_after,
+            engine_thread: seen.clone(),
+            prepared_on: None,
+        }) as Box<dyn gemma4_engine::TokenConstraint>
+    }));
+    let mut r = request(ids);
+    r.params.constraint = Some(factory);
+    r
+}
+
+/// Masks are prepared away from the engine thread, before the sampler asks;
+/// a constraint that panics while preparing ends its own request only, and
+/// never lets it sample unconstrained.
+#[test]
+fn grammar_masks_are_prepared_off_the_engine_thread_and_a_broken_one_fails_alone() {
+    let e = engine(None);
+    let (prompt, _) = golden_prompt();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let good = e.submit(constrained(&prompt, None, &seen)).expect("submit");
+    let broken = e
+        .submit(constrained(&prompt, Some(3), &seen))
+        .expect("submit");
+    let (good_ids, good_reason) = finish(good, Vec::new());
+    let (broken_ids, broken_reason) = finish(broken, Vec::new());
+    assert_eq!(good_reason, FinishReason::Length);
+    assert_eq!(good_ids.len(), STEPS);
+    assert!(good_ids.iter().all(|t| t % 2 == 0), "{good_ids:?}");
+    assert!(
+        matches!(&broken_reason, FinishReason::Error(m) if m.contains("a broken grammar")),
+        "{broken_reason:?}"
+    );
+    assert_eq!(
+        broken_ids.len(),
+        3,
+        "no token after the failure: {broken_ids:?}"
+    );
+    assert!(broken_ids.iter().all(|t| t % 2 == 0), "{broken_ids:?}");
+    let seen = seen.lock().expect("record");
+    assert!(!seen.is_empty());
+    assert!(
+        seen.iter().all(|(prepared, asked)| prepared != asked),
+        "every mask was ready before the sampler asked, from another thread"
+    );
+    assert!(e.health().is_ok());
+}

@@ -77,7 +77,7 @@ impl Grammars {
     pub fn compile(&self, spec: &GrammarSpec, param: &str) -> Result<Matcher, ApiError> {
         let grammar = match spec {
             GrammarSpec::JsonSchema(schema) => {
-                TopLevelGrammar::from_json_schema(with_compact_layout(schema))
+                TopLevelGrammar::from_json_schema(enforced_schema(schema))
             }
             GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
             GrammarSpec::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
@@ -126,16 +126,24 @@ impl Grammars {
                 matcher,
                 gate,
                 mask: Vec::new(),
+                ready: false,
                 eos,
             }) as Box<dyn TokenConstraint>
         }))
     }
 }
 
-/// JSON in `json.dumps` layout (`", "` and `": "`, no other white space): a
-/// model cannot pad its output with endless white space.
-fn with_compact_layout(schema: &Value) -> Value {
+/// The largest integer an unbounded `integer` may be: 16 digits, as
+/// llama.cpp's JSON grammars allow.
+const INTEGER_LIMIT: i64 = 9_999_999_999_999_999;
+
+/// The schema as it is enforced. JSON is written in `json.dumps` layout
+/// (`", "` and `": "`, no other white space), and an `integer` without bounds
+/// gets ±[`INTEGER_LIMIT`]: a model can pad its output neither with endless
+/// white space nor with endless digits.
+fn enforced_schema(schema: &Value) -> Value {
     let mut schema = schema.clone();
+    bound_integers(&mut schema);
     if let Some(obj) = schema.as_object_mut() {
         obj.entry("x-guidance").or_insert_with(|| {
             serde_json::json!({
@@ -146,6 +154,35 @@ fn with_compact_layout(schema: &Value) -> Value {
         });
     }
     schema
+}
+
+/// Adds the default bounds to every `integer` subschema that lacks them.
+/// Literal values (`enum`, `const`, `default`, `examples`) are left alone.
+fn bound_integers(schema: &mut Value) {
+    match schema {
+        Value::Object(obj) => {
+            let integer = match obj.get("type") {
+                Some(Value::String(t)) => t == "integer",
+                Some(Value::Array(ts)) => ts.iter().any(|t| t == "integer"),
+                _ => false,
+            };
+            if integer {
+                if !obj.contains_key("maximum") && !obj.contains_key("exclusiveMaximum") {
+                    obj.insert("maximum".into(), INTEGER_LIMIT.into());
+                }
+                if !obj.contains_key("minimum") && !obj.contains_key("exclusiveMinimum") {
+                    obj.insert("minimum".into(), (-INTEGER_LIMIT).into());
+                }
+            }
+            for (key, value) in obj.iter_mut() {
+                if !matches!(key.as_str(), "enum" | "const" | "default" | "examples") {
+                    bound_integers(value);
+                }
+            }
+        }
+        Value::Array(items) => items.iter_mut().for_each(bound_integers),
+        _ => {}
+    }
 }
 
 /// The thought-channel markers of a turn that may think before the answer.
@@ -170,6 +207,8 @@ struct GrammarConstraint {
     matcher: Matcher,
     gate: Gate,
     mask: Vec<u32>,
+    /// `mask` is the set for the next token (prepared since the last accept).
+    ready: bool,
     eos: u32,
 }
 
@@ -182,9 +221,9 @@ fn set_bit(mask: &mut Vec<u32>, token: u32) {
 }
 
 impl TokenConstraint for GrammarConstraint {
-    fn allowed(&mut self) -> Option<&[u32]> {
-        if let Gate::Thinking(_) = self.gate {
-            return None;
+    fn prepare(&mut self) {
+        if matches!(self.gate, Gate::Thinking(_)) || self.ready {
+            return;
         }
         self.mask = match self.matcher.compute_mask() {
             Ok(vob) => vob.as_slice().to_vec(),
@@ -198,10 +237,19 @@ impl TokenConstraint for GrammarConstraint {
         if let Gate::MayThink(t) = self.gate {
             set_bit(&mut self.mask, t.open);
         }
+        self.ready = true;
+    }
+
+    fn allowed(&mut self) -> Option<&[u32]> {
+        if let Gate::Thinking(_) = self.gate {
+            return None;
+        }
+        self.prepare();
         Some(&self.mask)
     }
 
     fn accept(&mut self, token: u32) {
+        self.ready = false;
         match self.gate {
             Gate::MayThink(t) if token == t.open => self.gate = Gate::Thinking(t),
             Gate::Thinking(t) => {
@@ -421,6 +469,11 @@ mod tests {
     /// Greedy decoding of a "model" that always prefers the same wrong tokens,
     /// under a grammar: the output must still match.
     fn run(spec: &GrammarSpec, steps: usize) -> String {
+        run_preferring(spec, steps, &|_| false)
+    }
+
+    /// As [`run`], but tokens for which `first` holds are preferred to all others.
+    fn run_preferring(spec: &GrammarSpec, steps: usize, first: &dyn Fn(u32) -> bool) -> String {
         let tok = tokenizer();
         let grammars = Grammars::new(tok.clone()).expect("trie");
         let matcher = grammars.compile(spec, "response_format").expect("compiles");
@@ -431,13 +484,18 @@ mod tests {
         for step in 0..steps {
             let allowed = constraint.allowed().expect("enforcing").to_vec();
             // A fixed, arbitrary preference order that changes each step.
-            let pick = (0..vocab as u32)
-                .map(|i| (i * 7919 + step as u32 * 104_729) % vocab as u32)
-                .find(|&t| {
-                    allowed
-                        .get(t as usize / 32)
-                        .is_some_and(|w| w & (1 << (t % 32)) != 0)
-                })
+            let order =
+                (0..vocab as u32).map(|i| (i * 7919 + step as u32 * 104_729) % vocab as u32);
+            let is_allowed = |t: &u32| {
+                allowed
+                    .get(*t as usize / 32)
+                    .is_some_and(|w| w & (1 << (t % 32)) != 0)
+            };
+            let pick = order
+                .clone()
+                .filter(|&t| first(t))
+                .find(is_allowed)
+                .or_else(|| order.clone().find(is_allowed))
                 .expect("something is allowed");
             if Some(pick) == tok.eos_id() {
                 break;
@@ -467,6 +525,46 @@ mod tests {
             "{text}"
         );
         assert_eq!(v.as_object().map(|o| o.len()), Some(2), "{text}");
+    }
+
+    #[test]
+    fn an_unbounded_integer_ends_within_sixteen_digits() {
+        let tok = tokenizer();
+        let digits = |t: u32| {
+            tok.decode(&[t], false).is_ok_and(|s| {
+                s.bytes().all(|b| b.is_ascii_digit()) && !s.starts_with(['0']) && !s.is_empty()
+            })
+        };
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {"h": {"type": "integer"}, "xs": {"type": "array", "items": {"type": ["integer", "null"]}, "maxItems": 2}},
+            "required": ["h", "xs"],
+            "additionalProperties": false
+        });
+        // A model that would write digits for ever.
+        let text = run_preferring(&GrammarSpec::JsonSchema(schema), 300, &digits);
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        let limit = INTEGER_LIMIT;
+        assert!(v["h"].as_i64().is_some_and(|h| h.abs() <= limit), "{text}");
+        assert!(
+            v["h"].as_i64().is_some_and(|h| h.abs() > 999),
+            "digits were preferred: {text}"
+        );
+        for x in v["xs"].as_array().expect("xs") {
+            assert!(
+                x.is_null() || x.as_i64().is_some_and(|x| x.abs() <= limit),
+                "{text}"
+            );
+        }
+
+        // Given bounds and literal values stay as they are.
+        let mut given = serde_json::json!({"type": "integer", "maximum": 5,
+            "const": {"type": "integer"}, "enum": [{"type": "integer"}]});
+        bound_integers(&mut given);
+        assert_eq!(given["maximum"], 5);
+        assert_eq!(given["minimum"], -INTEGER_LIMIT);
+        assert_eq!(given["const"], serde_json::json!({"type": "integer"}));
+        assert_eq!(given["enum"][0], serde_json::json!({"type": "integer"}));
     }
 
     #[test]
