@@ -446,6 +446,12 @@ pub async fn run_bench(opts: &BenchOptions, cancel: watch::Receiver<bool>) -> Re
     }
 
     let capabilities = if opts.probes && !is_cancelled() {
+        notes.push(
+            "Capability probes ran through /v1/chat/completions, one request each at temperature 0, \
+             judged by the fixed rules of gemma4-bench's probes.rs: the verdicts describe the model \
+             and its chat template as this server serves them."
+                .to_owned(),
+        );
         probes::run_probes(&endpoint, &opts.model, opts.request_timeout).await
     } else {
         if !opts.probes {

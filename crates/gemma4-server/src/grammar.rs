@@ -133,13 +133,15 @@ impl Grammars {
     }
 }
 
-/// The largest integer an unbounded `integer` may be: 16 digits, as
-/// llama.cpp's JSON grammars allow.
-const INTEGER_LIMIT: i64 = 9_999_999_999_999_999;
+/// The bound given to an unbounded `integer`: 2^53 − 1, the largest integer
+/// every JSON reader holds exactly (16 digits; llama.cpp's JSON grammars
+/// allow 16 digits too). The grammar engine holds bounds as `f64`, so the
+/// bound must be exact there: 9,999,999,999,999,999 would round up to 10^16.
+const INTEGER_LIMIT: i64 = 9_007_199_254_740_991;
 
 /// The schema as it is enforced. JSON is written in `json.dumps` layout
 /// (`", "` and `": "`, no other white space), and an `integer` without bounds
-/// gets ±[`INTEGER_LIMIT`]: a model can pad its output neither with endless
+/// stays within 16 digits: a model can pad its output neither with endless
 /// white space nor with endless digits.
 fn enforced_schema(schema: &Value) -> Value {
     let mut schema = schema.clone();
@@ -469,11 +471,16 @@ mod tests {
     /// Greedy decoding of a "model" that always prefers the same wrong tokens,
     /// under a grammar: the output must still match.
     fn run(spec: &GrammarSpec, steps: usize) -> String {
-        run_preferring(spec, steps, &|_| false)
+        run_preferring(spec, steps, &|_, _| false)
     }
 
-    /// As [`run`], but tokens for which `first` holds are preferred to all others.
-    fn run_preferring(spec: &GrammarSpec, steps: usize, first: &dyn Fn(u32) -> bool) -> String {
+    /// As [`run`], but tokens for which `first(text so far, token)` holds are
+    /// preferred to all others.
+    fn run_preferring(
+        spec: &GrammarSpec,
+        steps: usize,
+        first: &dyn Fn(&str, u32) -> bool,
+    ) -> String {
         let tok = tokenizer();
         let grammars = Grammars::new(tok.clone()).expect("trie");
         let matcher = grammars.compile(spec, "response_format").expect("compiles");
@@ -491,9 +498,10 @@ mod tests {
                     .get(*t as usize / 32)
                     .is_some_and(|w| w & (1 << (t % 32)) != 0)
             };
+            let text = tok.decode(&ids, false).expect("decodes");
             let pick = order
                 .clone()
-                .filter(|&t| first(t))
+                .filter(|&t| first(&text, t))
                 .find(is_allowed)
                 .or_else(|| order.clone().find(is_allowed))
                 .expect("something is allowed");
@@ -530,10 +538,17 @@ mod tests {
     #[test]
     fn an_unbounded_integer_ends_within_sixteen_digits() {
         let tok = tokenizer();
-        let digits = |t: u32| {
-            tok.decode(&[t], false).is_ok_and(|s| {
-                s.bytes().all(|b| b.is_ascii_digit()) && !s.starts_with(['0']) && !s.is_empty()
-            })
+        let id = |digit: &str| {
+            (0..tok.vocab_size() as u32)
+                .find(|&t| tok.decode(&[t], false).is_ok_and(|s| s == digit))
+                .expect("a token for the digit")
+        };
+        let (one, zero) = (id("1"), id("0"));
+        // A model that would write 1 and then zeros for ever (the largest
+        // numbers for their length, so a bound that rounds up lets one more digit in).
+        let digits = |text: &str, t: u32| {
+            let in_number = text.ends_with(|c: char| c.is_ascii_digit());
+            t == if in_number { zero } else { one }
         };
         let schema = serde_json::json!({
             "type": "object",
@@ -541,7 +556,6 @@ mod tests {
             "required": ["h", "xs"],
             "additionalProperties": false
         });
-        // A model that would write digits for ever.
         let text = run_preferring(&GrammarSpec::JsonSchema(schema), 300, &digits);
         let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
         let limit = INTEGER_LIMIT;
