@@ -5,6 +5,32 @@
 use candle_core::Tensor;
 
 use crate::error::{ModelError, Result};
+use crate::layers::softmax_last_dim;
+
+/// Which keys a query sees: a query at position p sees key j iff j ≤ p and,
+/// with a sliding window w, j > p − w.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Visibility {
+    pub window: Option<usize>,
+}
+
+impl Visibility {
+    /// The first position a query at `p` sees.
+    pub fn first_seen(self, p: usize) -> usize {
+        self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
+}
+
+/// One sequence's queries for [`KvStore::attend`].
+#[derive(Debug, Clone, Copy)]
+pub struct Queries<'a> {
+    /// `[n, heads, head_dim]`, rotated.
+    pub q: &'a Tensor,
+    /// Absolute position of the first query.
+    pub start: usize,
+    pub scale: f64,
+    pub visibility: Visibility,
+}
 
 /// Storage for the keys and values of the sequences in a batch.
 ///
@@ -23,6 +49,55 @@ pub trait KvStore {
     /// `[kv_heads, T, head_dim]` keys and values and the position of the first one.
     /// Positions are contiguous; a store may drop positions no query can see.
     fn read(&self, layer: usize, seq: usize) -> Result<(Tensor, Tensor, usize)>;
+
+    /// `[n, heads · head_dim]`: softmax(scale · q·kᵀ over the visible keys) · v
+    /// for one sequence's queries against the keys and values of `layer`.
+    fn attend(&self, layer: usize, seq: usize, queries: Queries<'_>) -> Result<Tensor> {
+        let (k, v, first) = self.read(layer, seq)?;
+        attend_gathered(&k, &v, first, queries)
+    }
+}
+
+/// Attention over gathered `[kv_heads, T, head_dim]` keys and values whose
+/// first position is `first`, as batched matrix products.
+pub fn attend_gathered(
+    k: &Tensor,
+    v: &Tensor,
+    first: usize,
+    queries: Queries<'_>,
+) -> Result<Tensor> {
+    let (n, heads, hd) = queries.q.dims3()?;
+    let kvh = k.dim(0)?;
+    let total = k.dim(1)?;
+    let group = heads / kvh;
+    // Group query heads by their KV head: [kv, group · n, hd].
+    let q = queries
+        .q
+        .transpose(0, 1)?
+        .reshape((kvh, group * n, hd))?
+        .contiguous()?;
+    let mut scores = q.matmul(&k.t()?)?;
+    if queries.scale != 1.0 {
+        scores = (scores * queries.scale)?;
+    }
+    let mut mask = Vec::with_capacity(n * total);
+    for p in queries.start..queries.start + n {
+        let seen = queries.visibility.first_seen(p);
+        for j in first..first + total {
+            let visible = j <= p && j >= seen;
+            mask.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
+        }
+    }
+    let mask = Tensor::from_vec(mask, (n, total), q.device())?;
+    let scores = scores
+        .reshape((kvh, group, n, total))?
+        .broadcast_add(&mask)?;
+    let probs = softmax_last_dim(&scores)?.reshape((kvh, group * n, total))?;
+    let out = probs.matmul(v)?; // [kv, group · n, hd]
+    Ok(out
+        .reshape((heads, n, hd))?
+        .transpose(0, 1)?
+        .reshape((n, heads * hd))?)
 }
 
 /// Keys and values of one sequence, kept whole.

@@ -9,7 +9,7 @@
 
 use candle_core::{Device, Tensor, D};
 
-use crate::cache::{KvCache, KvStore};
+use crate::cache::{KvCache, KvStore, Queries, Visibility};
 use crate::config::{AttentionKind, KvSource, LayerSpec, MoeSpec, RopeSpec, TextConfig};
 use crate::error::{ModelError, Result};
 use crate::layers::{gated_gelu, ids_tensor, softcap, softmax_last_dim, RmsNorm, Rotary};
@@ -515,34 +515,18 @@ impl DecoderLayer {
             KvSource::Own => self.index,
             KvSource::SharedFrom(j) => j,
         };
-        let group = at.num_heads / kvh;
+        let visibility = Visibility {
+            window: (self.spec.kind == AttentionKind::Sliding).then_some(at.sliding_window),
+        };
         let mut outs = Vec::with_capacity(spans.len());
         for sp in spans {
-            // [kv_heads, T, hd], keys at absolute positions first..first+T.
-            let (k, v, first) = kv.read(source, sp.seq)?;
-            let total = k.dim(1)?;
-            let n = sp.len;
-            // Group query heads by their KV head: [kv, group · n, hd].
-            let q = q
-                .narrow(0, sp.offset, n)?
-                .transpose(0, 1)?
-                .reshape((kvh, group * n, hd))?
-                .contiguous()?;
-            let mut scores = q.matmul(&k.t()?)?;
-            if at.scale != 1.0 {
-                scores = (scores * at.scale)?;
-            }
-            let mask = self.mask(sp.start..sp.start + n, first, total, x.device())?;
-            let scores = scores
-                .reshape((kvh, group, n, total))?
-                .broadcast_add(&mask)?;
-            let probs = softmax_last_dim(&scores)?.reshape((kvh, group * n, total))?;
-            let out = probs.matmul(&v)?; // [kv, group · n, hd]
-            outs.push(
-                out.reshape((at.num_heads, n, hd))?
-                    .transpose(0, 1)?
-                    .reshape((n, at.num_heads * hd))?,
-            );
+            let queries = Queries {
+                q: &q.narrow(0, sp.offset, sp.len)?,
+                start: sp.start,
+                scale: at.scale,
+                visibility,
+            };
+            outs.push(kv.attend(source, sp.seq, queries)?);
         }
         let out = if outs.len() == 1 {
             outs.pop()
@@ -551,28 +535,6 @@ impl DecoderLayer {
             Tensor::cat(&outs, 0)?
         };
         at.o_proj.forward(&out)
-    }
-
-    /// Additive mask `[n, total]` for keys at positions `first..first + total`:
-    /// a query at position p sees key j iff j ≤ p and, on sliding layers, j > p − window.
-    fn mask(
-        &self,
-        queries: std::ops::Range<usize>,
-        first: usize,
-        total: usize,
-        device: &Device,
-    ) -> Result<Tensor> {
-        let window = self.attn.sliding_window;
-        let sliding = self.spec.kind == AttentionKind::Sliding;
-        let n = queries.len();
-        let mut m = Vec::with_capacity(n * total);
-        for p in queries {
-            for j in first..first + total {
-                let visible = j <= p && (!sliding || j + window > p);
-                m.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
-            }
-        }
-        Ok(Tensor::from_vec(m, (n, total), device)?)
     }
 }
 

@@ -3,6 +3,7 @@
 //! (per-layer embeddings, KV sharing, k = v attention, mixture of experts),
 //! plus reading and checking against reference ("golden") outputs.
 
+mod attend;
 pub mod cache;
 pub mod config;
 pub mod error;

@@ -6,9 +6,10 @@
 //! share block ids, and each group has its own block count, so sliding
 //! layers can hold only the blocks their window still needs.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
-use crate::cache::KvStore;
+use crate::attend::{InPlace, PoolValue};
+use crate::cache::{attend_gathered, KvStore, Queries};
 use crate::config::{AttentionKind, KvSource, TextConfig};
 use crate::error::{ModelError, Result};
 use crate::layers::ids_tensor;
@@ -236,6 +237,51 @@ impl PagedView<'_> {
     }
 }
 
+impl PagedView<'_> {
+    /// Pool slots of the live positions of a sequence in a layer, and the first position.
+    fn live_slots(&self, layer: usize, seq: usize) -> Result<(Vec<usize>, usize)> {
+        let (group, _, _) = self.pool.layer(layer)?;
+        let t = self.table(seq, *group)?;
+        let len = self.batch[seq].len_after_step;
+        let first = t.first_block * self.pool.block_size;
+        if len <= first {
+            return Err(ModelError::Input(format!(
+                "sequence {seq} has no live KV in layer {layer}"
+            )));
+        }
+        let slots = (first..len)
+            .map(|p| self.slot(t, p))
+            .collect::<Result<Vec<usize>>>()?;
+        Ok((slots, first))
+    }
+}
+
+fn f32_data(c: &CpuStorage) -> Option<&[f32]> {
+    match c {
+        CpuStorage::F32(d) => Some(d),
+        _ => None,
+    }
+}
+
+fn bf16_data(c: &CpuStorage) -> Option<&[half::bf16]> {
+    match c {
+        CpuStorage::BF16(d) => Some(d),
+        _ => None,
+    }
+}
+
+/// The elements of a contiguous CPU pool of type `T`, if it is one.
+fn pool_slice<T: PoolValue>(
+    storage: &Storage,
+    offset: usize,
+    pick: impl Fn(&CpuStorage) -> Option<&[T]>,
+) -> Option<&[T]> {
+    match storage {
+        Storage::Cpu(cpu) => pick(cpu).and_then(|data| data.get(offset..)),
+        _ => None,
+    }
+}
+
 impl KvStore for PagedView<'_> {
     fn write(
         &mut self,
@@ -264,18 +310,9 @@ impl KvStore for PagedView<'_> {
     }
 
     fn read(&self, layer: usize, seq: usize) -> Result<(Tensor, Tensor, usize)> {
-        let (group, kp, vp) = self.pool.layer(layer)?;
-        let t = self.table(seq, *group)?;
-        let len = self.batch[seq].len_after_step;
-        let first = t.first_block * self.pool.block_size;
-        if len <= first {
-            return Err(ModelError::Input(format!(
-                "sequence {seq} has no live KV in layer {layer}"
-            )));
-        }
-        let slots = (first..len)
-            .map(|p| self.slot(t, p).map(|s| s as u32))
-            .collect::<Result<Vec<u32>>>()?;
+        let (_, kp, vp) = self.pool.layer(layer)?;
+        let (slots, first) = self.live_slots(layer, seq)?;
+        let slots: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
         let idx = ids_tensor(&slots, kp.device())?;
         let k = kp
             .index_select(&idx, 0)?
@@ -288,5 +325,152 @@ impl KvStore for PagedView<'_> {
             .transpose(0, 1)?
             .contiguous()?;
         Ok((k, v, first))
+    }
+
+    fn attend(&self, layer: usize, seq: usize, queries: Queries<'_>) -> Result<Tensor> {
+        let (n, heads, hd) = queries.q.dims3()?;
+        let (_, kp, vp) = self.pool.layer(layer)?;
+        if n > crate::attend::IN_PLACE_MAX_QUERIES {
+            let (k, v, first) = self.read(layer, seq)?;
+            return attend_gathered(&k, &v, first, queries);
+        }
+        let (slots, first) = self.live_slots(layer, seq)?;
+        let shape = InPlace {
+            slots: &slots,
+            first,
+            kv_heads: kp.dim(1)?,
+            head_dim: hd,
+        };
+        let q = queries.q.flatten_all()?.to_vec1::<f32>()?;
+        let (ks, kl) = kp.storage_and_layout();
+        let (vs, vl) = vp.storage_and_layout();
+        let contiguous = kl.is_contiguous() && vl.is_contiguous();
+        let (ko, vo) = (kl.start_offset(), vl.start_offset());
+        let out = match kp.dtype() {
+            DType::F32 if contiguous => pool_slice(&ks, ko, f32_data)
+                .zip(pool_slice(&vs, vo, f32_data))
+                .map(|(k, v)| shape.run(k, v, &q, heads, &queries)),
+            DType::BF16 if contiguous => pool_slice(&ks, ko, bf16_data)
+                .zip(pool_slice(&vs, vo, bf16_data))
+                .map(|(k, v)| shape.run(k, v, &q, heads, &queries)),
+            _ => None,
+        };
+        drop((ks, vs));
+        match out {
+            Some(out) => Ok(Tensor::from_vec(out, (n, heads * hd), queries.q.device())?),
+            // Not a CPU pool: gather and use the device's matrix products.
+            None => {
+                let (k, v, first) = self.read(layer, seq)?;
+                attend_gathered(&k, &v, first, queries)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::Visibility;
+
+    fn config() -> TextConfig {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/oracle/e-style/config.json");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).expect("config")).expect("json");
+        TextConfig::from_hf_json(&json).expect("config")
+    }
+
+    fn noise(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = (i as u32)
+                    .wrapping_mul(2_654_435_761)
+                    .wrapping_add(seed.wrapping_mul(40_503));
+                ((x >> 8) % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// Reading the pools in place gives what gathering the context and
+    /// multiplying matrices gives, for both pool types, scattered blocks,
+    /// sliding windows and several queries.
+    #[test]
+    fn in_place_attention_matches_the_gathered_products() {
+        let cfg = config();
+        let bs = 4;
+        let len = 23;
+        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+            let groups = kv_groups(&cfg);
+            let mut pool = PagedKvPool::new(&cfg, bs, &vec![12; groups.len()], dtype, &Device::Cpu)
+                .expect("pool");
+            // Blocks out of order, and a sliding group that dropped its first block.
+            let tables: Vec<GroupBlocks> = groups
+                .iter()
+                .enumerate()
+                .map(|(g, _)| GroupBlocks {
+                    first_block: g % 2,
+                    blocks: [11u32, 3, 7, 0, 9, 5][g % 2..].to_vec(),
+                })
+                .collect();
+            let batch = vec![SeqBlocks {
+                groups: tables,
+                len_after_step: len,
+            }];
+            let mut view = pool.view(&batch);
+            for (g, group) in groups.iter().enumerate() {
+                let first = (g % 2) * bs;
+                for &layer in &group.layers {
+                    let spec = &cfg.layers[layer];
+                    let (kvh, hd) = (spec.num_kv_heads, spec.head_dim);
+                    let rows = len - first;
+                    let k = Tensor::from_vec(
+                        noise(rows * kvh * hd, 1 + layer as u32),
+                        (rows, kvh, hd),
+                        &Device::Cpu,
+                    )
+                    .expect("k");
+                    let v = Tensor::from_vec(
+                        noise(rows * kvh * hd, 50 + layer as u32),
+                        (rows, kvh, hd),
+                        &Device::Cpu,
+                    )
+                    .expect("v");
+                    view.write(layer, 0, first, &k, &v).expect("write");
+                    let heads = 4;
+                    for (n, window) in [(1, None), (3, Some(5)), (8, None), (2, Some(30))] {
+                        let q = Tensor::from_vec(
+                            noise(n * heads * hd, 99 + n as u32),
+                            (n, heads, hd),
+                            &Device::Cpu,
+                        )
+                        .expect("q");
+                        let queries = Queries {
+                            q: &q,
+                            start: len - n,
+                            scale: 0.25,
+                            visibility: Visibility { window },
+                        };
+                        let got = view.attend(layer, 0, queries).expect("in place");
+                        let (kg, vg, f) = view.read(layer, 0).expect("read");
+                        let want = attend_gathered(&kg, &vg, f, queries).expect("gathered");
+                        let (got, want) = (
+                            got.flatten_all()
+                                .and_then(|t| t.to_vec1::<f32>())
+                                .expect("got"),
+                            want.flatten_all()
+                                .and_then(|t| t.to_vec1::<f32>())
+                                .expect("want"),
+                        );
+                        assert_eq!(got.len(), want.len());
+                        for (a, b) in got.iter().zip(&want) {
+                            assert!(
+                                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                                "{dtype:?} layer {layer} n {n} window {window:?}: {a} vs {b}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 }

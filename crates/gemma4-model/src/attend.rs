@@ -1,0 +1,138 @@
+//! Attention read straight from a KV store's rows (`[row, kv_heads,
+//! head_dim]`, f32 or bf16), without gathering the context into new tensors:
+//! the path of decode steps, whose few queries make batched matrix products
+//! mostly overhead.
+
+use crate::cache::Queries;
+
+/// Queries per sequence up to which attention reads the store in place;
+/// longer spans (prefill) gather the keys and use batched matrix products.
+pub(crate) const IN_PLACE_MAX_QUERIES: usize = 8;
+
+/// A pool's elements, read as f32.
+pub(crate) trait PoolValue: Copy {
+    fn f32(self) -> f32;
+}
+
+impl PoolValue for f32 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+impl PoolValue for half::bf16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// `Σ q·k` with eight partial sums (vectorized by the compiler).
+#[inline(always)]
+fn dot<T: PoolValue>(q: &[f32], k: &[T]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (qc, kc) = (q.chunks_exact(8), k.chunks_exact(8));
+    let (q_rest, k_rest) = (qc.remainder(), kc.remainder());
+    for (a, b) in qc.zip(kc) {
+        for i in 0..8 {
+            acc[i] += a[i] * b[i].f32();
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for (a, b) in q_rest.iter().zip(k_rest) {
+        sum += a * b.f32();
+    }
+    sum
+}
+
+/// The shape of one in-place attention.
+pub(crate) struct InPlace<'a> {
+    /// Where each position from `first` on is stored (its row in the store).
+    pub slots: &'a [usize],
+    pub first: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl InPlace<'_> {
+    /// Attention read straight from the pools `k` and `v` (`[slot, kv_heads,
+    /// head_dim]`), without gathering the context.
+    pub fn run<T: PoolValue>(
+        &self,
+        k: &[T],
+        v: &[T],
+        q: &[f32],
+        heads: usize,
+        queries: &Queries<'_>,
+    ) -> Vec<f32> {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the features were detected on this CPU.
+            return unsafe { self.run_avx2(k, v, q, heads, queries) };
+        }
+        self.run_body(k, v, q, heads, queries)
+    }
+
+    /// [`Self::run`] compiled for AVX2 (eight lanes for the products and sums).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2<T: PoolValue>(
+        &self,
+        k: &[T],
+        v: &[T],
+        q: &[f32],
+        heads: usize,
+        queries: &Queries<'_>,
+    ) -> Vec<f32> {
+        self.run_body(k, v, q, heads, queries)
+    }
+
+    #[inline(always)]
+    fn run_body<T: PoolValue>(
+        &self,
+        k: &[T],
+        v: &[T],
+        q: &[f32],
+        heads: usize,
+        queries: &Queries<'_>,
+    ) -> Vec<f32> {
+        let hd = self.head_dim;
+        let n = q.len() / (heads * hd);
+        let group = heads / self.kv_heads;
+        let end = self.first + self.slots.len();
+        let mut out = vec![0f32; n * heads * hd];
+        let mut probs = Vec::with_capacity(self.slots.len());
+        for i in 0..n {
+            let p = queries.start + i;
+            let lo = queries.visibility.first_seen(p).max(self.first);
+            let hi = (p + 1).min(end);
+            for h in 0..heads {
+                let kh = h / group;
+                let qv = &q[(i * heads + h) * hd..][..hd];
+                let at = |slot: usize| (slot * self.kv_heads + kh) * hd;
+                probs.clear();
+                probs.extend((lo..hi).map(|j| {
+                    let s = self.slots[j - self.first];
+                    // Scaled after the product, as the batched path does.
+                    (dot(qv, &k[at(s)..at(s) + hd]) as f64 * queries.scale) as f32
+                }));
+                let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for x in probs.iter_mut() {
+                    *x = (*x - max).exp();
+                    sum += *x;
+                }
+                let o = &mut out[(i * heads + h) * hd..][..hd];
+                for (j, &e) in (lo..hi).zip(&probs) {
+                    let s = self.slots[j - self.first];
+                    let w = e / sum;
+                    for (o, &x) in o.iter_mut().zip(&v[at(s)..at(s) + hd]) {
+                        *o += w * x.f32();
+                    }
+                }
+            }
+        }
+        out
+    }
+}
