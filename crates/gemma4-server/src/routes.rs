@@ -24,7 +24,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 
-use crate::admission::read_body;
 use crate::auth;
 use crate::drain::ActiveGuard;
 use crate::error::ApiError;
@@ -182,12 +181,7 @@ pub(crate) fn check_model_name(state: &AppState, requested: Option<&str>) -> Res
 async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     // A request counts as running (and holds a drain) only once its body is in.
-    let bytes = read_body(
-        body,
-        state.config.max_body_bytes,
-        state.config.body_read_timeout,
-    )
-    .await?;
+    let bytes = state.read_body(body).await?;
     let (model, guard) = state.admit()?;
     let req = ChatRequest::parse(&bytes)?;
     let logprobs = req.logprobs;
@@ -272,12 +266,7 @@ pub(crate) async fn submit_chat(
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     // A request counts as running (and holds a drain) only once its body is in.
-    let bytes = read_body(
-        body,
-        state.config.max_body_bytes,
-        state.config.body_read_timeout,
-    )
-    .await?;
+    let bytes = state.read_body(body).await?;
     let (model, guard) = state.admit()?;
     let req = CompletionRequest::parse(&bytes)?;
     check_model_name(&state, req.model.as_deref())?;
@@ -347,12 +336,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
 async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     // A request counts as running (and holds a drain) only once its body is in.
-    let bytes = read_body(
-        body,
-        state.config.max_body_bytes,
-        state.config.body_read_timeout,
-    )
-    .await?;
+    let bytes = state.read_body(body).await?;
     let (model, guard) = state.admit()?;
     let req = GenerateRequest::parse(&bytes)?;
     let sampling = req.sampling.clone();

@@ -102,6 +102,16 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// A request's body, within the configured size limit and read deadline.
+    pub async fn read_body(&self, body: axum::body::Body) -> Result<axum::body::Bytes, ApiError> {
+        crate::admission::read_body(
+            body,
+            self.config.max_body_bytes,
+            self.config.body_read_timeout,
+        )
+        .await
+    }
+
     pub fn phase(&self) -> Phase {
         if self.engine_failure().is_some() {
             Phase::Failed

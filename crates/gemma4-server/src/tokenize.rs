@@ -9,7 +9,6 @@ use axum::extract::State;
 use axum::Json;
 use serde::Serialize;
 
-use crate::admission::read_body;
 use crate::error::ApiError;
 use crate::fields::Fields;
 use crate::generation::{blocking, chat_prompt};
@@ -45,12 +44,7 @@ pub async fn tokenize(
     body: Body,
 ) -> Result<Json<TokenizeResponse>, ApiError> {
     let model = ready(&state)?;
-    let bytes = read_body(
-        body,
-        state.config.max_body_bytes,
-        state.config.body_read_timeout,
-    )
-    .await?;
+    let bytes = state.read_body(body).await?;
     let f = Fields::parse(&bytes)?;
     check_model_name(&state, f.string("model")?)?;
     let tokens = if f.get("messages").is_some() {
@@ -92,12 +86,7 @@ pub async fn detokenize(
     body: Body,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
     let model = ready(&state)?;
-    let bytes = read_body(
-        body,
-        state.config.max_body_bytes,
-        state.config.body_read_timeout,
-    )
-    .await?;
+    let bytes = state.read_body(body).await?;
     let f = Fields::parse(&bytes)?;
     check_model_name(&state, f.string("model")?)?;
     let ids = f.token_ids("tokens")?.ok_or_else(|| {

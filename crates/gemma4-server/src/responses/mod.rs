@@ -19,7 +19,6 @@ use futures_util::stream;
 use gemma4_engine::{EngineEvent, FinishReason};
 use serde_json::{json, Map, Value};
 
-use crate::admission::read_body;
 use crate::drain::ActiveGuard;
 use crate::error::ApiError;
 use crate::fields::Fields;
@@ -216,12 +215,7 @@ pub async fn responses(
 ) -> Result<Response, ApiError> {
     let arrival = Instant::now();
     // A request counts as running (and holds a drain) only once its body is in.
-    let bytes = read_body(
-        body,
-        state.config.max_body_bytes,
-        state.config.body_read_timeout,
-    )
-    .await?;
+    let bytes = state.read_body(body).await?;
     let (model, guard) = state.admit()?;
     let f = Fields::parse(&bytes)?;
     let streamed = f.bool("stream")?.unwrap_or(false);
