@@ -186,17 +186,16 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
     let req = ChatRequest::parse(&bytes)?;
     let logprobs = req.logprobs;
     let submitted = submit_chat(&state, &model, req, arrival).await?;
-    let (id, served, prompt_tokens, collected, guard) =
-        match answer(&state, submitted, guard, Format::Chat).await? {
-            Ran::Streamed(response) => return Ok(response),
-            Ran::Collected {
-                id,
-                served,
-                prompt_tokens,
-                collected,
-                guard,
-            } => (id, served, prompt_tokens, collected, guard),
-        };
+    let Whole {
+        id,
+        served,
+        prompt_tokens,
+        collected,
+        guard,
+    } = match answer(&state, submitted, guard, Format::Chat).await? {
+        Ran::Streamed(response) => return Ok(response),
+        Ran::Collected(whole) => whole,
+    };
     let completion_tokens = collected.choices.iter().map(|o| o.completion_tokens).sum();
     let choices = collected
         .choices
@@ -285,22 +284,16 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
         arrival,
         prompt_param: "prompt",
     };
-    let (id, served, prompt_tokens, collected, guard) = match answer(
-        &state,
-        submit_openai(&state, &model, job, Format::Completion).await?,
+    let submitted = submit_openai(&state, &model, job, Format::Completion).await?;
+    let Whole {
+        id,
+        served,
+        prompt_tokens,
+        collected,
         guard,
-        Format::Completion,
-    )
-    .await?
-    {
+    } = match answer(&state, submitted, guard, Format::Completion).await? {
         Ran::Streamed(response) => return Ok(response),
-        Ran::Collected {
-            id,
-            served,
-            prompt_tokens,
-            collected,
-            guard,
-        } => (id, served, prompt_tokens, collected, guard),
+        Ran::Collected(whole) => whole,
     };
     let completion_tokens = collected.choices.iter().map(|o| o.completion_tokens).sum();
     let choices = collected
@@ -382,13 +375,16 @@ struct OpenAiJob {
 /// A generation either answered as a stream, or collected for a JSON response.
 pub(crate) enum Ran {
     Streamed(Response),
-    Collected {
-        id: String,
-        served: String,
-        prompt_tokens: usize,
-        collected: Collected,
-        guard: ActiveGuard,
-    },
+    Collected(Whole),
+}
+
+/// A collected generation and what its JSON response names.
+pub(crate) struct Whole {
+    id: String,
+    served: String,
+    prompt_tokens: usize,
+    collected: Collected,
+    guard: ActiveGuard,
 }
 
 /// A submitted chat or completion job.
@@ -478,13 +474,13 @@ async fn answer(
     }
     let prompt_tokens = generation.prompt_tokens;
     let collected = collect(generation, state).await?;
-    Ok(Ran::Collected {
+    Ok(Ran::Collected(Whole {
         id,
         served,
         prompt_tokens,
         collected,
         guard,
-    })
+    }))
 }
 
 pub(crate) fn unix_now() -> u64 {

@@ -230,6 +230,7 @@ pub async fn responses(
         state,
         output_tokens: 0,
         ended: false,
+        failure: None,
         _guard: guard,
     };
     if streamed {
@@ -245,6 +246,8 @@ struct Turn {
     state: Arc<AppState>,
     output_tokens: usize,
     ended: bool,
+    /// Why the turn failed, for a whole reply's error status.
+    failure: Option<ApiError>,
     _guard: ActiveGuard,
 }
 
@@ -258,7 +261,11 @@ impl Turn {
             // Every choice ends with `Finished`; a stream that stops short is an engine failure.
             self.ended = true;
             let e = ApiError::internal("the engine stopped before finishing the request");
-            return Some(self.assembler.finish(&Ending::Failed(e), self.usage()));
+            let events = self
+                .assembler
+                .finish(&Ending::Failed(e.clone()), self.usage());
+            self.failure = Some(e);
+            return Some(events);
         };
         let mut events = Vec::new();
         for e in &next.parsed {
@@ -268,10 +275,11 @@ impl Turn {
             self.output_tokens = usage.completion_tokens;
             self.ended = true;
             let ending = self.ending(next.index, reason);
-            if let Ending::Failed(e) = &ending {
-                tracing::info!("response ended early: {}", e.message);
-            }
             events.extend(self.assembler.finish(&ending, self.usage()));
+            if let Ending::Failed(e) = ending {
+                tracing::info!("response ended early: {}", e.message);
+                self.failure = Some(e);
+            }
         }
         Some(events)
     }
@@ -304,14 +312,10 @@ impl Turn {
                 last = e;
             }
         }
-        if last["type"] == "response.failed" {
-            let message = last["response"]["error"]["message"]
-                .as_str()
-                .unwrap_or("generation failed")
-                .to_owned();
-            return Err(ApiError::internal(message));
+        match self.failure {
+            Some(e) => Err(e),
+            None => Ok(last["response"].take()),
         }
-        Ok(last["response"].take())
     }
 }
 
