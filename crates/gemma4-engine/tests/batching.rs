@@ -9,6 +9,7 @@ use gemma4_engine::{
     start, EngineConfig, EngineEvent, EngineHandle, FinishReason, GenerationRequest, SamplingParams,
 };
 use gemma4_model::golden::{greedy, Golden};
+use gemma4_model::safetensors_store::SafetensorsStore;
 use gemma4_model::{load_hf_dir, Gemma4};
 use gemma4_text::Tokenizer;
 
@@ -152,7 +153,7 @@ fn batched_chunked_runs_equal_solo_runs() {
 }
 
 fn wait_idle(engine: &EngineHandle) -> gemma4_engine::EngineStats {
-    for _ in 0..200 {
+    for _ in 0..2000 {
         let s = engine.stats();
         if s.running == 0 && s.waiting == 0 && s.kv_blocks_used == 0 {
             return s;
@@ -423,14 +424,20 @@ fn timeouts_and_cancellation_free_blocks() {
     assert_eq!(wait_idle(&engine).kv_blocks_used, 0);
 }
 
-/// A bf16 KV cache rounds K and V once when written: the greedy
-/// continuations keep the reference's tokens, over all golden prompts, at
-/// least as long as measured (docs/quantization.md: 263 of 288; the
-/// e-style fixture's chat prompt has a near-tie at its first token).
+/// Top-1/top-2 margin (in reference logits) below which bf16 rounding may
+/// change the greedy choice: the reference measured that its own bf16
+/// compute (which rounds far more than K and V) never changed a top-1 choice
+/// whose float32 margin was over 0.25 (`measured` in golden.json).
+const BF16_NEAR_TIE: f32 = 0.25;
+
+/// A bf16 KV cache rounds K and V once when written: every greedy
+/// continuation follows the reference's until a step where the reference
+/// itself nearly ties between its choice and ours, over all golden prompts
+/// (docs/quantization.md gives the counts).
 #[test]
-fn bf16_kv_cache_keeps_the_reference_continuations() {
+fn bf16_kv_cache_leaves_the_reference_only_at_near_ties() {
     let mut shown = Vec::new();
-    let mut kept = 0;
+    let (mut kept, mut total) = (0, 0);
     for v in VARIANTS {
         let engine = start(
             model(v),
@@ -443,17 +450,54 @@ fn bf16_kv_cache_keeps_the_reference_continuations() {
         )
         .expect("engine");
         let golden = Golden::read(&fixture(v).join("golden.json")).expect("golden");
-        for p in &golden.prompts {
+        let tensors =
+            SafetensorsStore::open_files(&[fixture(v).join("golden_tensors.safetensors")])
+                .expect("golden tensors");
+        let vocab = model(v).config().vocab_size;
+        for (i, p) in golden.prompts.iter().enumerate() {
             let (out, _) = collect(&engine, &p.input_ids);
-            let leading = out
-                .iter()
-                .zip(&p.greedy.generated_ids)
-                .take_while(|(a, b)| a == b)
-                .count();
+            let want = &p.greedy.generated_ids;
+            let leading = out.iter().zip(want).take_while(|(a, b)| a == b).count();
             kept += leading;
+            total += want.len();
             shown.push(format!("{v}/{}: {leading}", p.name));
+            if leading == want.len() {
+                continue;
+            }
+            // Where it leaves the reference, the reference must rate our
+            // token within a near-tie of its own.
+            let step: Vec<f32> = tensors
+                .get(
+                    &format!("prompt{i}.generate_step_logits"),
+                    &[want.len(), vocab],
+                )
+                .and_then(|t| {
+                    t.get(leading)
+                        .and_then(|row| row.to_vec1::<f32>())
+                        .map_err(|e| gemma4_model::WeightError::Missing {
+                            name: e.to_string(),
+                        })
+                })
+                .expect("reference step logits");
+            let margin = step[want[leading] as usize] - step[out[leading] as usize];
+            assert!(
+                margin < BF16_NEAR_TIE,
+                "{v}/{}: step {leading} chose {} where the reference chose {} by {margin:.4}",
+                p.name,
+                out[leading],
+                want[leading]
+            );
         }
     }
-    println!("bf16 KV, leading reference tokens: {}", shown.join(", "));
-    assert!(kept >= 263, "{kept} tokens kept: {}", shown.join(", "));
+    println!(
+        "bf16 KV, leading reference tokens ({kept} of {total}): {}",
+        shown.join(", ")
+    );
+    // Most prompts have no near-tie on their path: a cache that rounds
+    // wrongly would leave the reference on confident steps and fail above.
+    assert!(
+        kept * 10 >= total * 8,
+        "{kept} of {total}: {}",
+        shown.join(", ")
+    );
 }

@@ -15,6 +15,9 @@ use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+/// The chunk index of a job that takes no more claims.
+const CLOSED: u32 = u32::MAX;
+
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_micros(200);
 
@@ -97,7 +100,7 @@ impl Pool {
             return;
         }
         let guard = match self.caller.try_lock() {
-            Ok(g) if self.threads > 1 && count > 1 => g,
+            Ok(g) if self.threads > 1 && count > 1 && count < CLOSED as usize => g,
             // Single-threaded, a single chunk, or another job in flight.
             _ => {
                 (0..count).for_each(f);
@@ -105,6 +108,12 @@ impl Pool {
             }
         };
         let s = &self.shared;
+        // Close the previous job before publishing this one: a worker that
+        // read its exhausted state and then this job's larger count must
+        // not be able to claim a chunk under the old epoch.
+        let previous = s.state.load(Ordering::SeqCst) & !u64::from(CLOSED);
+        s.state
+            .store(previous | u64::from(CLOSED), Ordering::SeqCst);
         let job = Job { f };
         // SAFETY of the lifetime erasure: workers dereference `job` only
         // after claiming a chunk of this epoch, and this function does not
@@ -240,6 +249,25 @@ mod tests {
                 assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
             }
         }
+    }
+
+    /// Jobs of alternating sizes on more threads than cores, so workers are
+    /// preempted mid-claim: one that read a finished small job's state and
+    /// then the next, larger job's count once claimed a chunk twice (and let
+    /// the caller return before its job was done).
+    #[test]
+    fn a_late_worker_never_claims_a_chunk_of_the_next_job() {
+        let pool = Pool::new(6);
+        let mut wrong = 0;
+        for job in 0..300_000usize {
+            let count = if job % 2 == 0 { 2 } else { 3 + job % 61 };
+            let hits: Vec<AtomicUsize> = (0..count).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(count, &|i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            wrong += usize::from(!hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+        }
+        assert_eq!(wrong, 0, "jobs whose chunks did not run exactly once");
     }
 
     #[test]
