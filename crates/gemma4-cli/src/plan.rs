@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use gemma4_model::config::{AttentionKind, TextConfig};
+use gemma4_model::paged::KvDtype;
 use gemma4_model::plan::{
     kv_bytes_for_context, kv_bytes_per_token, param_counts, resident_estimate, tokens_that_fit,
 };
@@ -35,17 +36,8 @@ pub struct Args {
     json: bool,
     /// KV-cache element type: bf16, f32 or int8 [default: bf16 for the tables (the
     /// published figures), f32 (what `serve` uses by default) for the resident prediction].
-    #[arg(long)]
-    kv_dtype: Option<String>,
-}
-
-fn dtype_bytes(name: &str, flag: &str) -> Result<usize> {
-    match name {
-        "bf16" | "f16" => Ok(2),
-        "f32" => Ok(4),
-        "int8" | "q8" => Ok(1),
-        other => bail!("{flag} `{other}` is not one of bf16, f16, f32, int8"),
-    }
+    #[arg(long, value_parser = |s: &str| s.parse::<KvDtype>())]
+    kv_dtype: Option<KvDtype>,
 }
 
 /// Parses `16GiB`, `24G`, `512MiB`, `1e9`, or plain bytes.
@@ -118,10 +110,7 @@ fn resident_of_load(
         ctx,
         args.max_num_seqs,
         512,
-        match &args.kv_dtype {
-            Some(d) => dtype_bytes(d, "--kv-dtype")?,
-            None => 4,
-        },
+        args.kv_dtype.unwrap_or(KvDtype::F32),
     )))
 }
 
@@ -141,13 +130,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
         Quant::Int8 => 1.0,
         Quant::Q4 => 20.0 / 32.0,
     };
-    let kv_name = args.kv_dtype.clone().unwrap_or_else(|| "bf16".into());
-    let kvbytes = dtype_bytes(&kv_name, "--kv-dtype")?;
+    let kv = args.kv_dtype.unwrap_or(KvDtype::Bf16);
+    let kv_name = kv.name();
     let ctx = args.max_model_len.unwrap_or(cfg.max_position_embeddings);
     let tp = args.tp as u64;
     let p = param_counts(&cfg);
     let resident = resident_of_load(&path, &cfg, &args, ctx)?;
-    let kv_shown = args.kv_dtype.as_deref().unwrap_or("f32");
+    let kv_shown = args.kv_dtype.unwrap_or(KvDtype::F32).name();
     if args.json {
         let json = match resident {
             Some(r) => serde_json::json!({
@@ -212,7 +201,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         human(weights_per_rank as f64)
     );
     println!("KV cache ({kv_name}):");
-    let groups = kv_bytes_per_token(&cfg, kvbytes);
+    let groups = kv_bytes_per_token(&cfg, kv);
     let mut per_token_rank = 0usize;
     for (g, bytes) in &groups {
         let kind = match g.kind {
@@ -224,7 +213,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             .layers
             .iter()
             .map(|&l| {
-                2 * cfg.layers[l].num_kv_heads.div_ceil(args.tp) * cfg.layers[l].head_dim * kvbytes
+                let heads = cfg.layers[l].num_kv_heads.div_ceil(args.tp);
+                2 * heads * (cfg.layers[l].head_dim * kv.element_bytes() + kv.scale_bytes())
             })
             .sum();
         per_token_rank += rank_bytes;
@@ -247,7 +237,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     println!("  per token, all groups: {}", human(total_token as f64));
     println!(
         "  one sequence of {ctx} tokens: {}",
-        human(kv_bytes_for_context(&cfg, ctx, kvbytes) as f64)
+        human(kv_bytes_for_context(&cfg, ctx, kv) as f64)
     );
     if let Some(r) = resident {
         println!(
@@ -276,12 +266,12 @@ pub fn run(args: Args) -> Result<ExitCode> {
             println!("  the weights do not fit: use more ranks (--tp) or a smaller --quant");
             return Ok(ExitCode::FAILURE);
         }
-        let fit = tokens_that_fit(&cfg, free_equiv, kvbytes, usize::MAX / 2);
+        let fit = tokens_that_fit(&cfg, free_equiv, kv, usize::MAX / 2);
         println!(
             "  one sequence fits up to {} tokens",
             fit.min(cfg.max_position_embeddings)
         );
-        let per_seq = kv_bytes_for_context(&cfg, ctx, kvbytes).max(1);
+        let per_seq = kv_bytes_for_context(&cfg, ctx, kv).max(1);
         println!(
             "  sequences of {ctx} tokens at once: {}",
             free_equiv / per_seq

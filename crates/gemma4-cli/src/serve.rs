@@ -84,7 +84,8 @@ pub struct Args {
     /// KV-cache memory in MiB [default: enough for --max-num-seqs sequences of --max-model-len tokens].
     #[arg(long)]
     kv_memory_mib: Option<usize>,
-    /// Element type of the KV cache: f32 (exact, the default) or bf16 (half the memory).
+    /// Element type of the KV cache: f32 (exact, the default), bf16 (half the memory) or
+    /// int8 (a quarter, plus a scale per token and head).
     #[arg(long, default_value = "f32", value_parser = |s: &str| s.parse::<gemma4_model::paged::KvDtype>())]
     kv_cache_dtype: gemma4_model::paged::KvDtype,
     /// Do not share KV blocks between requests with the same prompt prefix.

@@ -331,7 +331,7 @@ fn start_worker(
     let seq_bytes: usize = groups
         .iter()
         .zip(&per_seq)
-        .map(|(g, &n)| g.bytes_per_token(config.kv_dtype.bytes()) * n * bs)
+        .map(|(g, &n)| g.bytes_per_token(config.kv_dtype) * n * bs)
         .sum();
     let seqs = match config.kv_memory_bytes {
         Some(budget) => (budget / seq_bytes.max(1)).max(1),
@@ -347,7 +347,7 @@ fn start_worker(
                 (
                     format!("{:?}", g.kind).to_lowercase(),
                     g.layers.len(),
-                    g.bytes_per_token(config.kv_dtype.bytes()),
+                    g.bytes_per_token(config.kv_dtype),
                     n,
                 )
             })

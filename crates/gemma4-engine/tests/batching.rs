@@ -251,10 +251,11 @@ fn sliding_layers_hold_only_their_window() {
 fn engine_allocation_matches_the_plan() {
     for v in VARIANTS {
         let m = model(v);
-        let plan: Vec<usize> = gemma4_model::plan::kv_bytes_per_token(m.config(), 4)
-            .into_iter()
-            .map(|(_, b)| b)
-            .collect();
+        let plan: Vec<usize> =
+            gemma4_model::plan::kv_bytes_per_token(m.config(), gemma4_model::paged::KvDtype::F32)
+                .into_iter()
+                .map(|(_, b)| b)
+                .collect();
         let engine = start(m, tokenizer(v), config(64)).expect("engine");
         let report = engine.kv_plan();
         let allocated: Vec<usize> = report.groups.iter().map(|g| g.2).collect();
@@ -428,14 +429,13 @@ fn timeouts_and_cancellation_free_blocks() {
 /// change the greedy choice: the reference measured that its own bf16
 /// compute (which rounds far more than K and V) never changed a top-1 choice
 /// whose float32 margin was over 0.25 (`measured` in golden.json).
-const BF16_NEAR_TIE: f32 = 0.25;
+const NEAR_TIE: f32 = 0.25;
 
-/// A bf16 KV cache rounds K and V once when written: every greedy
-/// continuation follows the reference's until a step where the reference
-/// itself nearly ties between its choice and ours, over all golden prompts
-/// (docs/quantization.md gives the counts).
-#[test]
-fn bf16_kv_cache_leaves_the_reference_only_at_near_ties() {
+/// Greedy runs of every golden prompt with KV pools of `dtype`: each
+/// continuation must follow the reference's until a step where the
+/// reference itself nearly ties between its choice and ours. Returns the
+/// reference tokens kept and the total.
+fn departures_only_at_near_ties(dtype: gemma4_model::paged::KvDtype) -> (usize, usize) {
     let mut shown = Vec::new();
     let (mut kept, mut total) = (0, 0);
     for v in VARIANTS {
@@ -444,7 +444,7 @@ fn bf16_kv_cache_leaves_the_reference_only_at_near_ties() {
             tokenizer(v),
             EngineConfig {
                 max_model_len: 256,
-                kv_dtype: gemma4_model::paged::KvDtype::Bf16,
+                kv_dtype: dtype,
                 ..Default::default()
             },
         )
@@ -481,8 +481,9 @@ fn bf16_kv_cache_leaves_the_reference_only_at_near_ties() {
                 .expect("reference step logits");
             let margin = step[want[leading] as usize] - step[out[leading] as usize];
             assert!(
-                margin < BF16_NEAR_TIE,
-                "{v}/{}: step {leading} chose {} where the reference chose {} by {margin:.4}",
+                margin < NEAR_TIE,
+                "{} KV, {v}/{}: step {leading} chose {} where the reference chose {} by {margin:.4}",
+                dtype.name(),
                 p.name,
                 out[leading],
                 want[leading]
@@ -490,14 +491,27 @@ fn bf16_kv_cache_leaves_the_reference_only_at_near_ties() {
         }
     }
     println!(
-        "bf16 KV, leading reference tokens ({kept} of {total}): {}",
+        "{} KV, leading reference tokens ({kept} of {total}): {}",
+        dtype.name(),
         shown.join(", ")
     );
+    (kept, total)
+}
+
+/// bf16 pools round K and V once when written (docs/quantization.md gives
+/// the counts).
+#[test]
+fn bf16_kv_cache_leaves_the_reference_only_at_near_ties() {
+    let (kept, total) = departures_only_at_near_ties(gemma4_model::paged::KvDtype::Bf16);
     // Most prompts have no near-tie on their path: a cache that rounds
     // wrongly would leave the reference on confident steps and fail above.
-    assert!(
-        kept * 10 >= total * 8,
-        "{kept} of {total}: {}",
-        shown.join(", ")
-    );
+    assert!(kept * 10 >= total * 8, "{kept} of {total}");
+}
+
+/// int8 pools (a scale per token and head) are held to the same bound: no
+/// departure the reference's own bf16 compute could not make.
+#[test]
+fn int8_kv_cache_leaves_the_reference_only_at_near_ties() {
+    let (kept, total) = departures_only_at_near_ties(gemma4_model::paged::KvDtype::Int8);
+    assert!(kept * 10 >= total * 8, "{kept} of {total}");
 }

@@ -46,7 +46,7 @@ fn main() {
         "decode attention, {heads} query heads, {kvh} KV head, head_dim {hd}: in place vs gathered"
     );
     let bs = 16;
-    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+    for dtype in [KvDtype::F32, KvDtype::Bf16, KvDtype::Int8] {
         for ctx in [128usize, 512, 2048] {
             let blocks = ctx.div_ceil(bs);
             let mut pool = PagedKvPool::new(

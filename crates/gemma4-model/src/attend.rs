@@ -1,5 +1,5 @@
 //! Attention read straight from a KV store's rows (`[row, kv_heads,
-//! head_dim]`, f32 or bf16), without gathering the context into new tensors:
+//! head_dim]`, f32, bf16 or int8), without gathering the context into new tensors:
 //! the path of decode steps, whose few queries make batched matrix products
 //! mostly overhead.
 
@@ -46,6 +46,78 @@ fn dot<T: PoolValue>(q: &[f32], k: &[T]) -> f32 {
     sum
 }
 
+/// A pool's K or V rows, one per (slot, KV head), as attention reads them.
+pub(crate) trait KvRows {
+    /// `Σ q · row[r]`.
+    fn dot(&self, r: usize, q: &[f32]) -> f32;
+    /// `out += w · row[r]`.
+    fn add_scaled(&self, r: usize, w: f32, out: &mut [f32]);
+}
+
+/// Rows stored as plain numbers.
+pub(crate) struct Plain<'a, T> {
+    data: &'a [T],
+    head_dim: usize,
+}
+
+impl<'a, T> Plain<'a, T> {
+    pub fn new(data: &'a [T], head_dim: usize) -> Self {
+        Self { data, head_dim }
+    }
+}
+
+impl<T: PoolValue> KvRows for Plain<'_, T> {
+    #[inline(always)]
+    fn dot(&self, r: usize, q: &[f32]) -> f32 {
+        dot(q, &self.data[r * self.head_dim..][..self.head_dim])
+    }
+
+    #[inline(always)]
+    fn add_scaled(&self, r: usize, w: f32, out: &mut [f32]) {
+        let row = &self.data[r * self.head_dim..][..self.head_dim];
+        for (o, &x) in out.iter_mut().zip(row) {
+            *o += w * x.f32();
+        }
+    }
+}
+
+/// Pool bytes are int8 offset codes (`q + 128`), read as `q`.
+impl PoolValue for u8 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        f32::from(self) - 128.0
+    }
+}
+
+/// Rows stored as int8 offset codes with one scale per row.
+pub(crate) struct Int8Rows<'a> {
+    pub codes: &'a [u8],
+    pub scales: &'a [f32],
+    pub head_dim: usize,
+}
+
+impl Int8Rows<'_> {
+    #[inline(always)]
+    fn row(&self, r: usize) -> &[u8] {
+        &self.codes[r * self.head_dim..][..self.head_dim]
+    }
+}
+
+impl KvRows for Int8Rows<'_> {
+    #[inline(always)]
+    fn dot(&self, r: usize, q: &[f32]) -> f32 {
+        dot(q, self.row(r)) * self.scales[r]
+    }
+
+    #[inline(always)]
+    fn add_scaled(&self, r: usize, w: f32, out: &mut [f32]) {
+        let w = w * self.scales[r];
+        for (o, &x) in out.iter_mut().zip(self.row(r)) {
+            *o += w * x.f32();
+        }
+    }
+}
+
 /// The shape of one in-place attention.
 pub(crate) struct InPlace<'a> {
     /// Where each position from `first` on is stored (its row in the store).
@@ -58,10 +130,10 @@ pub(crate) struct InPlace<'a> {
 impl InPlace<'_> {
     /// Attention read straight from the pools `k` and `v` (`[slot, kv_heads,
     /// head_dim]`), without gathering the context.
-    pub fn run<T: PoolValue>(
+    pub fn run<K: KvRows, V: KvRows>(
         &self,
-        k: &[T],
-        v: &[T],
+        k: &K,
+        v: &V,
         q: &[f32],
         heads: usize,
         queries: &Queries<'_>,
@@ -77,10 +149,10 @@ impl InPlace<'_> {
     /// [`Self::run`] compiled for AVX2 (eight lanes for the products and sums).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2<T: PoolValue>(
+    unsafe fn run_avx2<K: KvRows, V: KvRows>(
         &self,
-        k: &[T],
-        v: &[T],
+        k: &K,
+        v: &V,
         q: &[f32],
         heads: usize,
         queries: &Queries<'_>,
@@ -89,10 +161,10 @@ impl InPlace<'_> {
     }
 
     #[inline(always)]
-    fn run_body<T: PoolValue>(
+    fn run_body<K: KvRows, V: KvRows>(
         &self,
-        k: &[T],
-        v: &[T],
+        k: &K,
+        v: &V,
         q: &[f32],
         heads: usize,
         queries: &Queries<'_>,
@@ -110,12 +182,12 @@ impl InPlace<'_> {
             for h in 0..heads {
                 let kh = h / group;
                 let qv = &q[(i * heads + h) * hd..][..hd];
-                let at = |slot: usize| (slot * self.kv_heads + kh) * hd;
+                let row = |slot: usize| slot * self.kv_heads + kh;
                 probs.clear();
                 probs.extend((lo..hi).map(|j| {
                     let s = self.slots[j - self.first];
                     // Scaled after the product, as the batched path does.
-                    (dot(qv, &k[at(s)..at(s) + hd]) as f64 * queries.scale) as f32
+                    (k.dot(row(s), qv) as f64 * queries.scale) as f32
                 }));
                 let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0f32;
@@ -125,11 +197,7 @@ impl InPlace<'_> {
                 }
                 let o = &mut out[(i * heads + h) * hd..][..hd];
                 for (j, &e) in (lo..hi).zip(&probs) {
-                    let s = self.slots[j - self.first];
-                    let w = e / sum;
-                    for (o, &x) in o.iter_mut().zip(&v[at(s)..at(s) + hd]) {
-                        *o += w * x.f32();
-                    }
+                    v.add_scaled(row(self.slots[j - self.first]), e / sum, o);
                 }
             }
         }

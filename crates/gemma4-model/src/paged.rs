@@ -8,7 +8,7 @@
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
-use crate::attend::{InPlace, PoolValue};
+use crate::attend::{InPlace, Int8Rows, Plain, PoolValue};
 use crate::cache::{attend_gathered, KvStore, Queries};
 use crate::config::{AttentionKind, KvSource, TextConfig};
 use crate::error::{ModelError, Result};
@@ -22,13 +22,27 @@ pub enum KvDtype {
     F32,
     /// Half the memory; K and V rounded to bf16 when written.
     Bf16,
+    /// A quarter of the memory (plus a scale per token and head): each
+    /// head's K and V row rounded to 8 bits, symmetric around 0, with its own
+    /// scale. Stored as offset codes (`q + 128` in a byte).
+    Int8,
 }
 
 impl KvDtype {
-    pub fn bytes(self) -> usize {
+    /// Bytes of one K or V element.
+    pub fn element_bytes(self) -> usize {
         match self {
             KvDtype::F32 => 4,
             KvDtype::Bf16 => 2,
+            KvDtype::Int8 => 1,
+        }
+    }
+
+    /// Bytes of the scale kept beside each head's K or V row of a token.
+    pub fn scale_bytes(self) -> usize {
+        match self {
+            KvDtype::Int8 => 4,
+            KvDtype::F32 | KvDtype::Bf16 => 0,
         }
     }
 
@@ -36,6 +50,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => "f32",
             KvDtype::Bf16 => "bf16",
+            KvDtype::Int8 => "int8",
         }
     }
 
@@ -43,6 +58,7 @@ impl KvDtype {
         match self {
             KvDtype::F32 => DType::F32,
             KvDtype::Bf16 => DType::BF16,
+            KvDtype::Int8 => DType::U8,
         }
     }
 }
@@ -53,8 +69,9 @@ impl std::str::FromStr for KvDtype {
         match s {
             "f32" => Ok(KvDtype::F32),
             "bf16" => Ok(KvDtype::Bf16),
+            "int8" => Ok(KvDtype::Int8),
             other => Err(format!(
-                "unknown KV-cache dtype `{other}` (choose f32 or bf16)"
+                "unknown KV-cache dtype `{other}` (choose f32, bf16 or int8)"
             )),
         }
     }
@@ -68,12 +85,14 @@ pub struct KvGroup {
     pub layers: Vec<usize>,
     /// `Σ 2 · kv_heads · head_dim` over the group's layers: K and V elements per token.
     pub elements_per_token: usize,
+    /// `Σ 2 · kv_heads` over the group's layers: K and V rows (one per head) per token.
+    pub rows_per_token: usize,
 }
 
 impl KvGroup {
-    /// Bytes of K and V per token at the given element size.
-    pub fn bytes_per_token(&self, dtype_bytes: usize) -> usize {
-        self.elements_per_token * dtype_bytes
+    /// Bytes of K and V per token in the given pool type (scales included).
+    pub fn bytes_per_token(&self, dtype: KvDtype) -> usize {
+        self.elements_per_token * dtype.element_bytes() + self.rows_per_token * dtype.scale_bytes()
     }
 }
 
@@ -93,10 +112,12 @@ pub fn kv_groups(cfg: &TextConfig) -> Vec<KvGroup> {
                 .iter()
                 .map(|&i| 2 * cfg.layers[i].num_kv_heads * cfg.layers[i].head_dim)
                 .sum();
+            let rows_per_token = layers.iter().map(|&i| 2 * cfg.layers[i].num_kv_heads).sum();
             (!layers.is_empty()).then_some(KvGroup {
                 kind,
                 layers,
                 elements_per_token,
+                rows_per_token,
             })
         })
         .collect()
@@ -118,14 +139,23 @@ pub struct SeqBlocks {
     pub len_after_step: usize,
 }
 
-/// The physical pools: per producer layer, K and V as `[blocks · block_size, kv_heads, head_dim]`.
+/// One producer layer's pools: K and V as `[blocks · block_size, kv_heads,
+/// head_dim]`, and for int8 their scales as `[blocks · block_size, kv_heads]`.
+struct LayerPool {
+    group: usize,
+    k: Tensor,
+    v: Tensor,
+    scales: Option<(Tensor, Tensor)>,
+}
+
+/// The physical pools of every producer layer.
 pub struct PagedKvPool {
     block_size: usize,
     dtype: KvDtype,
     groups: Vec<KvGroup>,
     blocks_per_group: Vec<usize>,
-    /// Per layer: `(group, K pool, V pool)` for producers, `None` otherwise.
-    pools: Vec<Option<(usize, Tensor, Tensor)>>,
+    /// Per layer: its pools for producers, `None` otherwise.
+    pools: Vec<Option<LayerPool>>,
 }
 
 impl PagedKvPool {
@@ -144,20 +174,28 @@ impl PagedKvPool {
                 groups.len()
             )));
         }
-        let mut pools = vec![None; cfg.num_layers()];
+        let mut pools: Vec<Option<LayerPool>> = (0..cfg.num_layers()).map(|_| None).collect();
         for (g, group) in groups.iter().enumerate() {
             for &l in &group.layers {
                 let spec = &cfg.layers[l];
-                let shape = (
-                    blocks_per_group[g] * block_size,
-                    spec.num_kv_heads,
-                    spec.head_dim,
-                );
-                pools[l] = Some((
-                    g,
-                    Tensor::zeros(shape, dtype.candle(), device)?,
-                    Tensor::zeros(shape, dtype.candle(), device)?,
-                ));
+                let slots = blocks_per_group[g] * block_size;
+                let shape = (slots, spec.num_kv_heads, spec.head_dim);
+                let scales = match dtype {
+                    KvDtype::Int8 => {
+                        let shape = (slots, spec.num_kv_heads);
+                        Some((
+                            Tensor::zeros(shape, DType::F32, device)?,
+                            Tensor::zeros(shape, DType::F32, device)?,
+                        ))
+                    }
+                    KvDtype::F32 | KvDtype::Bf16 => None,
+                };
+                pools[l] = Some(LayerPool {
+                    group: g,
+                    k: Tensor::zeros(shape, dtype.candle(), device)?,
+                    v: Tensor::zeros(shape, dtype.candle(), device)?,
+                    scales,
+                });
             }
         }
         Ok(Self {
@@ -186,7 +224,7 @@ impl PagedKvPool {
         self.groups
             .iter()
             .zip(&self.blocks_per_group)
-            .map(|(g, &n)| g.bytes_per_token(self.dtype.bytes()) * n * self.block_size)
+            .map(|(g, &n)| g.bytes_per_token(self.dtype) * n * self.block_size)
             .sum()
     }
 
@@ -199,7 +237,7 @@ impl PagedKvPool {
         PagedView { pool: self, batch }
     }
 
-    fn layer(&self, layer: usize) -> Result<&(usize, Tensor, Tensor)> {
+    fn layer(&self, layer: usize) -> Result<&LayerPool> {
         self.pools
             .get(layer)
             .and_then(Option::as_ref)
@@ -240,8 +278,8 @@ impl PagedView<'_> {
 impl PagedView<'_> {
     /// Pool slots of the live positions of a sequence in a layer, and the first position.
     fn live_slots(&self, layer: usize, seq: usize) -> Result<(Vec<usize>, usize)> {
-        let (group, _, _) = self.pool.layer(layer)?;
-        let t = self.table(seq, *group)?;
+        let group = self.pool.layer(layer)?.group;
+        let t = self.table(seq, group)?;
         let len = self.batch[seq].len_after_step;
         let first = t.first_block * self.pool.block_size;
         if len <= first {
@@ -270,6 +308,48 @@ fn bf16_data(c: &CpuStorage) -> Option<&[half::bf16]> {
     }
 }
 
+fn u8_data(c: &CpuStorage) -> Option<&[u8]> {
+    match c {
+        CpuStorage::U8(d) => Some(d),
+        _ => None,
+    }
+}
+
+/// Rows `[n, kv_heads, head_dim]` rounded to int8 per (token, head): the
+/// offset codes (`q + 128`) and the scales `[n, kv_heads]`, `x ≈ q · scale`.
+fn quantize_rows(x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (n, heads, hd) = x.dims3()?;
+    let values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let mut codes = Vec::with_capacity(values.len());
+    let mut scales = Vec::with_capacity(n * heads);
+    for row in values.chunks_exact(hd.max(1)) {
+        let max = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let scale = max / 127.0;
+        let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+        scales.push(scale);
+        codes.extend(
+            row.iter()
+                .map(|&x| ((x * inverse).round().clamp(-127.0, 127.0) as i32 + 128) as u8),
+        );
+    }
+    Ok((
+        Tensor::from_vec(codes, (n, heads, hd), x.device())?,
+        Tensor::from_vec(scales, (n, heads), x.device())?,
+    ))
+}
+
+/// Pool rows gathered by `idx`, as f32 `[kv_heads, n, head_dim]`.
+fn gather(pool: &Tensor, scales: Option<&Tensor>, idx: &Tensor) -> Result<Tensor> {
+    let rows = pool.index_select(idx, 0)?.to_dtype(DType::F32)?;
+    let rows = match scales {
+        Some(s) => rows
+            .affine(1.0, -128.0)?
+            .broadcast_mul(&s.index_select(idx, 0)?.unsqueeze(2)?)?,
+        None => rows,
+    };
+    Ok(rows.transpose(0, 1)?.contiguous()?)
+}
+
 /// The elements of a contiguous CPU pool of type `T`, if it is one.
 fn pool_slice<T: PoolValue>(
     storage: &Storage,
@@ -278,6 +358,59 @@ fn pool_slice<T: PoolValue>(
 ) -> Option<&[T]> {
     match storage {
         Storage::Cpu(cpu) => pick(cpu).and_then(|data| data.get(offset..)),
+        _ => None,
+    }
+}
+
+/// Attention read in place from a CPU pool; `None` for pools it cannot read
+/// directly (another device, or a non-contiguous view).
+fn attend_in_place(
+    pool: &LayerPool,
+    shape: &InPlace<'_>,
+    q: &[f32],
+    heads: usize,
+    queries: &Queries<'_>,
+) -> Option<Vec<f32>> {
+    let hd = shape.head_dim;
+    let (ks, kl) = pool.k.storage_and_layout();
+    let (vs, vl) = pool.v.storage_and_layout();
+    if !(kl.is_contiguous() && vl.is_contiguous()) {
+        return None;
+    }
+    let (ko, vo) = (kl.start_offset(), vl.start_offset());
+    match (&pool.scales, pool.k.dtype()) {
+        (None, DType::F32) => {
+            let (k, v) = (
+                pool_slice(&ks, ko, f32_data)?,
+                pool_slice(&vs, vo, f32_data)?,
+            );
+            Some(shape.run(&Plain::new(k, hd), &Plain::new(v, hd), q, heads, queries))
+        }
+        (None, DType::BF16) => {
+            let (k, v) = (
+                pool_slice(&ks, ko, bf16_data)?,
+                pool_slice(&vs, vo, bf16_data)?,
+            );
+            Some(shape.run(&Plain::new(k, hd), &Plain::new(v, hd), q, heads, queries))
+        }
+        (Some((k_scales, v_scales)), DType::U8) => {
+            let (kss, ksl) = k_scales.storage_and_layout();
+            let (vss, vsl) = v_scales.storage_and_layout();
+            if !(ksl.is_contiguous() && vsl.is_contiguous()) {
+                return None;
+            }
+            let k = Int8Rows {
+                codes: pool_slice(&ks, ko, u8_data)?,
+                scales: pool_slice(&kss, ksl.start_offset(), f32_data)?,
+                head_dim: hd,
+            };
+            let v = Int8Rows {
+                codes: pool_slice(&vs, vo, u8_data)?,
+                scales: pool_slice(&vss, vsl.start_offset(), f32_data)?,
+                head_dim: hd,
+            };
+            Some(shape.run(&k, &v, q, heads, queries))
+        }
         _ => None,
     }
 }
@@ -291,8 +424,8 @@ impl KvStore for PagedView<'_> {
         k: &Tensor,
         v: &Tensor,
     ) -> Result<()> {
-        let (group, kp, vp) = self.pool.layer(layer)?;
-        let t = self.table(seq, *group)?;
+        let pool = self.pool.layer(layer)?;
+        let t = self.table(seq, pool.group)?;
         let n = k.dim(0)?;
         let bs = self.pool.block_size;
         let mut i = 0;
@@ -301,35 +434,44 @@ impl KvStore for PagedView<'_> {
             let pos = start + i;
             let run = (bs - pos % bs).min(n - i);
             let slot = self.slot(t, pos)?;
-            let dt = kp.dtype();
-            kp.slice_set(&k.narrow(0, i, run)?.to_dtype(dt)?.contiguous()?, 0, slot)?;
-            vp.slice_set(&v.narrow(0, i, run)?.to_dtype(dt)?.contiguous()?, 0, slot)?;
+            let (k, v) = (k.narrow(0, i, run)?, v.narrow(0, i, run)?);
+            match &pool.scales {
+                Some((k_scales, v_scales)) => {
+                    let (kq, ks) = quantize_rows(&k)?;
+                    let (vq, vs) = quantize_rows(&v)?;
+                    pool.k.slice_set(&kq, 0, slot)?;
+                    pool.v.slice_set(&vq, 0, slot)?;
+                    k_scales.slice_set(&ks, 0, slot)?;
+                    v_scales.slice_set(&vs, 0, slot)?;
+                }
+                None => {
+                    let dt = pool.k.dtype();
+                    pool.k.slice_set(&k.to_dtype(dt)?.contiguous()?, 0, slot)?;
+                    pool.v.slice_set(&v.to_dtype(dt)?.contiguous()?, 0, slot)?;
+                }
+            }
             i += run;
         }
         Ok(())
     }
 
     fn read(&self, layer: usize, seq: usize) -> Result<(Tensor, Tensor, usize)> {
-        let (_, kp, vp) = self.pool.layer(layer)?;
+        let pool = self.pool.layer(layer)?;
         let (slots, first) = self.live_slots(layer, seq)?;
         let slots: Vec<u32> = slots.iter().map(|&s| s as u32).collect();
-        let idx = ids_tensor(&slots, kp.device())?;
-        let k = kp
-            .index_select(&idx, 0)?
-            .to_dtype(DType::F32)?
-            .transpose(0, 1)?
-            .contiguous()?;
-        let v = vp
-            .index_select(&idx, 0)?
-            .to_dtype(DType::F32)?
-            .transpose(0, 1)?
-            .contiguous()?;
+        let idx = ids_tensor(&slots, pool.k.device())?;
+        let (k_scales, v_scales) = match &pool.scales {
+            Some((k, v)) => (Some(k), Some(v)),
+            None => (None, None),
+        };
+        let k = gather(&pool.k, k_scales, &idx)?;
+        let v = gather(&pool.v, v_scales, &idx)?;
         Ok((k, v, first))
     }
 
     fn attend(&self, layer: usize, seq: usize, queries: Queries<'_>) -> Result<Tensor> {
         let (n, heads, hd) = queries.q.dims3()?;
-        let (_, kp, vp) = self.pool.layer(layer)?;
+        let pool = self.pool.layer(layer)?;
         if n > crate::attend::IN_PLACE_MAX_QUERIES {
             let (k, v, first) = self.read(layer, seq)?;
             return attend_gathered(&k, &v, first, queries);
@@ -338,24 +480,11 @@ impl KvStore for PagedView<'_> {
         let shape = InPlace {
             slots: &slots,
             first,
-            kv_heads: kp.dim(1)?,
+            kv_heads: pool.k.dim(1)?,
             head_dim: hd,
         };
         let q = queries.q.flatten_all()?.to_vec1::<f32>()?;
-        let (ks, kl) = kp.storage_and_layout();
-        let (vs, vl) = vp.storage_and_layout();
-        let contiguous = kl.is_contiguous() && vl.is_contiguous();
-        let (ko, vo) = (kl.start_offset(), vl.start_offset());
-        let out = match kp.dtype() {
-            DType::F32 if contiguous => pool_slice(&ks, ko, f32_data)
-                .zip(pool_slice(&vs, vo, f32_data))
-                .map(|(k, v)| shape.run(k, v, &q, heads, &queries)),
-            DType::BF16 if contiguous => pool_slice(&ks, ko, bf16_data)
-                .zip(pool_slice(&vs, vo, bf16_data))
-                .map(|(k, v)| shape.run(k, v, &q, heads, &queries)),
-            _ => None,
-        };
-        drop((ks, vs));
+        let out = attend_in_place(pool, &shape, &q, heads, &queries);
         match out {
             Some(out) => Ok(Tensor::from_vec(out, (n, heads * hd), queries.q.device())?),
             // Not a CPU pool: gather and use the device's matrix products.
@@ -391,6 +520,44 @@ mod tests {
             .collect()
     }
 
+    /// int8 rows come back within half a step of their scale, the largest
+    /// value of each row exactly, and a row of zeros as zeros.
+    #[test]
+    fn int8_rows_round_to_half_a_step() {
+        let mut values = noise(3 * 2 * 16, 7);
+        values[16..32].iter_mut().for_each(|x| *x = 0.0);
+        let x = Tensor::from_vec(values.clone(), (3, 2, 16), &Device::Cpu).expect("x");
+        let (codes, scales) = quantize_rows(&x).expect("quantize");
+        let codes = codes
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<u8>())
+            .expect("codes");
+        let scales = scales
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("scales");
+        for (r, row) in values.chunks(16).enumerate() {
+            let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(scales[r], max / 127.0);
+            for (c, &v) in row.iter().enumerate() {
+                let code = codes[r * 16 + c];
+                assert!((1..=255).contains(&code), "row {r}: code {code}");
+                let back = (f32::from(code) - 128.0) * scales[r];
+                assert!(
+                    (back - v).abs() <= scales[r] / 2.0 + 1e-7,
+                    "{v} came back as {back}"
+                );
+                if v.abs() == max {
+                    assert!(
+                        (back - v).abs() <= 1e-6 * max,
+                        "row maximum {v} came back as {back}"
+                    );
+                }
+            }
+        }
+        assert!(codes[16..32].iter().all(|&c| c == 128) && scales[1] == 0.0);
+    }
+
     /// Reading the pools in place gives what gathering the context and
     /// multiplying matrices gives, for both pool types, scattered blocks,
     /// sliding windows and several queries.
@@ -399,7 +566,7 @@ mod tests {
         let cfg = config();
         let bs = 4;
         let len = 23;
-        for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        for dtype in [KvDtype::F32, KvDtype::Bf16, KvDtype::Int8] {
             let groups = kv_groups(&cfg);
             let mut pool = PagedKvPool::new(&cfg, bs, &vec![12; groups.len()], dtype, &Device::Cpu)
                 .expect("pool");

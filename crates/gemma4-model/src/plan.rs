@@ -3,7 +3,7 @@
 //! capped at their window) and how many tokens fit in a memory budget.
 
 use crate::config::{AttentionKind, KvSource, TextConfig};
-use crate::paged::{kv_groups, KvGroup};
+use crate::paged::{kv_groups, KvDtype, KvGroup};
 
 /// Parameter counts by kind.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -65,20 +65,20 @@ pub fn param_counts(cfg: &TextConfig) -> ParamCounts {
     c
 }
 
-/// KV bytes per token of each group at `dtype_bytes` per element.
-pub fn kv_bytes_per_token(cfg: &TextConfig, dtype_bytes: usize) -> Vec<(KvGroup, usize)> {
+/// KV bytes per token of each group in pools of `dtype`.
+pub fn kv_bytes_per_token(cfg: &TextConfig, dtype: KvDtype) -> Vec<(KvGroup, usize)> {
     kv_groups(cfg)
         .into_iter()
         .map(|g| {
-            let b = g.bytes_per_token(dtype_bytes);
+            let b = g.bytes_per_token(dtype);
             (g, b)
         })
         .collect()
 }
 
 /// KV bytes one sequence of `tokens` positions needs (sliding groups hold at most `window` positions).
-pub fn kv_bytes_for_context(cfg: &TextConfig, tokens: usize, dtype_bytes: usize) -> usize {
-    kv_bytes_per_token(cfg, dtype_bytes)
+pub fn kv_bytes_for_context(cfg: &TextConfig, tokens: usize, dtype: KvDtype) -> usize {
+    kv_bytes_per_token(cfg, dtype)
         .iter()
         .map(|(g, b)| {
             let held = match g.kind {
@@ -151,11 +151,11 @@ pub fn resident_estimate(
     ctx: usize,
     seqs: usize,
     chunk: usize,
-    kv_dtype_bytes: usize,
+    kv_dtype: KvDtype,
 ) -> ResidentEstimate {
     let kv: u64 = kv_pool_blocks(cfg, ctx, 16, chunk, seqs)
         .iter()
-        .map(|(g, blocks)| (g.bytes_per_token(kv_dtype_bytes) * blocks * 16) as u64)
+        .map(|(g, blocks)| (g.bytes_per_token(kv_dtype) * blocks * 16) as u64)
         .sum();
     // A touched row costs its pages: rows are contiguous, so a row of b
     // bytes spans ⌈b / page⌉ pages, plus one where it crosses a boundary.
@@ -192,12 +192,12 @@ pub fn resident_estimate(
 }
 
 /// The longest single context whose KV fits in `bytes` (capped at `limit`).
-pub fn tokens_that_fit(cfg: &TextConfig, bytes: usize, dtype_bytes: usize, limit: usize) -> usize {
+pub fn tokens_that_fit(cfg: &TextConfig, bytes: usize, dtype: KvDtype, limit: usize) -> usize {
     // kv_bytes_for_context is monotone in tokens: binary search.
     let (mut lo, mut hi) = (0usize, limit);
     while lo < hi {
         let mid = lo + (hi - lo).div_ceil(2);
-        if kv_bytes_for_context(cfg, mid, dtype_bytes) <= bytes {
+        if kv_bytes_for_context(cfg, mid, dtype) <= bytes {
             lo = mid;
         } else {
             hi = mid - 1;
@@ -230,7 +230,10 @@ mod tests {
         ];
         for (name, kib, params, ple_table) in cases {
             let cfg = real(name);
-            let per_token: usize = kv_bytes_per_token(&cfg, 2).iter().map(|(_, b)| b).sum();
+            let per_token: usize = kv_bytes_per_token(&cfg, KvDtype::Bf16)
+                .iter()
+                .map(|(_, b)| b)
+                .sum();
             assert_eq!(per_token, kib * 1024, "{name}");
             let total = param_counts(&cfg).total() as f64;
             assert!(
@@ -248,8 +251,11 @@ mod tests {
     fn context_bytes_cap_sliding_layers() {
         let cfg = real("gemma-4-E2B-it");
         // 4K context: sliding 12 KiB × 512 + full 6 KiB × 4096 = 30 MiB.
-        assert_eq!(kv_bytes_for_context(&cfg, 4096, 2), 30 * 1024 * 1024);
-        let fit = tokens_that_fit(&cfg, 30 * 1024 * 1024, 2, 131072);
+        assert_eq!(
+            kv_bytes_for_context(&cfg, 4096, KvDtype::Bf16),
+            30 * 1024 * 1024
+        );
+        let fit = tokens_that_fit(&cfg, 30 * 1024 * 1024, KvDtype::Bf16, 131072);
         assert_eq!(fit, 4096);
     }
 }
