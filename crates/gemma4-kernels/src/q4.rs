@@ -94,6 +94,40 @@ fn quantize_group(values: &[f32], out: &mut [u8]) -> (f32, bool) {
 }
 
 impl Q4Matrix {
+    /// A matrix from levels packed in element order, two to a byte (the low
+    /// nibble first), each stored as `level + 8`, with one scale per group of
+    /// [`GROUP`] values, row by row: the int4 packing of compressed-tensors'
+    /// `pack-quantized` format. `None` when the sizes do not fit.
+    pub fn from_packed_levels(
+        rows: usize,
+        cols: usize,
+        packed: &[u8],
+        scales: Vec<f32>,
+    ) -> Option<Self> {
+        if !cols.is_multiple_of(GROUP)
+            || packed.len() != rows * cols / 2
+            || scales.len() != rows * cols / GROUP
+        {
+            return None;
+        }
+        let mut nibbles = vec![0u8; packed.len()];
+        for (src, dst) in packed
+            .chunks_exact(GROUP / 2)
+            .zip(nibbles.chunks_exact_mut(GROUP / 2))
+        {
+            let level = |e: usize| (src[e / 2] >> (4 * (e % 2))) & 15;
+            for (j, d) in dst.iter_mut().enumerate() {
+                *d = level(j) | (level(j + GROUP / 2) << 4);
+            }
+        }
+        Some(Self {
+            nibbles,
+            scales,
+            rows,
+            cols,
+        })
+    }
+
     /// The rows of `parts`, in order, as one matrix (all of the same width).
     pub fn concat(parts: Vec<Q4Matrix>) -> Option<Self> {
         let cols = parts.first()?.cols;
@@ -215,6 +249,29 @@ mod tests {
         let (q, report) = Q4Matrix::quantize(&src).expect("width");
         assert_eq!(report.groups, 75 * 3);
         check_matmul(&q);
+    }
+
+    /// Levels packed in element order come back as the same values.
+    #[test]
+    fn packed_levels_read_in_element_order() {
+        let (rows, cols) = (3, 64);
+        let levels: Vec<i8> = (0..rows * cols)
+            .map(|i| ((i * 7 + i / 5) % 16) as i8 - 8)
+            .collect();
+        let packed: Vec<u8> = levels
+            .chunks_exact(2)
+            .map(|p| (p[0] + 8) as u8 | (((p[1] + 8) as u8) << 4))
+            .collect();
+        let scales: Vec<f32> = (0..rows * cols / GROUP)
+            .map(|g| 0.01 * (g + 1) as f32)
+            .collect();
+        let m = Q4Matrix::from_packed_levels(rows, cols, &packed, scales.clone()).expect("sizes");
+        let mut out = vec![0f32; rows * cols];
+        m.dequantize_rows(0..rows, &mut out);
+        for (i, (&o, &l)) in out.iter().zip(&levels).enumerate() {
+            assert_eq!(o, f32::from(l) * scales[i / GROUP], "element {i}");
+        }
+        assert!(Q4Matrix::from_packed_levels(rows, cols, &packed[1..], scales).is_none());
     }
 
     #[test]

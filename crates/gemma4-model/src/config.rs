@@ -222,16 +222,58 @@ const KNOWN_TEXT_KEYS: &[&str] = &[
 
 /// Keys a loader could meet that change the computation in ways this one
 /// cannot honour: present with any value but `null`, they are errors.
-const UNSUPPORTED_TEXT_KEYS: &[(&str, &str)] = &[
-    (
-        "rope_scaling",
-        "RoPE scaling is read from `rope_parameters`; a separate `rope_scaling` cannot be applied",
-    ),
-    (
-        "quantization_config",
-        "quantized safetensors checkpoints are not supported; use a GGUF file or unquantized weights",
-    ),
-];
+const UNSUPPORTED_TEXT_KEYS: &[(&str, &str)] = &[(
+    "rope_scaling",
+    "RoPE scaling is read from `rope_parameters`; a separate `rope_scaling` cannot be applied",
+)];
+
+/// A checkpoint's declared weight quantization: only compressed-tensors'
+/// packed symmetric int4 (Google's `-qat-w4a16-ct` exports) loads, as
+/// stored; anything else would be read as if it were plain weights.
+fn check_quantization(q: &Value, field: &str) -> Result<(), ConfigError> {
+    if q.is_null() {
+        return Ok(());
+    }
+    let refuse = |what: String| {
+        ConfigError::invalid(
+            field,
+            format!("{what}; only compressed-tensors `pack-quantized` symmetric int4 weights load (else use a GGUF file or unquantized weights)"),
+        )
+    };
+    let method = q
+        .get("quant_method")
+        .and_then(Value::as_str)
+        .unwrap_or("(none)");
+    if method != "compressed-tensors" {
+        return Err(refuse(format!("quant_method `{method}`")));
+    }
+    let default_format = q.get("format").and_then(Value::as_str);
+    let groups = q.get("config_groups").and_then(Value::as_object);
+    for (name, group) in groups.into_iter().flatten() {
+        let format = group
+            .get("format")
+            .and_then(Value::as_str)
+            .or(default_format)
+            .unwrap_or("(none)");
+        if format != "pack-quantized" {
+            return Err(refuse(format!("group `{name}` has format `{format}`")));
+        }
+        let w = &group["weights"];
+        let bits = w.get("num_bits").and_then(Value::as_u64).unwrap_or(0);
+        let kind = w.get("type").and_then(Value::as_str).unwrap_or("(none)");
+        let symmetric = w.get("symmetric").and_then(Value::as_bool).unwrap_or(true);
+        if bits != 4 || kind != "int" || !symmetric {
+            let shape = if symmetric { "symmetric" } else { "asymmetric" };
+            return Err(refuse(format!(
+                "group `{name}` stores weights as {shape} {bits}-bit {kind}"
+            )));
+        }
+        if group.get("input_activations").is_some_and(|a| !a.is_null()) {
+            return Err(refuse(format!("group `{name}` also quantizes activations")));
+        }
+    }
+    Ok(())
+}
 
 const TEXT_MODEL_TYPES: &[&str] = &[
     "gemma4_text",
@@ -282,11 +324,23 @@ impl TextConfig {
                 return Err(ConfigError::invalid(format!("{field_prefix}{key}"), *why));
             }
         }
+        if let Some(q) = top.get("quantization_config") {
+            check_quantization(q, "quantization_config")?;
+        }
+        if let Some(q) = text
+            .get("quantization_config")
+            .filter(|_| !field_prefix.is_empty())
+        {
+            check_quantization(q, &format!("{field_prefix}quantization_config"))?;
+        }
         // Keys from newer releases are ignored (with a warning): a key that
         // changed the computation would have to be listed above to be refused.
         let mut known = text.clone();
         let mut unknown_keys = Vec::new();
         known.retain(|key, _| {
+            if key == "quantization_config" {
+                return false;
+            }
             let keep = KNOWN_TEXT_KEYS.contains(&key.as_str())
                 || UNSUPPORTED_TEXT_KEYS.iter().any(|(k, _)| k == key);
             if !keep {
@@ -789,7 +843,48 @@ mod tests {
         let mut j = fixture("e-style");
         j["text_config"]["quantization_config"] = serde_json::json!({"quant_method": "fp8"});
         let e = TextConfig::from_hf_json(&j).unwrap_err().to_string();
-        assert!(e.contains("text_config.quantization_config"), "{e}");
+        assert!(
+            e.contains("text_config.quantization_config") && e.contains("`fp8`"),
+            "{e}"
+        );
+        // Where Hugging Face writes it: only packed symmetric int4 passes.
+        let mut j = fixture("e-style");
+        let int4 = serde_json::json!({
+            "quant_method": "compressed-tensors",
+            "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"],
+                "weights": {"num_bits": 4, "type": "int", "symmetric": true,
+                            "strategy": "group", "group_size": 32}}}
+        });
+        j["quantization_config"] = int4.clone();
+        assert!(TextConfig::from_hf_json(&j).is_ok());
+        for (path, value, want) in [
+            ("quant_method", serde_json::json!("awq"), "`awq`"),
+            (
+                "format",
+                serde_json::json!("float-quantized"),
+                "`float-quantized`",
+            ),
+            (
+                "config_groups/group_0/weights/num_bits",
+                serde_json::json!(8),
+                "8-bit",
+            ),
+            (
+                "config_groups/group_0/weights/symmetric",
+                serde_json::json!(false),
+                "asymmetric",
+            ),
+        ] {
+            let mut q = int4.clone();
+            *q.pointer_mut(&format!("/{path}")).expect("path") = value;
+            j["quantization_config"] = q;
+            let e = TextConfig::from_hf_json(&j).unwrap_err().to_string();
+            assert!(
+                e.contains("quantization_config") && e.contains(want),
+                "{path}: {e}"
+            );
+        }
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 mod attend;
 pub mod cache;
+pub mod compressed;
 pub mod config;
 pub mod error;
 pub mod gemma4;

@@ -24,6 +24,9 @@ use crate::storage::{
     StoredTensor,
 };
 
+/// The storage name of compressed-tensors int4 matrices in load reports.
+pub const PACKED_INT4: &str = "int4 (compressed-tensors)";
+
 /// What matrices stored as floats become in memory.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Quant {
@@ -214,6 +217,13 @@ impl<'a> Weights<'a> {
 
     /// The weight matrix `[out, in]` of a linear layer.
     pub fn linear(&self, name: &str, out: usize, inp: usize) -> Result<Linear> {
+        if let Some(packed) = self.src.packed_linear(name, out, inp) {
+            // Already 4-bit in the checkpoint's own format: kept as it is,
+            // whatever the policy asks of float matrices.
+            let m = packed?;
+            self.record(PACKED_INT4, m.stored_bytes(), true);
+            return Ok(self.kernel_linear(Arc::new(m)));
+        }
         let t = self.src.stored(name, &[out, inp])?;
         self.advance(&t);
         self.linear_from(&t, out, inp)
@@ -332,14 +342,17 @@ impl<'a> Weights<'a> {
             }
         };
         self.record(matrix.storage(), matrix.stored_bytes(), true);
+        Ok(self.kernel_linear(matrix))
+    }
+
+    /// A linear op over one of our kernels, with the policy's activations.
+    fn kernel_linear(&self, matrix: Arc<dyn WeightMatrix>) -> Linear {
         let precision = if self.policy.exact {
             Precision::Exact
         } else {
             Precision::Int8Activations
         };
-        Ok(Linear::new(Arc::new(KernelLinear::with_precision(
-            matrix, precision,
-        ))))
+        Linear::new(Arc::new(KernelLinear::with_precision(matrix, precision)))
     }
 
     /// Quantizes a float matrix a slice of rows at a time, dropping each

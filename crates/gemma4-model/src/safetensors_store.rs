@@ -173,6 +173,24 @@ impl SafetensorsStore {
         Ok(e)
     }
 
+    /// The bytes of a tensor stored as `dtype` (little-endian, as in the
+    /// file), checking its shape.
+    pub fn raw_bytes(
+        &self,
+        name: &str,
+        expected: &[usize],
+        dtype: Dtype,
+    ) -> Result<&[u8], WeightError> {
+        let e = self.entry(name, expected)?;
+        if e.dtype != dtype {
+            return Err(WeightError::Dtype {
+                name: name.into(),
+                dtype: format!("{:?} (expected {dtype:?})", e.dtype),
+            });
+        }
+        Ok(&(*self.maps[e.file]).as_ref()[e.start..e.end])
+    }
+
     /// Loads a floating-point tensor as f32 on the CPU, checking its shape.
     pub fn get(&self, name: &str, expected: &[usize]) -> Result<Tensor, WeightError> {
         let t = self.get_raw(name, expected)?;

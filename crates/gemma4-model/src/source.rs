@@ -6,6 +6,9 @@ use std::path::Path;
 
 use candle_core::{Device, Tensor};
 
+use gemma4_kernels::q4::Q4Matrix;
+
+use crate::compressed;
 use crate::error::{Result, WeightError};
 use crate::safetensors_store::SafetensorsStore;
 use crate::storage::StoredTensor;
@@ -15,8 +18,15 @@ pub trait WeightSource {
     /// A tensor of the given shape in its stored encoding (usually a view
     /// of a mapped file; nothing is converted).
     fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor>;
-    /// Whether the tensor exists.
+    /// Whether the tensor exists (as stored, or packed by the checkpoint's
+    /// quantization format).
     fn contains(&self, name: &str) -> bool;
+    /// The weight `[rows, cols]` of a linear layer when the checkpoint
+    /// stores it packed as int4 (compressed-tensors); `None` when it is a
+    /// plain tensor.
+    fn packed_linear(&self, _name: &str, _rows: usize, _cols: usize) -> Option<Result<Q4Matrix>> {
+        None
+    }
     /// A tensor of the given shape widened to f32 (norm weights, scalars).
     fn tensor(&self, name: &str, shape: &[usize]) -> Result<Tensor> {
         let t = self.stored(name, shape)?;
@@ -99,7 +109,17 @@ impl WeightSource for HfSafetensors {
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.store.contains(&format!("{}{name}", self.prefix))
+        let full = format!("{}{name}", self.prefix);
+        self.store.contains(&full)
+            || full
+                .strip_suffix(".weight")
+                .is_some_and(|base| compressed::is_packed(&self.store, base))
+    }
+
+    fn packed_linear(&self, name: &str, rows: usize, cols: usize) -> Option<Result<Q4Matrix>> {
+        let base = format!("{}{}", self.prefix, name.strip_suffix(".weight")?);
+        compressed::is_packed(&self.store, &base)
+            .then(|| compressed::int4_matrix(&self.store, &base, rows, cols))
     }
 
     fn unused(&self) -> Vec<String> {

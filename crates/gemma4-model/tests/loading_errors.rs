@@ -185,3 +185,60 @@ fn sharded_checkpoints_load() {
     }
     let _ = std::fs::remove_dir_all(dst);
 }
+
+/// Copies the compressed-tensors fixture with `extra` tensors added, or
+/// replacing those of the same name.
+fn compressed_copy_with(name: &str, extra: Vec<(String, TensorView)>) -> PathBuf {
+    let src = fixture("e-style-int4-ct");
+    let dst = scratch(name);
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dst.join(f)).expect("copy");
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let mut tensors: Vec<(String, TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| !extra.iter().any(|(e, _)| e == n))
+        .collect();
+    tensors.extend(extra);
+    safetensors::serialize_to_file(tensors, None, &dst.join("model.safetensors")).expect("write");
+    dst
+}
+
+/// Packed int4 variants that cannot load as stored are errors that name the
+/// tensor and what it uses: a zero point (asymmetric), groups narrower
+/// than 32 columns, and a packing of another width.
+#[test]
+fn unsupported_compressed_tensors_layouts_are_named() {
+    use safetensors::Dtype;
+    let base = "model.language_model.layers.1.mlp.down_proj";
+    let zeros = vec![0u8; 8 * 4 * 4];
+    let zero_point = TensorView::new(Dtype::I32, vec![8, 4], &zeros).expect("zero point");
+    let scales = vec![0u8; 64 * 8 * 2];
+    let narrow = TensorView::new(Dtype::BF16, vec![64, 8], &scales).expect("scales");
+    let packed = vec![0u8; 64 * 32 * 4];
+    let eight_bit = TensorView::new(Dtype::I32, vec![64, 32], &packed).expect("packed");
+    for (case, tensor, want) in [
+        (
+            "zero-point",
+            (format!("{base}.weight_zero_point"), zero_point),
+            "asymmetric",
+        ),
+        (
+            "narrow-groups",
+            (format!("{base}.weight_scale"), narrow),
+            "groups of 16 columns",
+        ),
+        (
+            "eight-bit",
+            (format!("{base}.weight_packed"), eight_bit),
+            "weights of 8 bits",
+        ),
+    ] {
+        let dir = compressed_copy_with(case, vec![tensor]);
+        let err = load_hf_dir(&dir).expect_err(case).to_string();
+        assert!(err.contains(base) && err.contains(want), "{case}: {err}");
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}

@@ -136,3 +136,41 @@ fn long_prompt_exceeds_the_sliding_window() {
         assert!(r.seq_match, "{v}: {:?}", r);
     }
 }
+
+/// A compressed-tensors int4 copy of the e-style fixture (packed by the
+/// library itself, `tools/make_compressed_fixture.py`; goldens from
+/// transformers on the weights it unpacks) loads as stored, without
+/// widening, and matches the reference with f32 activations.
+#[test]
+fn compressed_tensors_int4_matches_the_reference() {
+    let dir = fixture("e-style-int4-ct");
+    let policy = gemma4_model::LoadPolicy {
+        exact: true,
+        ..Default::default()
+    };
+    let loaded = gemma4_model::load_with(&dir, policy, None).expect("load");
+    // Every linear layer but the eight 16-wide per-layer projections (the
+    // library cannot group them by 32, so they stay bf16).
+    let packed = loaded
+        .report
+        .by_storage
+        .get(gemma4_model::loader::PACKED_INT4)
+        .map(|(n, _)| *n);
+    assert_eq!(packed, Some(59), "{:?}", loaded.report.by_storage);
+    let golden = Golden::read(&dir.join("golden.json")).expect("golden");
+    for p in &golden.prompts {
+        let r = verify_prompt(&loaded.model, p, DEFAULT_TOLERANCE).expect("verify");
+        println!(
+            "int4 (compressed-tensors)/{}: max_abs_logit_diff={:.2e}",
+            p.name, r.max_abs_logit_diff
+        );
+        assert!(
+            r.max_abs_logit_diff <= DEFAULT_TOLERANCE && r.top5_mismatches.is_empty(),
+            "{}: logits off by {}, top-5 differs at {:?}",
+            p.name,
+            r.max_abs_logit_diff,
+            r.top5_mismatches
+        );
+        assert_eq!(r.generated_ids, p.greedy.generated_ids, "{}", p.name);
+    }
+}
