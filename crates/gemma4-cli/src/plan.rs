@@ -106,7 +106,6 @@ fn resident_of_load(
     Ok(Some(resident_estimate(
         cfg,
         weights,
-        &loaded.report.projected_tables(args.quant),
         ctx,
         args.max_num_seqs,
         512,
@@ -142,7 +141,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
             Some(r) => serde_json::json!({
                 "predicted_resident_bytes": r.total(),
                 "weights_bytes": r.weights,
-                "table_rows_bytes": r.tables,
                 "kv_bytes": r.kv,
                 "runtime_bytes": r.runtime,
                 "max_model_len": ctx,
@@ -246,7 +244,6 @@ pub fn run(args: Args) -> Result<ExitCode> {
             args.quant.name()
         );
         println!("  weights read every step {:>12}", human(r.weights as f64));
-        println!("  table rows touched      {:>12}", human(r.tables as f64));
         println!("  KV pools                {:>12}", human(r.kv as f64));
         println!("  tokenizer, activations  {:>12}", human(r.runtime as f64));
         println!("  predicted peak          {:>12}", human(r.total() as f64));

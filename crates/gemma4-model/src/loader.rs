@@ -89,13 +89,8 @@ pub struct LoadReport {
     pub quantized_from_bytes: u64,
     /// 4-bit quantization: groups, and those already on their grid.
     pub q4: Q4Report,
-    /// By-row tables: rows and bytes per row.
-    pub tables: Vec<(u64, u64)>,
     /// Matrices stored as floats that every step reads: elements, rows, bytes as stored.
     pub float_matrices: (u64, u64, u64),
-    /// The embedding table the head reads in place, if it does (rows, bytes per row):
-    /// quantizing the head makes it a by-row table again.
-    pub head_table: Option<(u64, u64)>,
 }
 
 impl LoadReport {
@@ -119,18 +114,6 @@ impl LoadReport {
             Quant::Q4 => elements / 32 * 20,
         };
         self.resident_bytes - bytes + quantized
-    }
-
-    /// By-row tables of the same checkpoint under `quant` (a quantized head
-    /// leaves the embedding table to be read by row).
-    pub fn projected_tables(&self, quant: Quant) -> Vec<(u64, u64)> {
-        let mut t = self.tables.clone();
-        if let (Some(head), true) = (self.head_table, quant != Quant::AsStored) {
-            if self.float_matrices.2 > 0 {
-                t.push(head);
-            }
-        }
-        t
     }
 
     /// Whether the 4-bit quantization found the weights already on a Q4_0
@@ -241,11 +224,10 @@ impl<'a> Weights<'a> {
         self.advance(&t);
         let m = t.matrix(rows, dim)?;
         self.record(m.storage(), m.stored_bytes(), false);
-        self.report
-            .borrow_mut()
-            .tables
-            .push((rows as u64, (m.stored_bytes() / rows.max(1)) as u64));
-        Ok((Embedding::new(Arc::new(RowsEmbedding::new(m))), t))
+        Ok((
+            Embedding::new(Arc::new(RowsEmbedding::new(m).reading_from(&t))),
+            t,
+        ))
     }
 
     /// The output head tied to an embedding table: the same bytes as stored,
@@ -264,11 +246,6 @@ impl<'a> Weights<'a> {
         {
             let mut r = self.report.borrow_mut();
             r.table_bytes = r.table_bytes.saturating_sub(table.bytes.len() as u64);
-            let row_bytes = (table.bytes.len() / rows.max(1)) as u64;
-            if let Some(i) = r.tables.iter().position(|&t| t == (rows as u64, row_bytes)) {
-                r.tables.remove(i);
-            }
-            r.head_table = Some((rows as u64, row_bytes));
             if let Some(e) = r.by_storage.get_mut(table.dtype.name()) {
                 e.0 = e.0.saturating_sub(1);
                 e.1 = e.1.saturating_sub(table.bytes.len() as u64);
@@ -279,9 +256,6 @@ impl<'a> Weights<'a> {
             // Quantized or copied: the lookups read the table by row again.
             let mut r = self.report.borrow_mut();
             r.table_bytes += table.bytes.len() as u64;
-            r.tables
-                .push((rows as u64, (table.bytes.len() / rows.max(1)) as u64));
-            r.head_table = None;
         }
         Ok(head)
     }

@@ -12,6 +12,8 @@ use crate::error::WeightError;
 /// A mapped file. Tensors borrow byte ranges of it through [`Bytes`].
 pub struct MappedFile {
     map: Mmap,
+    /// The open file, for reads that should not map pages ([`Self::read_at`]).
+    file: std::fs::File,
     path: PathBuf,
 }
 
@@ -47,6 +49,7 @@ impl MappedFile {
         })?;
         Ok(Arc::new(Self {
             map,
+            file,
             path: path.to_path_buf(),
         }))
     }
@@ -66,6 +69,27 @@ impl MappedFile {
     /// `range` of the file as shared bytes; `None` past the end.
     pub fn bytes(self: &Arc<Self>, range: Range<usize>) -> Option<Bytes> {
         Bytes::new(self.clone()).slice(range)
+    }
+
+    /// Copies `buf.len()` bytes from `offset` of the file without mapping
+    /// them: the bytes come from the page cache and never count as this
+    /// process's resident memory (a mapped page would, and the kernel maps
+    /// whole folios, often 64 pages, around the one that was touched).
+    pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> std::io::Result<()> {
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::FileExt;
+            self.file.read_exact_at(buf, offset as u64)
+        }
+        #[cfg(not(unix))]
+        {
+            let src = self
+                .map
+                .get(offset..offset + buf.len())
+                .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))?;
+            buf.copy_from_slice(src);
+            Ok(())
+        }
     }
 
     /// Drops the pages of `range` from this process's resident set, after

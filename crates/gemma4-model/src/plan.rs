@@ -121,8 +121,6 @@ pub fn kv_pool_blocks(
 pub struct ResidentEstimate {
     /// Weights every step reads (at their stored or quantized size).
     pub weights: u64,
-    /// Rows of by-row tables the context's tokens touch.
-    pub tables: u64,
     /// The engine's KV pools.
     pub kv: u64,
     /// Tokenizer, step activations and the process itself.
@@ -131,7 +129,7 @@ pub struct ResidentEstimate {
 
 impl ResidentEstimate {
     pub fn total(&self) -> u64 {
-        self.weights + self.tables + self.kv + self.runtime
+        self.weights + self.kv + self.runtime
     }
 }
 
@@ -142,12 +140,13 @@ const PROCESS_BASE: u64 = 24 << 20;
 const TOKENIZER_PER_ENTRY: u64 = 240;
 
 /// Predicts the resident memory of serving `seqs` sequences of `ctx`
-/// tokens with the weights the report describes (`weights` and `tables` as
-/// the load measured them), prefilled in chunks of `chunk` tokens.
+/// tokens with the weights every step reads (`weights`, as the load
+/// measured them), prefilled in chunks of `chunk` tokens. By-row tables
+/// add nothing: their rows are read from the file through the page cache,
+/// never mapped.
 pub fn resident_estimate(
     cfg: &TextConfig,
     weights: u64,
-    tables: &[(u64, u64)],
     ctx: usize,
     seqs: usize,
     chunk: usize,
@@ -156,17 +155,6 @@ pub fn resident_estimate(
     let kv: u64 = kv_pool_blocks(cfg, ctx, 16, chunk, seqs)
         .iter()
         .map(|(g, blocks)| (g.bytes_per_token(kv_dtype) * blocks * 16) as u64)
-        .sum();
-    // A touched row costs its pages: rows are contiguous, so a row of b
-    // bytes spans ⌈b / page⌉ pages, plus one where it crosses a boundary.
-    let page = 4096u64;
-    let touched = (ctx * seqs) as u64;
-    let tables = tables
-        .iter()
-        .map(|&(rows, row_bytes)| {
-            let per_row = (row_bytes.div_ceil(page) + 1) * page;
-            (touched.min(rows) * per_row).min(rows * row_bytes)
-        })
         .sum();
     // One chunk's activations, f32: the residual stream and its norms,
     // the widest MLP (gate, up, product), the per-layer inputs, and the
@@ -185,7 +173,6 @@ pub fn resident_estimate(
     let logits = 4 * 3 * cfg.vocab_size as u64 * seqs as u64;
     ResidentEstimate {
         weights,
-        tables,
         kv,
         runtime: PROCESS_BASE + TOKENIZER_PER_ENTRY * cfg.vocab_size as u64 + activations + logits,
     }

@@ -185,16 +185,74 @@ impl LinearOp for CandleQuantLinear {
     }
 }
 
-/// Rows of a table kept as stored (memory-mapped): a lookup widens only
-/// the rows asked for, so the rest of the table never becomes resident.
+/// Rows of a table kept as stored: a lookup widens only the rows asked
+/// for. A table in a file is read row by row from it (through the page
+/// cache, [`MappedFile::read_at`]), so none of it becomes resident memory;
+/// otherwise the rows are read from memory.
 #[derive(Debug, Clone)]
 pub struct RowsEmbedding {
     table: Arc<dyn WeightMatrix>,
+    file: Option<FileRows>,
+}
+
+/// Where a table's rows sit in its file.
+#[derive(Debug, Clone)]
+struct FileRows {
+    file: Arc<MappedFile>,
+    start: usize,
+    row_bytes: usize,
+    dtype: StoredDtype,
+    name: String,
 }
 
 impl RowsEmbedding {
     pub fn new(table: Arc<dyn WeightMatrix>) -> Self {
-        Self { table }
+        Self { table, file: None }
+    }
+
+    /// Reads the rows of `stored` (the tensor `table` views) from its file
+    /// when it has one and its rows are whole byte runs.
+    pub fn reading_from(mut self, stored: &StoredTensor) -> Self {
+        let (rows, cols) = (self.table.rows(), self.table.cols());
+        let row_bytes = expected_bytes(stored.dtype, &[1, cols]);
+        if let (Some((file, range)), Some(row_bytes)) = (stored.file_range(), row_bytes) {
+            if row_bytes * rows == range.len() {
+                self.file = Some(FileRows {
+                    file,
+                    start: range.start,
+                    row_bytes,
+                    dtype: stored.dtype,
+                    name: stored.name.clone(),
+                });
+            }
+        }
+        self
+    }
+
+    /// Row `r` widened into `out`.
+    fn row(&self, r: usize, out: &mut [f32]) -> Result<()> {
+        let Some(f) = &self.file else {
+            self.table.dequantize_rows(r..r + 1, out);
+            return Ok(());
+        };
+        let mut bytes = vec![0u8; f.row_bytes];
+        f.file
+            .read_at(f.start + r * f.row_bytes, &mut bytes)
+            .map_err(|e| {
+                ModelError::Input(format!(
+                    "cannot read row {r} of `{}` from {}: {e}",
+                    f.name,
+                    f.file.path().display()
+                ))
+            })?;
+        let one = StoredTensor::new(
+            f.name.clone(),
+            f.dtype,
+            vec![1, out.len()],
+            Bytes::from_vec(bytes),
+        );
+        one.matrix(1, out.len())?.dequantize_rows(0..1, out);
+        Ok(())
     }
 }
 
@@ -209,8 +267,7 @@ impl EmbeddingOp for RowsEmbedding {
                     "token id {id} is outside the embedding table ({rows} rows)"
                 )));
             }
-            self.table
-                .dequantize_rows(r..r + 1, &mut out[i * dim..(i + 1) * dim]);
+            self.row(r, &mut out[i * dim..(i + 1) * dim])?;
         }
         Ok(Tensor::from_vec(out, (ids.len(), dim), device)?)
     }
@@ -406,6 +463,11 @@ impl StoredTensor {
         self.shape.iter().product()
     }
 
+    /// The file and byte range this tensor is mapped from, if it is.
+    pub fn file_range(&self) -> Option<(Arc<MappedFile>, Range<usize>)> {
+        self.mapping.clone()
+    }
+
     /// Drops this tensor's mapped pages from the resident set (after a copy
     /// or a quantization made them unnecessary).
     pub fn release(&self) {
@@ -539,6 +601,54 @@ pub fn expected_bytes(dtype: StoredDtype, shape: &[usize]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A table in a file is read row by row from the file (not through the
+    /// mapping), row for row what the mapped matrix gives; a row the file
+    /// no longer holds is an error, not a panic.
+    #[test]
+    fn file_tables_are_read_by_row_from_the_file() {
+        let (rows, cols) = (7, 24);
+        let values: Vec<half::bf16> = (0..rows * cols)
+            .map(|i| half::bf16::from_f32(i as f32 * 0.25 - 9.0))
+            .collect();
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let path = std::env::temp_dir().join(format!("gemma4-rows-{}.bin", std::process::id()));
+        let header = 100;
+        let mut file = vec![0u8; header];
+        file.extend_from_slice(&bytes);
+        std::fs::write(&path, &file).expect("write");
+        let mapped = MappedFile::open(&path).expect("map");
+        let t = StoredTensor::mapped(
+            "table".into(),
+            StoredDtype::Float(FloatType::Bf16),
+            vec![rows, cols],
+            &mapped,
+            header..header + bytes.len(),
+        )
+        .expect("tensor");
+        let m = t.matrix(rows, cols).expect("matrix");
+        let table = RowsEmbedding::new(m.clone()).reading_from(&t);
+        assert!(table.file.is_some(), "the rows must come from the file");
+        let ids = [6u32, 0, 3, 3];
+        let got = table.lookup(&ids, &Device::Cpu).expect("lookup");
+        let got = got
+            .flatten_all()
+            .and_then(|t| t.to_vec1::<f32>())
+            .expect("rows");
+        let mut want = vec![0f32; cols];
+        for (i, &id) in ids.iter().enumerate() {
+            m.dequantize_rows(id as usize..id as usize + 1, &mut want);
+            assert_eq!(&got[i * cols..(i + 1) * cols], &want[..], "row {id}");
+        }
+        // The file shrinks under us: the lookup fails with the file's name.
+        std::fs::write(&path, &file[..header + cols * 2]).expect("truncate");
+        let err = RowsEmbedding::new(m)
+            .reading_from(&t)
+            .lookup(&[5], &Device::Cpu)
+            .expect_err("row past the end");
+        assert!(err.to_string().contains("cannot read row 5"), "{err}");
+        let _ = std::fs::remove_file(path);
+    }
 
     /// Our block decoders against candle's on the same bytes: candle
     /// quantizes f32 values into each GGUF block type, then both widen them.
