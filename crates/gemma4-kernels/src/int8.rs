@@ -21,50 +21,45 @@ pub struct Int8Matrix {
 impl Int8Matrix {
     /// Quantizes `src` row by row: `scale = max |w| / 127`, `q = round(w / scale)`.
     pub fn quantize(src: &dyn WeightMatrix) -> Self {
-        let (rows, cols) = (src.rows(), src.cols());
-        let mut quants = vec![0i8; rows * cols];
-        let mut scales = vec![0f32; rows];
-        let mut row = vec![0f32; cols];
-        for r in 0..rows {
-            src.dequantize_rows(r..r + 1, &mut row);
-            let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = amax / 127.0;
-            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            for (q, v) in quants[r * cols..(r + 1) * cols].iter_mut().zip(&row) {
-                *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
-            }
-            scales[r] = scale;
-        }
-        Self {
-            quants,
-            scales,
-            rows,
-            cols,
-        }
+        let mut m = Self::with_capacity(src.rows(), src.cols());
+        m.append_quantized(src);
+        m
     }
-}
 
-impl Int8Matrix {
-    /// The rows of `parts`, in order, as one matrix (all of the same width).
-    pub fn concat(parts: Vec<Int8Matrix>) -> Option<Self> {
-        let cols = parts.first()?.cols;
-        if parts.iter().any(|p| p.cols != cols) {
-            return None;
-        }
-        let rows: usize = parts.iter().map(|p| p.rows).sum();
-        // Reserved once: growing by doubling would briefly hold twice the matrix.
-        let mut out = Self {
+    /// An empty matrix `cols` wide with room for `rows` rows, for
+    /// [`Self::append_quantized`]: a matrix quantized a slice at a time goes
+    /// straight into its final buffer (reserved, so untouched pages cost
+    /// nothing), never through parts that a join would then copy.
+    pub fn with_capacity(rows: usize, cols: usize) -> Self {
+        Self {
             quants: Vec::with_capacity(rows * cols),
             scales: Vec::with_capacity(rows),
             rows: 0,
             cols,
-        };
-        for p in parts {
-            out.quants.extend_from_slice(&p.quants);
-            out.scales.extend_from_slice(&p.scales);
-            out.rows += p.rows;
         }
-        Some(out)
+    }
+
+    /// Quantizes the rows of `src` onto the end; false (and nothing added)
+    /// when its width differs.
+    pub fn append_quantized(&mut self, src: &dyn WeightMatrix) -> bool {
+        let cols = self.cols;
+        if src.cols() != cols {
+            return false;
+        }
+        let mut row = vec![0f32; cols];
+        for r in 0..src.rows() {
+            src.dequantize_rows(r..r + 1, &mut row);
+            let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            self.quants.extend(
+                row.iter()
+                    .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8),
+            );
+            self.scales.push(scale);
+        }
+        self.rows += src.rows();
+        true
     }
 }
 
@@ -161,10 +156,14 @@ mod tests {
     fn slices_quantized_apart_join_into_the_whole() {
         let v = values(10 * 64, 13, 0.4);
         let whole = Int8Matrix::quantize(&FloatMatrix::from_f32(&v, 10, 64).expect("shape"));
-        let top = Int8Matrix::quantize(&FloatMatrix::from_f32(&v[..4 * 64], 4, 64).expect("shape"));
-        let rest =
-            Int8Matrix::quantize(&FloatMatrix::from_f32(&v[4 * 64..], 6, 64).expect("shape"));
-        let joined = Int8Matrix::concat(vec![top, rest]).expect("same width");
+        let mut joined = Int8Matrix::with_capacity(10, 64);
+        assert!(
+            joined.append_quantized(&FloatMatrix::from_f32(&v[..4 * 64], 4, 64).expect("shape"))
+        );
+        assert!(
+            joined.append_quantized(&FloatMatrix::from_f32(&v[4 * 64..], 6, 64).expect("shape"))
+        );
+        assert!(!joined.append_quantized(&FloatMatrix::from_f32(&v[..32], 1, 32).expect("shape")));
         assert_eq!(
             (joined.quants, joined.scales, joined.rows),
             (whole.quants, whole.scales, 10)

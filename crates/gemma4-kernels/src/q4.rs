@@ -38,34 +38,48 @@ pub struct Q4Report {
 impl Q4Matrix {
     /// Quantizes `src`; `None` when `cols` is not a multiple of [`GROUP`].
     pub fn quantize(src: &dyn WeightMatrix) -> Option<(Self, Q4Report)> {
-        let (rows, cols) = (src.rows(), src.cols());
-        if !cols.is_multiple_of(GROUP) {
+        let mut m = Self::with_capacity(src.rows(), src.cols())?;
+        let report = m.append_quantized(src)?;
+        Some((m, report))
+    }
+
+    /// An empty matrix `cols` wide with room for `rows` rows, for
+    /// [`Self::append_quantized`] (so a matrix quantized a slice at a time
+    /// goes straight into its final buffer); `None` when `cols` is not a
+    /// multiple of [`GROUP`].
+    pub fn with_capacity(rows: usize, cols: usize) -> Option<Self> {
+        cols.is_multiple_of(GROUP).then(|| Self {
+            nibbles: Vec::with_capacity(rows * cols / 2),
+            scales: Vec::with_capacity(rows * cols / GROUP),
+            rows: 0,
+            cols,
+        })
+    }
+
+    /// Quantizes the rows of `src` onto the end; `None` (and nothing added)
+    /// when its width differs.
+    pub fn append_quantized(&mut self, src: &dyn WeightMatrix) -> Option<Q4Report> {
+        let cols = self.cols;
+        if src.cols() != cols {
             return None;
         }
-        let groups = rows * cols / GROUP;
-        let mut nibbles = vec![0u8; groups * GROUP / 2];
-        let mut scales = vec![0f32; groups];
-        let mut report = Q4Report { groups, on_grid: 0 };
+        let mut report = Q4Report {
+            groups: src.rows() * cols / GROUP,
+            on_grid: 0,
+        };
         let mut row = vec![0f32; cols];
-        for r in 0..rows {
+        let mut packed = [0u8; GROUP / 2];
+        for r in 0..src.rows() {
             src.dequantize_rows(r..r + 1, &mut row);
-            for (g, values) in row.chunks_exact(GROUP).enumerate() {
-                let gi = r * cols / GROUP + g;
-                let (scale, on_grid) =
-                    quantize_group(values, &mut nibbles[gi * GROUP / 2..(gi + 1) * GROUP / 2]);
-                scales[gi] = scale;
+            for values in row.chunks_exact(GROUP) {
+                let (scale, on_grid) = quantize_group(values, &mut packed);
+                self.nibbles.extend_from_slice(&packed);
+                self.scales.push(scale);
                 report.on_grid += usize::from(on_grid);
             }
         }
-        Some((
-            Self {
-                nibbles,
-                scales,
-                rows,
-                cols,
-            },
-            report,
-        ))
+        self.rows += src.rows();
+        Some(report)
     }
 }
 
@@ -126,28 +140,6 @@ impl Q4Matrix {
             rows,
             cols,
         })
-    }
-
-    /// The rows of `parts`, in order, as one matrix (all of the same width).
-    pub fn concat(parts: Vec<Q4Matrix>) -> Option<Self> {
-        let cols = parts.first()?.cols;
-        if parts.iter().any(|p| p.cols != cols) {
-            return None;
-        }
-        let rows: usize = parts.iter().map(|p| p.rows).sum();
-        // Reserved once: growing by doubling would briefly hold twice the matrix.
-        let mut out = Self {
-            nibbles: Vec::with_capacity(rows * cols / 2),
-            scales: Vec::with_capacity(rows * cols / GROUP),
-            rows: 0,
-            cols,
-        };
-        for p in parts {
-            out.nibbles.extend_from_slice(&p.nibbles);
-            out.scales.extend_from_slice(&p.scales);
-            out.rows += p.rows;
-        }
-        Some(out)
     }
 }
 
@@ -283,8 +275,17 @@ mod tests {
                 .0
         };
         let whole = q(&v, 10);
-        let joined =
-            Q4Matrix::concat(vec![q(&v[..4 * 64], 4), q(&v[4 * 64..], 6)]).expect("same width");
+        let part = |v: &[f32], rows| FloatMatrix::from_f32(v, rows, 64).expect("shape");
+        let mut joined = Q4Matrix::with_capacity(10, 64).expect("width");
+        joined
+            .append_quantized(&part(&v[..4 * 64], 4))
+            .expect("same width");
+        joined
+            .append_quantized(&part(&v[4 * 64..], 6))
+            .expect("same width");
+        assert!(joined
+            .append_quantized(&FloatMatrix::from_f32(&v[..32], 1, 32).expect("shape"))
+            .is_none());
         assert_eq!(
             (joined.nibbles, joined.scales, joined.rows),
             (whole.nibbles, whole.scales, 10)

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use gemma4_kernels::int8::Int8Matrix;
-use gemma4_kernels::q4::{Q4Matrix, Q4Report, GROUP};
+use gemma4_kernels::q4::{Q4Matrix, Q4Report};
 use gemma4_kernels::{Precision, WeightMatrix};
 
 use crate::error::{ModelError, Result};
@@ -342,34 +342,33 @@ impl<'a> Weights<'a> {
         const SLICE_BYTES: usize = 16 << 20;
         let row_bytes = (t.bytes.len() / rows.max(1)).max(1);
         let step = (SLICE_BYTES / row_bytes).max(1);
-        // A width 4-bit groups cannot tile keeps 8 bits.
-        let four_bit = quant == Quant::Q4 && cols.is_multiple_of(GROUP);
-        let (mut int8, mut q4) = (Vec::new(), Vec::new());
+        // A width 4-bit groups cannot tile keeps 8 bits. Each slice is
+        // quantized straight into the matrix's final buffer.
+        let mut q4 = (quant == Quant::Q4)
+            .then(|| Q4Matrix::with_capacity(rows, cols))
+            .flatten();
+        let mut int8 = q4.is_none().then(|| Int8Matrix::with_capacity(rows, cols));
+        let misfit = || ModelError::Input(format!("`{}`: quantized slices do not fit", t.name));
         for start in (0..rows).step_by(step) {
             let part = t.row_range(start..(start + step).min(rows), cols)?;
             let m = part.matrix(part.shape[0], cols)?;
-            if four_bit {
-                let (q, rep) = Q4Matrix::quantize(m.as_ref()).ok_or_else(|| {
-                    ModelError::Input(format!(
-                        "`{}`: width {cols} is not a multiple of {GROUP}",
-                        t.name
-                    ))
-                })?;
+            if let Some(q) = q4.as_mut() {
+                let rep = q.append_quantized(m.as_ref()).ok_or_else(misfit)?;
                 let mut r = self.report.borrow_mut();
                 r.q4.groups += rep.groups;
                 r.q4.on_grid += rep.on_grid;
-                q4.push(q);
-            } else {
-                int8.push(Int8Matrix::quantize(m.as_ref()));
+            } else if let Some(q) = int8.as_mut() {
+                if !q.append_quantized(m.as_ref()) {
+                    return Err(misfit());
+                }
             }
             part.release();
         }
         self.report.borrow_mut().quantized_from_bytes += t.bytes.len() as u64;
-        let bad = || ModelError::Input(format!("`{}`: quantized slices do not fit", t.name));
-        Ok(if four_bit {
-            Arc::new(Q4Matrix::concat(q4).ok_or_else(bad)?)
-        } else {
-            Arc::new(Int8Matrix::concat(int8).ok_or_else(bad)?)
+        Ok(match (q4, int8) {
+            (Some(q), _) => Arc::new(q),
+            (None, Some(q)) => Arc::new(q),
+            (None, None) => return Err(misfit()),
         })
     }
 }
