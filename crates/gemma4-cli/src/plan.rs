@@ -212,7 +212,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             .iter()
             .map(|&l| {
                 let heads = cfg.layers[l].num_kv_heads.div_ceil(args.tp);
-                2 * heads * (cfg.layers[l].head_dim * kv.element_bytes() + kv.scale_bytes())
+                let hd = cfg.layers[l].head_dim;
+                2 * heads * (hd * kv.element_bytes() + kv.scale_bytes(hd))
             })
             .sum();
         per_token_rank += rank_bytes;

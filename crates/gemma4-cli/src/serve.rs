@@ -85,7 +85,7 @@ pub struct Args {
     #[arg(long)]
     kv_memory_mib: Option<usize>,
     /// Element type of the KV cache: f32 (exact, the default), bf16 (half the memory) or
-    /// int8 (a quarter, plus a scale per token and head).
+    /// int8 (28%: a byte per value and a scale per 32 values).
     #[arg(long, default_value = "f32", value_parser = |s: &str| s.parse::<gemma4_model::paged::KvDtype>())]
     kv_cache_dtype: gemma4_model::paged::KvDtype,
     /// Do not share KV blocks between requests with the same prompt prefix.

@@ -269,14 +269,15 @@ fn plan_prints_the_published_kv_sizes() {
         );
     }
     // int8: E2B's 15 KV-owning layers (12 sliding of head_dim 256, 3 full of
-    // 512, one KV head each) hold 9,216 one-byte elements and 30 four-byte
-    // scales per token: 9,336 bytes.
+    // 512, one KV head each) hold 9,216 one-byte elements per token and a
+    // four-byte scale per 32 of them in K and V: 2 · (12 · 8 + 3 · 16) = 288
+    // scales, 10,368 bytes.
     let (out, text) = run(bin()
         .args(["plan", "--kv-dtype", "int8", "--model"])
         .arg(root().join("tests/fixtures/configs/gemma-4-E2B-it")));
     assert!(out.status.success(), "{text}");
     assert!(
-        text.contains("KV cache (int8)") && text.contains("per token, all groups: 9.12 KiB"),
+        text.contains("KV cache (int8)") && text.contains("per token, all groups: 10.12 KiB"),
         "{text}"
     );
 }

@@ -331,13 +331,13 @@ mod tests {
                 kind: AttentionKind::Sliding,
                 layers: vec![0],
                 elements_per_token: 2,
-                rows_per_token: 2,
+                heads: vec![(1, 1)],
             },
             KvGroup {
                 kind: AttentionKind::Full,
                 layers: vec![1],
                 elements_per_token: 4,
-                rows_per_token: 2,
+                heads: vec![(1, 1)],
             },
         ]
     }

@@ -508,7 +508,7 @@ fn bf16_kv_cache_leaves_the_reference_only_at_near_ties() {
     assert!(kept * 10 >= total * 8, "{kept} of {total}");
 }
 
-/// int8 pools (a scale per token and head) are held to the same bound: no
+/// int8 pools (a scale per 32 values) are held to the same bound: no
 /// departure the reference's own bf16 compute could not make.
 #[test]
 fn int8_kv_cache_leaves_the_reference_only_at_near_ties() {

@@ -89,31 +89,41 @@ impl PoolValue for u8 {
     }
 }
 
-/// Rows stored as int8 offset codes with one scale per row.
+/// Rows stored as int8 offset codes with a scale per block of `block` values.
 pub(crate) struct Int8Rows<'a> {
     pub codes: &'a [u8],
     pub scales: &'a [f32],
     pub head_dim: usize,
+    pub block: usize,
 }
 
 impl Int8Rows<'_> {
+    /// Row `r`'s blocks, each with its scale.
     #[inline(always)]
-    fn row(&self, r: usize) -> &[u8] {
-        &self.codes[r * self.head_dim..][..self.head_dim]
+    fn blocks(&self, r: usize) -> impl Iterator<Item = (&[u8], f32)> {
+        let per_row = self.head_dim / self.block;
+        self.codes[r * self.head_dim..][..self.head_dim]
+            .chunks_exact(self.block)
+            .zip(self.scales[r * per_row..][..per_row].iter().copied())
     }
 }
 
 impl KvRows for Int8Rows<'_> {
     #[inline(always)]
     fn dot(&self, r: usize, q: &[f32]) -> f32 {
-        dot(q, self.row(r)) * self.scales[r]
+        self.blocks(r)
+            .zip(q.chunks_exact(self.block))
+            .map(|((codes, scale), q)| dot(q, codes) * scale)
+            .sum()
     }
 
     #[inline(always)]
     fn add_scaled(&self, r: usize, w: f32, out: &mut [f32]) {
-        let w = w * self.scales[r];
-        for (o, &x) in out.iter_mut().zip(self.row(r)) {
-            *o += w * x.f32();
+        for ((codes, scale), out) in self.blocks(r).zip(out.chunks_exact_mut(self.block)) {
+            let w = w * scale;
+            for (o, &x) in out.iter_mut().zip(codes) {
+                *o += w * x.f32();
+            }
         }
     }
 }

@@ -22,9 +22,10 @@ pub enum KvDtype {
     F32,
     /// Half the memory; K and V rounded to bf16 when written.
     Bf16,
-    /// A quarter of the memory (plus a scale per token and head): each
-    /// head's K and V row rounded to 8 bits, symmetric around 0, with its own
-    /// scale. Stored as offset codes (`q + 128` in a byte).
+    /// About a quarter of the memory: each head's K and V row rounded to 8
+    /// bits, symmetric around 0, with a scale per block of
+    /// [`INT8_BLOCK`] values (per row where the head is narrower or not a
+    /// multiple of it). Stored as offset codes (`q + 128` in a byte).
     Int8,
 }
 
@@ -38,10 +39,10 @@ impl KvDtype {
         }
     }
 
-    /// Bytes of the scale kept beside each head's K or V row of a token.
-    pub fn scale_bytes(self) -> usize {
+    /// Bytes of the scales kept beside one head's K or V row of a token.
+    pub fn scale_bytes(self, head_dim: usize) -> usize {
         match self {
-            KvDtype::Int8 => 4,
+            KvDtype::Int8 => 4 * (head_dim / int8_block(head_dim)),
             KvDtype::F32 | KvDtype::Bf16 => 0,
         }
     }
@@ -77,6 +78,19 @@ impl std::str::FromStr for KvDtype {
     }
 }
 
+/// Values per int8 scale in an int8 KV row (as llama.cpp's q8_0 cache).
+pub const INT8_BLOCK: usize = 32;
+
+/// Values per scale of an int8 row `head_dim` wide: [`INT8_BLOCK`], or the
+/// whole row where the width is not a multiple of it.
+pub fn int8_block(head_dim: usize) -> usize {
+    if head_dim.is_multiple_of(INT8_BLOCK) {
+        INT8_BLOCK
+    } else {
+        head_dim.max(1)
+    }
+}
+
 /// One cache group: the KV-producing layers of one attention kind.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvGroup {
@@ -85,14 +99,19 @@ pub struct KvGroup {
     pub layers: Vec<usize>,
     /// `Σ 2 · kv_heads · head_dim` over the group's layers: K and V elements per token.
     pub elements_per_token: usize,
-    /// `Σ 2 · kv_heads` over the group's layers: K and V rows (one per head) per token.
-    pub rows_per_token: usize,
+    /// `(kv_heads, head_dim)` of each of the group's layers.
+    pub heads: Vec<(usize, usize)>,
 }
 
 impl KvGroup {
     /// Bytes of K and V per token in the given pool type (scales included).
     pub fn bytes_per_token(&self, dtype: KvDtype) -> usize {
-        self.elements_per_token * dtype.element_bytes() + self.rows_per_token * dtype.scale_bytes()
+        let scales: usize = self
+            .heads
+            .iter()
+            .map(|&(kv_heads, hd)| 2 * kv_heads * dtype.scale_bytes(hd))
+            .sum();
+        self.elements_per_token * dtype.element_bytes() + scales
     }
 }
 
@@ -112,12 +131,15 @@ pub fn kv_groups(cfg: &TextConfig) -> Vec<KvGroup> {
                 .iter()
                 .map(|&i| 2 * cfg.layers[i].num_kv_heads * cfg.layers[i].head_dim)
                 .sum();
-            let rows_per_token = layers.iter().map(|&i| 2 * cfg.layers[i].num_kv_heads).sum();
+            let heads = layers
+                .iter()
+                .map(|&i| (cfg.layers[i].num_kv_heads, cfg.layers[i].head_dim))
+                .collect();
             (!layers.is_empty()).then_some(KvGroup {
                 kind,
                 layers,
                 elements_per_token,
-                rows_per_token,
+                heads,
             })
         })
         .collect()
@@ -182,7 +204,8 @@ impl PagedKvPool {
                 let shape = (slots, spec.num_kv_heads, spec.head_dim);
                 let scales = match dtype {
                     KvDtype::Int8 => {
-                        let shape = (slots, spec.num_kv_heads);
+                        let blocks = spec.head_dim / int8_block(spec.head_dim);
+                        let shape = (slots, spec.num_kv_heads, blocks);
                         Some((
                             Tensor::zeros(shape, DType::F32, device)?,
                             Tensor::zeros(shape, DType::F32, device)?,
@@ -315,26 +338,28 @@ fn u8_data(c: &CpuStorage) -> Option<&[u8]> {
     }
 }
 
-/// Rows `[n, kv_heads, head_dim]` rounded to int8 per (token, head): the
-/// offset codes (`q + 128`) and the scales `[n, kv_heads]`, `x ≈ q · scale`.
+/// Rows `[n, kv_heads, head_dim]` rounded to int8 per block of
+/// [`int8_block`] values: the offset codes (`q + 128`) and the scales
+/// `[n, kv_heads, blocks]`, `x ≈ q · scale`.
 fn quantize_rows(x: &Tensor) -> Result<(Tensor, Tensor)> {
     let (n, heads, hd) = x.dims3()?;
+    let block = int8_block(hd);
     let values = x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
     let mut codes = Vec::with_capacity(values.len());
-    let mut scales = Vec::with_capacity(n * heads);
-    for row in values.chunks_exact(hd.max(1)) {
-        let max = row.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let mut scales = Vec::with_capacity(values.len() / block);
+    for part in values.chunks_exact(block) {
+        let max = part.iter().fold(0f32, |m, x| m.max(x.abs()));
         let scale = max / 127.0;
         let inverse = if scale > 0.0 { 1.0 / scale } else { 0.0 };
         scales.push(scale);
         codes.extend(
-            row.iter()
+            part.iter()
                 .map(|&x| ((x * inverse).round().clamp(-127.0, 127.0) as i32 + 128) as u8),
         );
     }
     Ok((
         Tensor::from_vec(codes, (n, heads, hd), x.device())?,
-        Tensor::from_vec(scales, (n, heads), x.device())?,
+        Tensor::from_vec(scales, (n, heads, hd / block), x.device())?,
     ))
 }
 
@@ -342,9 +367,14 @@ fn quantize_rows(x: &Tensor) -> Result<(Tensor, Tensor)> {
 fn gather(pool: &Tensor, scales: Option<&Tensor>, idx: &Tensor) -> Result<Tensor> {
     let rows = pool.index_select(idx, 0)?.to_dtype(DType::F32)?;
     let rows = match scales {
-        Some(s) => rows
-            .affine(1.0, -128.0)?
-            .broadcast_mul(&s.index_select(idx, 0)?.unsqueeze(2)?)?,
+        Some(s) => {
+            let (n, heads, hd) = rows.dims3()?;
+            let blocks = s.dim(2)?;
+            rows.affine(1.0, -128.0)?
+                .reshape((n, heads, blocks, hd / blocks))?
+                .broadcast_mul(&s.index_select(idx, 0)?.unsqueeze(3)?)?
+                .reshape((n, heads, hd))?
+        }
         None => rows,
     };
     Ok(rows.transpose(0, 1)?.contiguous()?)
@@ -403,11 +433,13 @@ fn attend_in_place(
                 codes: pool_slice(&ks, ko, u8_data)?,
                 scales: pool_slice(&kss, ksl.start_offset(), f32_data)?,
                 head_dim: hd,
+                block: int8_block(hd),
             };
             let v = Int8Rows {
                 codes: pool_slice(&vs, vo, u8_data)?,
                 scales: pool_slice(&vss, vsl.start_offset(), f32_data)?,
                 head_dim: hd,
+                block: int8_block(hd),
             };
             Some(shape.run(&k, &v, q, heads, queries))
         }
@@ -520,14 +552,18 @@ mod tests {
             .collect()
     }
 
-    /// int8 rows come back within half a step of their scale, the largest
-    /// value of each row exactly, and a row of zeros as zeros.
+    /// int8 rows come back within half a step of their block's scale, the
+    /// largest value of each block exactly, and a block of zeros as zeros.
     #[test]
     fn int8_rows_round_to_half_a_step() {
-        let mut values = noise(3 * 2 * 16, 7);
-        values[16..32].iter_mut().for_each(|x| *x = 0.0);
-        let x = Tensor::from_vec(values.clone(), (3, 2, 16), &Device::Cpu).expect("x");
+        let (n, heads, hd) = (3, 2, 64);
+        let mut values = noise(n * heads * hd, 7);
+        values[32..64].iter_mut().for_each(|x| *x = 0.0);
+        // One large value: only its own block's scale grows.
+        values[70] = 40.0;
+        let x = Tensor::from_vec(values.clone(), (n, heads, hd), &Device::Cpu).expect("x");
         let (codes, scales) = quantize_rows(&x).expect("quantize");
+        assert_eq!(scales.dims(), [n, heads, hd / INT8_BLOCK]);
         let codes = codes
             .flatten_all()
             .and_then(|t| t.to_vec1::<u8>())
@@ -536,26 +572,27 @@ mod tests {
             .flatten_all()
             .and_then(|t| t.to_vec1::<f32>())
             .expect("scales");
-        for (r, row) in values.chunks(16).enumerate() {
-            let max = row.iter().fold(0f32, |m, v| m.max(v.abs()));
-            assert_eq!(scales[r], max / 127.0);
-            for (c, &v) in row.iter().enumerate() {
-                let code = codes[r * 16 + c];
-                assert!((1..=255).contains(&code), "row {r}: code {code}");
-                let back = (f32::from(code) - 128.0) * scales[r];
+        for (b, block) in values.chunks(INT8_BLOCK).enumerate() {
+            let max = block.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(scales[b], max / 127.0);
+            for (c, &v) in block.iter().enumerate() {
+                let code = codes[b * INT8_BLOCK + c];
+                assert!((1..=255).contains(&code), "block {b}: code {code}");
+                let back = (f32::from(code) - 128.0) * scales[b];
                 assert!(
-                    (back - v).abs() <= scales[r] / 2.0 + 1e-7,
+                    (back - v).abs() <= scales[b] / 2.0 + 1e-7,
                     "{v} came back as {back}"
                 );
                 if v.abs() == max {
                     assert!(
                         (back - v).abs() <= 1e-6 * max,
-                        "row maximum {v} came back as {back}"
+                        "block maximum {v} came back as {back}"
                     );
                 }
             }
         }
-        assert!(codes[16..32].iter().all(|&c| c == 128) && scales[1] == 0.0);
+        assert!(codes[32..64].iter().all(|&c| c == 128) && scales[1] == 0.0);
+        assert!(scales[2] > 0.3 && scales[3] < 0.01, "{scales:?}");
     }
 
     /// Reading the pools in place gives what gathering the context and
