@@ -330,14 +330,12 @@ mod tests {
             KvGroup {
                 kind: AttentionKind::Sliding,
                 layers: vec![0],
-                elements_per_token: 2,
                 heads: vec![(1, 1)],
             },
             KvGroup {
                 kind: AttentionKind::Full,
                 layers: vec![1],
-                elements_per_token: 4,
-                heads: vec![(1, 1)],
+                heads: vec![(1, 2)],
             },
         ]
     }

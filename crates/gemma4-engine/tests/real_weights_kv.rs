@@ -12,21 +12,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use gemma4_engine::{start, EngineConfig, EngineEvent, GenerationRequest, SamplingParams};
-use gemma4_model::golden::Golden;
+use gemma4_model::golden::{demo_gguf_for_tests as demo_gguf, Golden};
 use gemma4_model::paged::KvDtype;
 use gemma4_model::{load, LoadPolicy};
 use gemma4_text::Tokenizer;
-
-fn demo_gguf() -> Option<PathBuf> {
-    match std::env::var_os("GEMMA4_DEMO_GGUF") {
-        Some(p) => Some(PathBuf::from(p)),
-        None if std::env::var_os("CI").is_some() => panic!("CI must set GEMMA4_DEMO_GGUF"),
-        None => {
-            eprintln!("skipped: set GEMMA4_DEMO_GGUF to the Gemma 3 270M GGUF");
-            None
-        }
-    }
-}
 
 /// For every golden prompt and then the coherence prompt: the leading
 /// reference tokens a greedy run through the engine keeps, and how many the

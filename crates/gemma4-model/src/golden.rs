@@ -43,6 +43,20 @@ pub struct CoherencePrompt {
     pub generated_text: String,
 }
 
+/// The real-weights demo GGUF the tests use: `GEMMA4_DEMO_GGUF`, or `None`
+/// (the test is skipped, with a line saying so) outside CI; under CI
+/// (`CI` set) a missing variable is a failure.
+pub fn demo_gguf_for_tests() -> Option<std::path::PathBuf> {
+    match std::env::var_os("GEMMA4_DEMO_GGUF") {
+        Some(p) => Some(std::path::PathBuf::from(p)),
+        None if std::env::var_os("CI").is_some() => panic!("CI must set GEMMA4_DEMO_GGUF"),
+        None => {
+            eprintln!("skipped: set GEMMA4_DEMO_GGUF to the Gemma 3 270M GGUF");
+            None
+        }
+    }
+}
+
 /// Greedy decoding of `prompt` for `steps` tokens (no early stop).
 pub fn greedy(model: &Gemma4, prompt: &[u32], steps: usize) -> Result<Vec<u32>> {
     let mut cache = model.new_cache();

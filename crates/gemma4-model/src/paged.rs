@@ -97,13 +97,19 @@ pub struct KvGroup {
     pub kind: AttentionKind,
     /// Producer layers in this group.
     pub layers: Vec<usize>,
-    /// `Σ 2 · kv_heads · head_dim` over the group's layers: K and V elements per token.
-    pub elements_per_token: usize,
     /// `(kv_heads, head_dim)` of each of the group's layers.
     pub heads: Vec<(usize, usize)>,
 }
 
 impl KvGroup {
+    /// `Σ 2 · kv_heads · head_dim` over the group's layers: K and V elements per token.
+    pub fn elements_per_token(&self) -> usize {
+        self.heads
+            .iter()
+            .map(|&(kv_heads, hd)| 2 * kv_heads * hd)
+            .sum()
+    }
+
     /// Bytes of K and V per token in the given pool type (scales included).
     pub fn bytes_per_token(&self, dtype: KvDtype) -> usize {
         let scales: usize = self
@@ -111,7 +117,7 @@ impl KvGroup {
             .iter()
             .map(|&(kv_heads, hd)| 2 * kv_heads * dtype.scale_bytes(hd))
             .sum();
-        self.elements_per_token * dtype.element_bytes() + scales
+        self.elements_per_token() * dtype.element_bytes() + scales
     }
 }
 
@@ -127,10 +133,6 @@ pub fn kv_groups(cfg: &TextConfig) -> Vec<KvGroup> {
                 .filter(|(_, l)| l.kind == kind && l.kv == KvSource::Own)
                 .map(|(i, _)| i)
                 .collect();
-            let elements_per_token = layers
-                .iter()
-                .map(|&i| 2 * cfg.layers[i].num_kv_heads * cfg.layers[i].head_dim)
-                .sum();
             let heads = layers
                 .iter()
                 .map(|&i| (cfg.layers[i].num_kv_heads, cfg.layers[i].head_dim))
@@ -138,7 +140,6 @@ pub fn kv_groups(cfg: &TextConfig) -> Vec<KvGroup> {
             (!layers.is_empty()).then_some(KvGroup {
                 kind,
                 layers,
-                elements_per_token,
                 heads,
             })
         })

@@ -6,19 +6,10 @@
 
 use std::path::PathBuf;
 
-use gemma4_model::golden::{greedy, verify_prompt, Golden, DEFAULT_TOLERANCE};
+use gemma4_model::golden::{
+    demo_gguf_for_tests as demo_gguf, greedy, verify_prompt, Golden, DEFAULT_TOLERANCE,
+};
 use gemma4_model::{load, Gemma4, LoadPolicy};
-
-fn demo_gguf() -> Option<PathBuf> {
-    match std::env::var_os("GEMMA4_DEMO_GGUF") {
-        Some(p) => Some(PathBuf::from(p)),
-        None if std::env::var_os("CI").is_some() => panic!("CI must set GEMMA4_DEMO_GGUF"),
-        None => {
-            eprintln!("skipped: set GEMMA4_DEMO_GGUF to the Gemma 3 270M GGUF");
-            None
-        }
-    }
-}
 
 fn golden() -> Golden {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
