@@ -58,14 +58,56 @@ pub trait KvStore {
     }
 }
 
+/// Score elements (query rows × keys, every head) one tile of
+/// [`attend_gathered`] holds at once, so its memory stays bounded at any
+/// context length: 2 MiB of f32 per score tensor.
+pub const SCORE_TILE: usize = 1 << 19;
+
 /// Attention over gathered `[kv_heads, T, head_dim]` keys and values whose
-/// first position is `first`, as batched matrix products.
+/// first position is `first`, as batched matrix products over tiles of
+/// query rows; each tile multiplies only the keys its rows can see.
 pub fn attend_gathered(
     k: &Tensor,
     v: &Tensor,
     first: usize,
     queries: Queries<'_>,
 ) -> Result<Tensor> {
+    let (n, heads, _) = queries.q.dims3()?;
+    let total = k.dim(1)?;
+    let rows = (SCORE_TILE / (heads * total).max(1)).clamp(1, n.max(1));
+    if rows >= n {
+        return attend_tile(k, v, first, queries);
+    }
+    let mut outs = Vec::with_capacity(n.div_ceil(rows));
+    for at in (0..n).step_by(rows) {
+        let len = rows.min(n - at);
+        let start = queries.start + at;
+        // From the first row's window start to the last row: the keys any row sees.
+        let lo = queries.visibility.first_seen(start).max(first);
+        let hi = (start + len).min(first + total);
+        if hi <= lo {
+            return Err(ModelError::Input(format!(
+                "queries at {start}..{} see no stored key ({first}..{})",
+                start + len,
+                first + total
+            )));
+        }
+        let tile = Queries {
+            q: &queries.q.narrow(0, at, len)?,
+            start,
+            ..queries
+        };
+        let (k, v) = (
+            k.narrow(1, lo - first, hi - lo)?,
+            v.narrow(1, lo - first, hi - lo)?,
+        );
+        outs.push(attend_tile(&k, &v, lo, tile)?);
+    }
+    Ok(Tensor::cat(&outs, 0)?)
+}
+
+/// One tile of [`attend_gathered`]: all of `queries` against all of `k`, `v`.
+fn attend_tile(k: &Tensor, v: &Tensor, first: usize, queries: Queries<'_>) -> Result<Tensor> {
     let (n, heads, hd) = queries.q.dims3()?;
     let kvh = k.dim(0)?;
     let total = k.dim(1)?;
@@ -176,6 +218,51 @@ impl KvStore for KvCache {
             None => Err(ModelError::Input(format!(
                 "no K/V stored for layer {layer}"
             ))),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    /// Tiles over query rows, each multiplying only the keys its rows can
+    /// see, give what one product over every query and key gives.
+    #[test]
+    fn tiled_attention_equals_one_product_over_everything() {
+        let dev = Device::Cpu;
+        let (heads, kv_heads, hd) = (4, 2, 16);
+        for (window, first, total, n) in [
+            (None, 0, 700, 700),
+            (None, 0, 1500, 300),
+            (Some(64), 0, 900, 900),
+            (Some(200), 1000, 800, 500),
+        ] {
+            let k = Tensor::randn(0f32, 1.0, (kv_heads, total, hd), &dev).expect("k");
+            let v = Tensor::randn(0f32, 1.0, (kv_heads, total, hd), &dev).expect("v");
+            let q = Tensor::randn(0f32, 1.0, (n, heads, hd), &dev).expect("q");
+            let queries = Queries {
+                q: &q,
+                start: first + total - n,
+                scale: 0.25,
+                visibility: Visibility { window },
+            };
+            assert!(
+                SCORE_TILE / (heads * total) < n,
+                "the case must be split into tiles"
+            );
+            let tiled = attend_gathered(&k, &v, first, queries).expect("tiled");
+            let whole = attend_tile(&k, &v, first, queries).expect("whole");
+            let diff = (tiled - whole)
+                .expect("sub")
+                .abs()
+                .expect("abs")
+                .max_all()
+                .expect("max")
+                .to_scalar::<f32>()
+                .expect("scalar");
+            assert!(diff < 1e-5, "window {window:?}, {n} queries: {diff}");
         }
     }
 }

@@ -2,6 +2,7 @@
 //! per token per cache group, the KV footprint of a context (sliding layers
 //! capped at their window) and how many tokens fit in a memory budget.
 
+use crate::cache::SCORE_TILE;
 use crate::config::{AttentionKind, KvSource, TextConfig};
 use crate::paged::{kv_groups, KvDtype, KvGroup};
 
@@ -157,8 +158,9 @@ pub fn resident_estimate(
         .map(|(g, blocks)| (g.bytes_per_token(kv_dtype) * blocks * 16) as u64)
         .sum();
     // One chunk's activations, f32: the residual stream and its norms,
-    // the widest MLP (gate, up, product), the per-layer inputs, and the
-    // attention scores of the widest layer (scores, mask, probabilities).
+    // the widest MLP (gate, up, product), the per-layer inputs, and one
+    // tile of attention scores of the widest layer (scores, mask,
+    // probabilities; a tile is at least one query row over every key).
     let n = chunk.min(ctx).max(1) as u64;
     let widest_mlp = cfg
         .layers
@@ -168,8 +170,9 @@ pub fn resident_estimate(
         .unwrap_or(0) as u64;
     let ple = (cfg.num_layers() * cfg.ple_dim) as u64;
     let heads = cfg.num_attention_heads as u64;
+    let score_tile = (heads * n * ctx as u64).min((SCORE_TILE as u64).max(heads * ctx as u64));
     let activations =
-        4 * n * (8 * cfg.hidden_size as u64 + 3 * widest_mlp + 3 * ple + 3 * heads * ctx as u64);
+        4 * n * (8 * cfg.hidden_size as u64 + 3 * widest_mlp + 3 * ple) + 4 * 3 * score_tile;
     let logits = 4 * 3 * cfg.vocab_size as u64 * seqs as u64;
     ResidentEstimate {
         weights,
