@@ -65,8 +65,11 @@ impl ModelArgs {
     /// on stderr) and its tokenizer.
     pub fn load(&self) -> Result<Loaded> {
         let path = self.path()?;
-        let (model, _) = load_model(&path, self.policy())?;
+        // The tokenizer first: its parse needs several times its final size
+        // for a moment, and that memory is back before the weights arrive.
         let tokenizer = load_tokenizer(&path)?;
+        release_freed_memory();
+        let (model, _) = load_model(&path, self.policy())?;
         release_freed_memory();
         Ok(Loaded {
             path,
