@@ -43,7 +43,7 @@ pub enum TextError {
     },
 
     /// A GGUF file is malformed or truncated.
-    #[error("invalid GGUF file {}: {message}", path.display())]
+    #[error("not a readable GGUF file {}: {message}", path.display())]
     Gguf {
         /// The GGUF file.
         path: PathBuf,
