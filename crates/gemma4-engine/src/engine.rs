@@ -128,6 +128,19 @@ impl RequestStream {
         e
     }
 
+    /// The remaining token ids and the finish reason, blocking; `None` if
+    /// the engine dropped the stream without a `Finished` event.
+    pub fn blocking_finish(mut self) -> Option<(Vec<u32>, FinishReason)> {
+        let mut ids = Vec::new();
+        while let Some(e) = self.blocking_next() {
+            match e {
+                EngineEvent::Token { id, .. } => ids.push(id),
+                EngineEvent::Finished { reason, .. } => return Some((ids, reason)),
+            }
+        }
+        None
+    }
+
     fn note(&mut self, e: &Option<EngineEvent>) {
         if matches!(e, None | Some(EngineEvent::Finished { .. })) {
             self.done = true;

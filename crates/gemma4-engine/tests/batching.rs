@@ -63,15 +63,11 @@ fn request(ids: &[u32]) -> GenerationRequest {
 }
 
 fn collect(engine: &EngineHandle, ids: &[u32]) -> (Vec<u32>, FinishReason) {
-    let mut stream = engine.submit(request(ids)).expect("submit");
-    let mut out = Vec::new();
-    while let Some(e) = stream.blocking_next() {
-        match e {
-            EngineEvent::Token { id, .. } => out.push(id),
-            EngineEvent::Finished { reason, .. } => return (out, reason),
-        }
-    }
-    panic!("stream ended without Finished")
+    engine
+        .submit(request(ids))
+        .expect("submit")
+        .blocking_finish()
+        .expect("stream ended without Finished")
 }
 
 /// Runs every prompt concurrently with staggered arrivals; returns outputs in prompt order.
@@ -278,21 +274,16 @@ fn sampled(engine: &EngineHandle, ids: &[u32], seed: u64) -> Vec<u32> {
         max_tokens: 16,
         ..Default::default()
     };
-    let mut stream = engine
+    engine
         .submit(GenerationRequest {
             prompt_ids: ids.to_vec(),
             params,
             deadline: None,
         })
-        .expect("submit");
-    let mut out = Vec::new();
-    while let Some(e) = stream.blocking_next() {
-        match e {
-            EngineEvent::Token { id, .. } => out.push(id),
-            EngineEvent::Finished { .. } => break,
-        }
-    }
-    out
+        .expect("submit")
+        .blocking_finish()
+        .expect("stream ended without Finished")
+        .0
 }
 
 /// A seeded request samples the same tokens alone and amid other requests.

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use gemma4_engine::{start, EngineConfig, EngineEvent, GenerationRequest, SamplingParams};
+use gemma4_engine::{start, EngineConfig, GenerationRequest, SamplingParams};
 use gemma4_model::golden::{demo_gguf_for_tests as demo_gguf, Golden};
 use gemma4_model::paged::KvDtype;
 use gemma4_model::{load, LoadPolicy};
@@ -54,7 +54,7 @@ fn leading_tokens(path: &Path, dtype: KvDtype) -> Vec<(usize, usize)> {
         );
     cases
         .map(|(prompt, want)| {
-            let mut stream = engine
+            let (out, _) = engine
                 .submit(GenerationRequest {
                     prompt_ids: prompt,
                     params: SamplingParams {
@@ -63,14 +63,9 @@ fn leading_tokens(path: &Path, dtype: KvDtype) -> Vec<(usize, usize)> {
                     },
                     deadline: None,
                 })
-                .expect("submit");
-            let mut out = Vec::new();
-            while let Some(e) = stream.blocking_next() {
-                match e {
-                    EngineEvent::Token { id, .. } => out.push(id),
-                    EngineEvent::Finished { .. } => break,
-                }
-            }
+                .expect("submit")
+                .blocking_finish()
+                .expect("stream ended without Finished");
             let kept = out.iter().zip(&want).take_while(|(a, b)| a == b).count();
             (kept, want.len())
         })

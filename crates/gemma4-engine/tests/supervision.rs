@@ -60,14 +60,12 @@ fn request(ids: &[u32]) -> GenerationRequest {
     }
 }
 
-fn finish(mut stream: RequestStream, mut out: Vec<u32>) -> (Vec<u32>, FinishReason) {
-    while let Some(e) = stream.blocking_next() {
-        match e {
-            EngineEvent::Token { id, .. } => out.push(id),
-            EngineEvent::Finished { reason, .. } => return (out, reason),
-        }
-    }
-    panic!("stream ended without Finished")
+fn finish(stream: RequestStream, mut out: Vec<u32>) -> (Vec<u32>, FinishReason) {
+    let (rest, reason) = stream
+        .blocking_finish()
+        .expect("stream ended without Finished");
+    out.extend(rest);
+    (out, reason)
 }
 
 fn golden_prompt() -> (Vec<u32>, Vec<u32>) {
