@@ -4,6 +4,7 @@
 //! mostly overhead.
 
 use crate::cache::Queries;
+use crate::paged::int8_block;
 
 /// Queries per sequence up to which attention reads the store in place;
 /// longer spans (prefill) gather the keys and use batched matrix products.
@@ -89,15 +90,25 @@ impl PoolValue for u8 {
     }
 }
 
-/// Rows stored as int8 offset codes with a scale per block of `block` values.
+/// Rows stored as int8 offset codes with a scale per block of
+/// [`int8_block`]`(head_dim)` values.
 pub(crate) struct Int8Rows<'a> {
-    pub codes: &'a [u8],
-    pub scales: &'a [f32],
-    pub head_dim: usize,
-    pub block: usize,
+    codes: &'a [u8],
+    scales: &'a [f32],
+    head_dim: usize,
+    block: usize,
 }
 
-impl Int8Rows<'_> {
+impl<'a> Int8Rows<'a> {
+    pub fn new(codes: &'a [u8], scales: &'a [f32], head_dim: usize) -> Self {
+        Self {
+            codes,
+            scales,
+            head_dim,
+            block: int8_block(head_dim),
+        }
+    }
+
     /// Row `r`'s blocks, each with its scale.
     #[inline(always)]
     fn blocks(&self, r: usize) -> impl Iterator<Item = (&[u8], f32)> {

@@ -430,18 +430,16 @@ fn attend_in_place(
             if !(ksl.is_contiguous() && vsl.is_contiguous()) {
                 return None;
             }
-            let k = Int8Rows {
-                codes: pool_slice(&ks, ko, u8_data)?,
-                scales: pool_slice(&kss, ksl.start_offset(), f32_data)?,
-                head_dim: hd,
-                block: int8_block(hd),
-            };
-            let v = Int8Rows {
-                codes: pool_slice(&vs, vo, u8_data)?,
-                scales: pool_slice(&vss, vsl.start_offset(), f32_data)?,
-                head_dim: hd,
-                block: int8_block(hd),
-            };
+            let k = Int8Rows::new(
+                pool_slice(&ks, ko, u8_data)?,
+                pool_slice(&kss, ksl.start_offset(), f32_data)?,
+                hd,
+            );
+            let v = Int8Rows::new(
+                pool_slice(&vs, vo, u8_data)?,
+                pool_slice(&vss, vsl.start_offset(), f32_data)?,
+                hd,
+            );
             Some(shape.run(&k, &v, q, heads, queries))
         }
         _ => None,

@@ -229,45 +229,58 @@ impl RowsEmbedding {
         self
     }
 
-    /// Row `r` widened into `out`.
-    fn row(&self, r: usize, out: &mut [f32]) -> Result<()> {
-        let Some(f) = &self.file else {
-            self.table.dequantize_rows(r..r + 1, out);
-            return Ok(());
-        };
-        let mut bytes = vec![0u8; f.row_bytes];
-        f.file
-            .read_at(f.start + r * f.row_bytes, &mut bytes)
-            .map_err(|e| {
-                ModelError::Input(format!(
-                    "cannot read row {r} of `{}` from {}: {e}",
-                    f.name,
-                    f.file.path().display()
-                ))
-            })?;
-        let one = StoredTensor::new(
+    /// The rows `rows` read from the file into one buffer, as a matrix of
+    /// `rows.len()` rows in the table's stored form.
+    fn read_rows(&self, f: &FileRows, rows: &[usize]) -> Result<Arc<dyn WeightMatrix>> {
+        let mut bytes = vec![0u8; rows.len() * f.row_bytes];
+        for (&r, buf) in rows.iter().zip(bytes.chunks_exact_mut(f.row_bytes)) {
+            f.file
+                .read_at(f.start + r * f.row_bytes, buf)
+                .map_err(|e| {
+                    ModelError::Input(format!(
+                        "cannot read row {r} of `{}` from {}: {e}",
+                        f.name,
+                        f.file.path().display()
+                    ))
+                })?;
+        }
+        let cols = self.table.cols();
+        StoredTensor::new(
             f.name.clone(),
             f.dtype,
-            vec![1, out.len()],
+            vec![rows.len(), cols],
             Bytes::from_vec(bytes),
-        );
-        one.matrix(1, out.len())?.dequantize_rows(0..1, out);
-        Ok(())
+        )
+        .matrix(rows.len(), cols)
     }
 }
 
 impl EmbeddingOp for RowsEmbedding {
     fn lookup(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
         let (rows, dim) = (self.table.rows(), self.table.cols());
+        let wanted: Vec<usize> = ids
+            .iter()
+            .map(|&id| {
+                let r = id as usize;
+                if r < rows {
+                    Ok(r)
+                } else {
+                    Err(ModelError::Input(format!(
+                        "token id {id} is outside the embedding table ({rows} rows)"
+                    )))
+                }
+            })
+            .collect::<Result<_>>()?;
         let mut out = vec![0f32; ids.len() * dim];
-        for (i, &id) in ids.iter().enumerate() {
-            let r = id as usize;
-            if r >= rows {
-                return Err(ModelError::Input(format!(
-                    "token id {id} is outside the embedding table ({rows} rows)"
-                )));
+        match &self.file {
+            Some(f) if !wanted.is_empty() => self
+                .read_rows(f, &wanted)?
+                .dequantize_rows(0..wanted.len(), &mut out),
+            _ => {
+                for (&r, out) in wanted.iter().zip(out.chunks_exact_mut(dim.max(1))) {
+                    self.table.dequantize_rows(r..r + 1, out);
+                }
             }
-            self.row(r, &mut out[i * dim..(i + 1) * dim])?;
         }
         Ok(Tensor::from_vec(out, (ids.len(), dim), device)?)
     }
