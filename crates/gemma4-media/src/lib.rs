@@ -1,0 +1,43 @@
+//! Media in: images decoded with limits, then laid out as Gemma 4's vision
+//! encoder expects them, value for value as the reference image processor
+//! (transformers' `Gemma4ImageProcessor`) does.
+//!
+//! - [`decode`]: bytes → RGB pixels, refusing oversized images from their
+//!   header, before the pixels are decoded.
+//! - [`resize`]: the antialiased bicubic resize of 8-bit images that the
+//!   reference runs (PyTorch's integer path: per-axis int16 weights, horizontal
+//!   pass then vertical, each rounded to bytes).
+//! - [`processor`]: the aspect-preserving target size, rescaling to `[0, 1]`,
+//!   16-pixel patches with their `(x, y)` positions, and the soft-token count.
+
+pub mod decode;
+pub mod processor;
+pub mod resize;
+
+pub use decode::{decode_image, DecodeLimits, RgbImage};
+pub use processor::{ImageProcessor, ProcessedImage, SUPPORTED_SOFT_TOKENS};
+
+/// What can go wrong with a piece of media; every variant names the problem
+/// in words a client can act on.
+#[derive(Debug, thiserror::Error)]
+pub enum MediaError {
+    #[error("the image could not be decoded: {0}")]
+    Decode(String),
+    #[error("the image format is not supported (supported: PNG, JPEG, GIF, WebP, BMP)")]
+    UnsupportedFormat,
+    #[error("the image is {width}×{height} pixels; at most {max_pixels} pixels and {max_side} per side are accepted")]
+    TooLarge {
+        width: u32,
+        height: u32,
+        max_pixels: u64,
+        max_side: u32,
+    },
+    #[error("the image is empty (0 pixels)")]
+    Empty,
+    #[error("max_soft_tokens must be one of 70, 140, 280, 560, 1120 (got {0})")]
+    SoftTokenBudget(usize),
+    #[error("an image of {width}×{height} cannot be resized into whole {side}-pixel blocks")]
+    Degenerate { width: u32, height: u32, side: u32 },
+}
+
+pub type Result<T> = std::result::Result<T, MediaError>;

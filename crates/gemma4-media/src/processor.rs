@@ -1,0 +1,172 @@
+//! Gemma 4's image processor: aspect-preserving resize into whole
+//! `patch · pooling` blocks within a patch budget, rescale to `[0, 1]`,
+//! 16×16 patches in row-major order with their `(x, y)` positions.
+
+use crate::resize::resize_bicubic;
+use crate::{MediaError, Result, RgbImage};
+
+/// The soft-token budgets the reference processor accepts per image.
+pub const SUPPORTED_SOFT_TOKENS: [usize; 5] = [70, 140, 280, 560, 1120];
+
+/// Bytes to `[0, 1]`: the reference multiplies by the f32 nearest to 1/255
+/// (which is not always the same float as dividing by 255).
+const RESCALE: f32 = (1.0f64 / 255.0) as f32;
+
+/// The processor's settings (`patch_size`, `pooling_kernel_size`,
+/// `max_soft_tokens` of `processor_config.json` / the vision config).
+#[derive(Debug, Clone, Copy)]
+pub struct ImageProcessor {
+    pub patch_size: usize,
+    pub pooling: usize,
+    pub max_soft_tokens: usize,
+}
+
+/// An image as the vision encoder takes it.
+#[derive(Debug, Clone)]
+pub struct ProcessedImage {
+    /// The resized size.
+    pub width: u32,
+    pub height: u32,
+    /// `[patches, patch · patch · 3]`, values in `[0, 1]`; each row is one
+    /// patch's pixels, row by row, channels interleaved.
+    pub patches: Vec<f32>,
+    /// `(x, y)` of each patch, in patch units.
+    pub positions: Vec<(u32, u32)>,
+    /// How many soft tokens the image becomes (`patches / pooling²`).
+    pub soft_tokens: usize,
+}
+
+impl ProcessedImage {
+    pub fn num_patches(&self) -> usize {
+        self.positions.len()
+    }
+}
+
+impl ImageProcessor {
+    /// Gemma 4's defaults: 16-pixel patches, 3×3 pooling, 280 soft tokens.
+    pub fn new(max_soft_tokens: usize) -> Result<Self> {
+        if !SUPPORTED_SOFT_TOKENS.contains(&max_soft_tokens) {
+            return Err(MediaError::SoftTokenBudget(max_soft_tokens));
+        }
+        Ok(Self {
+            patch_size: 16,
+            pooling: 3,
+            max_soft_tokens,
+        })
+    }
+
+    /// At most this many patches per image.
+    pub fn max_patches(&self) -> usize {
+        self.max_soft_tokens * self.pooling * self.pooling
+    }
+
+    /// The resized `(width, height)`: the largest size of the image's aspect
+    /// that has sides in whole `patch · pooling` blocks and at most
+    /// [`max_patches`](Self::max_patches) patches (very thin images get one
+    /// block across and as many along as the aspect gives, capped).
+    pub fn target_size(&self, width: u32, height: u32) -> Result<(u32, u32)> {
+        if width == 0 || height == 0 {
+            return Err(MediaError::Empty);
+        }
+        let (w, h) = (f64::from(width), f64::from(height));
+        let side = (self.pooling * self.patch_size) as f64;
+        let target_px = (self.max_patches() * self.patch_size * self.patch_size) as f64;
+        let factor = (target_px / (w * h)).sqrt();
+        let mut th = (factor * h / side).floor() * side;
+        let mut tw = (factor * w / side).floor() * side;
+        let max_side = (self.max_patches() / (self.pooling * self.pooling)) as f64 * side;
+        if th == 0.0 && tw == 0.0 {
+            return Err(MediaError::Degenerate {
+                width,
+                height,
+                side: side as u32,
+            });
+        }
+        if th == 0.0 {
+            th = side;
+            tw = ((w / h).floor() * side).min(max_side);
+        } else if tw == 0.0 {
+            tw = side;
+            th = ((h / w).floor() * side).min(max_side);
+        }
+        if th * tw > target_px {
+            return Err(MediaError::Degenerate {
+                width,
+                height,
+                side: side as u32,
+            });
+        }
+        Ok((tw as u32, th as u32))
+    }
+
+    /// Resizes, rescales and cuts the image into patches.
+    pub fn process(&self, img: &RgbImage) -> Result<ProcessedImage> {
+        let (tw, th) = self.target_size(img.width, img.height)?;
+        let resized = resize_bicubic(img, tw, th);
+        Ok(self.patchify(&resized))
+    }
+
+    /// Cuts an image already of a valid size into patches (row-major patch
+    /// order; within a patch, pixel rows then columns then channels).
+    pub fn patchify(&self, img: &RgbImage) -> ProcessedImage {
+        let p = self.patch_size;
+        let (w, h) = (img.width as usize, img.height as usize);
+        let (pw, ph) = (w / p, h / p);
+        let mut patches = Vec::with_capacity(pw * ph * p * p * 3);
+        let mut positions = Vec::with_capacity(pw * ph);
+        for py in 0..ph {
+            for px in 0..pw {
+                for dy in 0..p {
+                    let row = ((py * p + dy) * w + px * p) * 3;
+                    patches.extend(
+                        img.pixels[row..row + p * 3]
+                            .iter()
+                            .map(|&b| f32::from(b) * RESCALE),
+                    );
+                }
+                positions.push((px as u32, py as u32));
+            }
+        }
+        ProcessedImage {
+            width: img.width,
+            height: img.height,
+            patches,
+            soft_tokens: positions.len() / (self.pooling * self.pooling),
+            positions,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_outside_the_reference_set_are_refused() {
+        assert!(ImageProcessor::new(280).is_ok());
+        assert!(matches!(
+            ImageProcessor::new(256),
+            Err(MediaError::SoftTokenBudget(256))
+        ));
+    }
+
+    #[test]
+    fn patches_are_row_major_with_xy_positions() {
+        let proc = ImageProcessor::new(70).unwrap();
+        let pixels: Vec<u8> = (0..48 * 32 * 3).map(|i| (i % 251) as u8).collect();
+        let img = RgbImage::new(48, 32, pixels.clone()).unwrap();
+        let out = proc.patchify(&img);
+        assert_eq!(
+            out.positions,
+            vec![(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)]
+        );
+        // Patch (1, 1): its first value is pixel (16, 16), red.
+        let first = out.patches[4 * 768];
+        assert_eq!(first, f32::from(pixels[(16 * 48 + 16) * 3]) * RESCALE);
+        // Its second row starts at pixel (16, 17).
+        assert_eq!(
+            out.patches[4 * 768 + 48],
+            f32::from(pixels[(17 * 48 + 16) * 3]) * RESCALE
+        );
+    }
+}

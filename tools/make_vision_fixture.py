@@ -1,0 +1,251 @@
+#!/usr/bin/env python3
+"""Writes a tiny random Gemma 4 checkpoint with a vision tower, and its float32 goldens.
+
+The text decoder is the E-style oracle fixture's geometry (per-layer embeddings, KV
+sharing, sliding and full layers); the vision tower is a two-layer encoder small enough
+for a unit test, with clipped linears and standardisation switched on so that every
+stage the published E2B/E4B towers have is exercised. The image, begin-of-image and
+end-of-image token ids are moved inside the tiny vocabulary (the published ids are
+beyond it); the model reads them from `config.json`, as it must for real checkpoints.
+
+Weights are drawn at random, rounded to bfloat16 and saved as bfloat16 (as published
+checkpoints are); the goldens come from transformers running them in float32 with eager
+attention:
+
+* `images/*.png`: the test images (smooth patterns with noise, so that the bicubic
+  resize matters), written by this script;
+* `processor.json`: for each test image, and for blank images of 24 other shapes at
+  three soft-token budgets, what the reference image processor returns: resized size,
+  patch count, soft-token count; the test images also carry the sha256 of their
+  resized pixels (the processor's floats × 255, rounded back to bytes);
+* `golden_tensors.safetensors`: per test image `pixels.N` (the resized image as
+  `[h, w, 3]` uint8, recovered from the processor's floats) and `features.N` (the soft
+  tokens after `embed_vision`, `[tokens, hidden]`); per prompt `logits.N` (last
+  position);
+* `golden.json`: per prompt the token ids (with the image soft tokens expanded), the
+  images it holds, and 12 greedy tokens.
+
+Needs torch, torchvision and transformers 5.23 (CPU):
+  pip install torch torchvision transformers==5.23.0 pillow
+  python tools/make_vision_fixture.py tests/fixtures/oracle/e-style tests/fixtures/vision/e-style
+"""
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
+from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+SEED = 20261201
+MAX_SOFT_TOKENS = 70
+IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = 500, 501, 502
+# (width, height): upscaled, exact multiple of 48 (not resized), downscaled, a strip.
+TEST_IMAGES = [(100, 77), (144, 96), (800, 600), (40, 300)]
+OTHER_SHAPES = [
+    (1, 1), (16, 16), (47, 49), (48, 48), (64, 64), (96, 48), (224, 224), (256, 128),
+    (320, 240), (333, 517), (480, 640), (512, 512), (640, 480), (768, 1024), (1000, 10),
+    (10, 1000), (1024, 768), (1280, 720), (1920, 1080), (2000, 3000), (4032, 3024),
+    (3000, 100), (100, 3000), (5000, 5000),
+]
+BUDGETS = [70, 280, 1120]
+
+
+def test_image(index: int, width: int, height: int) -> Image.Image:
+    rng = np.random.default_rng(SEED + index)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+    base = np.stack(
+        [
+            128 + 100 * np.sin(x / (7 + index) + y / 13),
+            128 + 100 * np.cos(y / (5 + index) - x / 17),
+            255 * (x + y) / (width + height),
+        ],
+        axis=-1,
+    )
+    pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def vision_config() -> dict:
+    return {
+        "model_type": "gemma4_vision",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rms_norm_eps": 1e-6,
+        "pooling_kernel_size": 3,
+        "patch_size": 16,
+        "position_embedding_size": 128,
+        "use_clipped_linears": True,
+        "standardize": True,
+        "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
+    }
+
+
+def randomize(model: torch.nn.Module) -> None:
+    """Every parameter and buffer drawn at random (clip ranges finite), rounded to bf16."""
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight") or "norm.weight" in name:
+                v = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+            elif "position_embedding_table" in name:
+                v = 0.5 * torch.randn(p.shape, generator=gen)
+            else:
+                v = torch.randn(p.shape, generator=gen) / max(p.shape[-1], 1) ** 0.5
+            p.copy_(v.to(torch.bfloat16).float())
+        for name, b in model.named_buffers():
+            if name.endswith("input_min") or name.endswith("output_min"):
+                b.copy_(torch.tensor(-1.5 - torch.rand((), generator=gen).item()))
+            elif name.endswith("input_max") or name.endswith("output_max"):
+                b.copy_(torch.tensor(1.5 + torch.rand((), generator=gen).item()))
+            elif name.endswith("std_bias"):
+                b.copy_((0.3 * torch.randn(b.shape, generator=gen)).to(torch.bfloat16).float())
+            elif name.endswith("std_scale"):
+                b.copy_((0.5 + torch.rand(b.shape, generator=gen)).to(torch.bfloat16).float())
+            elif name.endswith("layer_scalar"):
+                b.copy_((0.5 + torch.rand(b.shape, generator=gen)).to(torch.bfloat16).float())
+
+
+def resized_bytes(pixel_values: torch.Tensor, positions: torch.Tensor, patch: int) -> np.ndarray:
+    """The resized image as [h, w, 3] bytes, rebuilt from the processor's patches."""
+    valid = (positions != -1).all(dim=-1)
+    pos = positions[valid]
+    pw, ph = int(pos[:, 0].max()) + 1, int(pos[:, 1].max()) + 1
+    patches = pixel_values[valid].reshape(ph, pw, patch, patch, 3)
+    img = patches.permute(0, 2, 1, 3, 4).reshape(ph * patch, pw * patch, 3)
+    out = torch.round(img * 255).to(torch.uint8).numpy()
+    assert np.allclose(out.astype(np.float32) / 255, img.numpy(), atol=1e-6), "not bytes / 255"
+    return out
+
+
+def main(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / "images").mkdir(exist_ok=True)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["vision_config"] = vision_config()
+    cfg["image_token_id"] = IMAGE_TOKEN
+    cfg["boi_token_id"] = BOI_TOKEN
+    cfg["eoi_token_id"] = EOI_TOKEN
+    config = Gemma4Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
+    config.text_config._attn_implementation = "eager"
+    config.vision_config._attn_implementation = "eager"
+    config._attn_implementation = "eager"
+
+    torch.manual_seed(SEED)
+    model = Gemma4ForConditionalGeneration(config).float().eval()
+    randomize(model)
+    model.save_pretrained(dst, safe_serialization=True)
+    # Saved as bf16 (values are on the bf16 grid, so nothing is lost).
+    from safetensors.torch import load_file
+
+    weights = load_file(dst / "model.safetensors")
+    save_file({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in weights.items()},
+              dst / "model.safetensors", metadata={"format": "pt"})
+    saved = json.loads((dst / "config.json").read_text())
+    saved["dtype"] = "bfloat16"
+    (dst / "config.json").write_text(json.dumps(saved, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+
+    tv = Gemma4ImageProcessor(max_soft_tokens=MAX_SOFT_TOKENS)
+    pil = Gemma4ImageProcessorPil(max_soft_tokens=MAX_SOFT_TOKENS)
+    processor_cases = []
+    tensors = {}
+    images = []
+    for i, (w, h) in enumerate(TEST_IMAGES):
+        img = test_image(i, w, h)
+        img.save(dst / "images" / f"{i}.png")
+        img = Image.open(dst / "images" / f"{i}.png").convert("RGB")
+        out = tv(images=[img], return_tensors="pt")
+        out_pil = pil(images=[img], return_tensors="pt")
+        if not torch.equal(out["pixel_values"], out_pil["pixel_values"]):
+            diff = (out["pixel_values"] - out_pil["pixel_values"]).abs().max().item() * 255
+            print(f"image {i}: torchvision and PIL backends differ by up to {diff:.1f}/255")
+        pixels = resized_bytes(out["pixel_values"][0], out["image_position_ids"][0], 16)
+        tensors[f"pixels.{i}"] = torch.from_numpy(pixels.copy())
+        with torch.no_grad():
+            feats = model.model.get_image_features(
+                out["pixel_values"], out["image_position_ids"], return_dict=True
+            ).pooler_output[0]
+        tensors[f"features.{i}"] = feats.float().contiguous()
+        images.append((out, feats))
+        processor_cases.append({
+            "image": f"images/{i}.png", "width": w, "height": h, "max_soft_tokens": MAX_SOFT_TOKENS,
+            "resized": [pixels.shape[1], pixels.shape[0]],
+            "patches": int((out["image_position_ids"][0] != -1).all(dim=-1).sum()),
+            "soft_tokens": int(out["num_soft_tokens_per_image"][0]),
+            "pixels_sha256": hashlib.sha256(pixels.tobytes()).hexdigest(),
+        })
+    for w, h in OTHER_SHAPES:
+        for budget in BUDGETS:
+            proc = Gemma4ImageProcessor(max_soft_tokens=budget)
+            img = Image.new("RGB", (w, h), (40, 90, 200))
+            try:
+                out = proc(images=[img], return_tensors="pt")
+            except ValueError as e:
+                processor_cases.append({"width": w, "height": h, "max_soft_tokens": budget, "error": str(e)})
+                continue
+            valid = (out["image_position_ids"][0] != -1).all(dim=-1)
+            pos = out["image_position_ids"][0][valid]
+            processor_cases.append({
+                "width": w, "height": h, "max_soft_tokens": budget,
+                "resized": [int(pos[:, 0].max()) * 16 + 16, int(pos[:, 1].max()) * 16 + 16],
+                "patches": int(valid.sum()),
+                "soft_tokens": int(out["num_soft_tokens_per_image"][0]),
+            })
+    (dst / "processor.json").write_text(json.dumps(processor_cases, indent=1) + "\n")
+
+    # Prompts: text ids from the tiny vocabulary around one or two images.
+    prompts = [
+        {"text_before": [2, 105, 17, 33], "images": [0], "text_after": [45, 106, 107]},
+        {"text_before": [2, 9, 81], "images": [1, 3], "text_after": [64, 12]},
+        {"text_before": [2, 200], "images": [2], "text_after": [300, 301, 7]},
+    ]
+    golden_prompts = []
+    for n, p in enumerate(prompts):
+        ids = list(p["text_before"])
+        for k, img_index in enumerate(p["images"]):
+            if k:
+                ids.append(19)
+            count = images[img_index][1].shape[0]
+            ids += [BOI_TOKEN] + [IMAGE_TOKEN] * count + [EOI_TOKEN]
+        ids += p["text_after"]
+        pv = torch.cat([images[i][0]["pixel_values"] for i in p["images"]])
+        pos = torch.cat([images[i][0]["image_position_ids"] for i in p["images"]])
+        input_ids = torch.tensor([ids])
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, pixel_values=pv, image_position_ids=pos).logits[0, -1]
+            gen = model.generate(
+                input_ids=input_ids, pixel_values=pv, image_position_ids=pos,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                min_new_tokens=12,
+            )[0, len(ids):].tolist()
+        tensors[f"logits.{n}"] = logits.float().contiguous()
+        golden_prompts.append({"ids": ids, "images": p["images"], "greedy": gen})
+    save_file(tensors, dst / "golden_tensors.safetensors")
+    (dst / "golden.json").write_text(json.dumps({
+        "generator": "tools/make_vision_fixture.py",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "max_soft_tokens": MAX_SOFT_TOKENS,
+        "prompts": golden_prompts,
+    }, indent=1) + "\n")
+    print(f"wrote {dst}")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
