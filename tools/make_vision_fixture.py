@@ -8,8 +8,8 @@ stage the published E2B/E4B towers have is exercised. The image, begin-of-image 
 end-of-image token ids are moved inside the tiny vocabulary (the published ids are
 beyond it); the model reads them from `config.json`, as it must for real checkpoints.
 
-Weights are drawn at random, rounded to bfloat16 and saved as bfloat16 (as published
-checkpoints are); the goldens come from transformers running them in float32 with eager
+Weights are drawn at random and saved as bfloat16 (as published checkpoints are); the
+goldens come from transformers loading the saved checkpoint in float32 with eager
 attention:
 
 * `images/*.png`: the test images (smooth patterns with noise, so that the bicubic
@@ -159,6 +159,10 @@ def main(src: Path, dst: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (src / name).exists():
             shutil.copy(src / name, dst / name)
+    # The goldens come from the checkpoint as saved, widened to float32.
+    model = Gemma4ForConditionalGeneration.from_pretrained(
+        dst, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
 
     tv = Gemma4ImageProcessor(max_soft_tokens=MAX_SOFT_TOKENS)
     pil = Gemma4ImageProcessorPil(max_soft_tokens=MAX_SOFT_TOKENS)

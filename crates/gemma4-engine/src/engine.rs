@@ -802,6 +802,7 @@ impl Worker {
                 ids: &running[c.index].tokens[c.start..c.start + c.len],
                 start: c.start,
                 logits: c.samples.then_some(LogitsFor::Last),
+                soft: None,
             })
             .collect();
         let (model, pool) = (&self.model, &mut self.pool);

@@ -34,6 +34,21 @@ pub struct BatchSeq<'a> {
     pub start: usize,
     /// Which logits this sequence needs, if any.
     pub logits: Option<LogitsFor>,
+    /// Rows of `ids` whose embeddings come from an encoder (image soft
+    /// tokens), not from the token table.
+    pub soft: Option<SoftTokens<'a>>,
+}
+
+/// Encoder outputs that replace token embeddings, as the reference's
+/// multimodal wrapper scatters them: at these rows the scaled token embedding
+/// is replaced by the given row (unscaled), and the per-layer-embedding table
+/// is read at the pad id (the context part sees the replaced row).
+#[derive(Debug, Clone, Copy)]
+pub struct SoftTokens<'a> {
+    /// Indices into the sequence's `ids`, ascending.
+    pub rows: &'a [usize],
+    /// `rows.len() × hidden` values, one row per index.
+    pub embeds: &'a [f32],
 }
 
 /// Where a sequence's tokens sit in the flat batch.
@@ -282,10 +297,24 @@ impl Gemma4 {
         want: LogitsFor,
         trace: Option<&mut ForwardTrace>,
     ) -> Result<Tensor> {
+        self.forward_with_soft_tokens(ids, None, cache, want, trace)
+    }
+
+    /// [`forward`](Self::forward) with some rows' embeddings given by an
+    /// encoder (image soft tokens).
+    pub fn forward_with_soft_tokens(
+        &self,
+        ids: &[u32],
+        soft: Option<SoftTokens<'_>>,
+        cache: &mut KvCache,
+        want: LogitsFor,
+        trace: Option<&mut ForwardTrace>,
+    ) -> Result<Tensor> {
         let seq = BatchSeq {
             ids,
             start: cache.len(),
             logits: Some(want),
+            soft,
         };
         let mut out = self.forward_batch(&[seq], cache, trace)?;
         cache.advance(ids.len());
@@ -307,7 +336,29 @@ impl Gemma4 {
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut spans = Vec::with_capacity(seqs.len());
+        // (flat row, source row) of every soft token in the batch.
+        let mut soft_rows: Vec<(usize, &[f32])> = Vec::new();
+        let hidden = self.cfg.hidden_size;
         for s in seqs {
+            if let Some(soft) = s.soft {
+                if soft.embeds.len() != soft.rows.len() * hidden {
+                    return Err(ModelError::Input(format!(
+                        "{} soft-token rows need {} values, got {}",
+                        soft.rows.len(),
+                        soft.rows.len() * hidden,
+                        soft.embeds.len()
+                    )));
+                }
+                for (i, &row) in soft.rows.iter().enumerate() {
+                    if row >= s.ids.len() {
+                        return Err(ModelError::Input(format!(
+                            "soft-token row {row} is outside the {} tokens of the step",
+                            s.ids.len()
+                        )));
+                    }
+                    soft_rows.push((ids.len() + row, &soft.embeds[i * hidden..(i + 1) * hidden]));
+                }
+            }
             if s.ids.is_empty() {
                 return Err(ModelError::Input(
                     "cannot run the model on zero tokens".into(),
@@ -322,6 +373,12 @@ impl Gemma4 {
             ids.extend_from_slice(s.ids);
             positions.extend(s.start..s.start + s.ids.len());
         }
+        // Placeholder ids may lie outside the table (the reference reads the
+        // pad row there, and overwrites it).
+        let pad = self.cfg.pad_token_id.unwrap_or(0);
+        for &(row, _) in &soft_rows {
+            ids[row] = pad;
+        }
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
             return Err(ModelError::Input(format!(
                 "token id {bad} is outside the vocabulary (size {})",
@@ -329,6 +386,13 @@ impl Gemma4 {
             )));
         }
         let mut h = (self.embed.lookup(&ids, &self.device)? * self.embed_scale)?;
+        if !soft_rows.is_empty() {
+            let mut rows = h.flatten_all()?.to_vec1::<f32>()?;
+            for &(row, embed) in &soft_rows {
+                rows[row * hidden..(row + 1) * hidden].copy_from_slice(embed);
+            }
+            h = Tensor::from_vec(rows, (ids.len(), hidden), &self.device)?;
+        }
         let ple = match &self.ple {
             Some(p) => Some(self.per_layer_inputs(p, &ids, &h)?),
             None => None,

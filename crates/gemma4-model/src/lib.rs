@@ -19,15 +19,17 @@ pub mod plan;
 pub mod safetensors_store;
 pub mod source;
 pub mod storage;
+pub mod vision;
 
 pub use cache::{KvCache, KvStore};
 pub use config::TextConfig;
 pub use error::{ConfigError, ModelError, Result, WeightError};
-pub use gemma4::{BatchSeq, ForwardTrace, Gemma4, LogitsFor};
+pub use gemma4::{BatchSeq, ForwardTrace, Gemma4, LogitsFor, SoftTokens};
 pub use gguf_source::GgufSource;
 pub use loader::{LoadPolicy, LoadReport, Progress, Quant, Weights};
-pub use source::{HfSafetensors, RandomWeights, WeightSource};
+pub use source::{HfSafetensors, RandomWeights, TowerSource, WeightSource};
 pub use storage::{Embedding, Linear};
+pub use vision::{VisionConfig, VisionInput, VisionTower};
 
 use std::path::Path;
 

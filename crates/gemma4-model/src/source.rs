@@ -95,6 +95,42 @@ impl HfSafetensors {
     pub fn store(&self) -> &SafetensorsStore {
         &self.store
     }
+
+    /// The same checkpoint seen from the multimodal model's root, where the
+    /// towers and their projections live (`vision_tower.…`, `embed_vision.…`).
+    pub fn towers(&self) -> TowerSource<'_> {
+        let prefix = ["model.", ""]
+            .into_iter()
+            .find(|p| {
+                self.store
+                    .names()
+                    .iter()
+                    .any(|n| n.starts_with(&format!("{p}vision_tower.")))
+            })
+            .unwrap_or("model.");
+        TowerSource {
+            store: &self.store,
+            prefix,
+        }
+    }
+}
+
+/// A checkpoint's tower tensors, by name below the multimodal model's root.
+pub struct TowerSource<'a> {
+    store: &'a SafetensorsStore,
+    prefix: &'static str,
+}
+
+impl WeightSource for TowerSource<'_> {
+    fn stored(&self, name: &str, shape: &[usize]) -> Result<StoredTensor> {
+        Ok(self
+            .store
+            .stored(&format!("{}{name}", self.prefix), shape)?)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.store.contains(&format!("{}{name}", self.prefix))
+    }
 }
 
 impl WeightSource for HfSafetensors {

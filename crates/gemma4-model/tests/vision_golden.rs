@@ -1,0 +1,200 @@
+//! The vision path against transformers in float32, on the tiny E-style
+//! checkpoint with a vision tower (`tests/fixtures/vision/e-style`, written by
+//! `tools/make_vision_fixture.py`): each image's soft tokens after
+//! `embed_vision`, then prompts holding one or two images — the logits at the
+//! last prompt position and 12 greedy tokens.
+
+use std::path::PathBuf;
+
+use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
+use gemma4_model::golden::{argmax, DEFAULT_TOLERANCE};
+use gemma4_model::{
+    HfSafetensors, KvCache, LoadPolicy, LogitsFor, SoftTokens, VisionConfig, VisionInput,
+    VisionTower, Weights,
+};
+use serde_json::Value;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision/e-style")
+}
+
+struct Fixture {
+    model: gemma4_model::Gemma4,
+    tower: VisionTower,
+    goldens: Vec<u8>,
+    golden: Value,
+}
+
+fn load() -> Fixture {
+    let dir = fixture();
+    let model = gemma4_model::load(&dir, LoadPolicy::default()).expect("text model");
+    let cfg = VisionConfig::from_dir(&dir)
+        .expect("config")
+        .expect("a vision tower");
+    let src = HfSafetensors::open(&dir).expect("checkpoint");
+    let towers = src.towers();
+    let weights = Weights::new(&towers, LoadPolicy::default());
+    let tower = VisionTower::load(cfg, model.config().hidden_size, &weights).expect("tower");
+    let goldens = std::fs::read(dir.join("golden_tensors.safetensors")).expect("goldens");
+    let golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
+        .expect("golden.json");
+    Fixture {
+        model,
+        tower,
+        goldens,
+        golden,
+    }
+}
+
+fn tensor(bytes: &[u8], name: &str) -> (Vec<usize>, Vec<f32>) {
+    let st = safetensors::SafeTensors::deserialize(bytes).expect("safetensors");
+    let t = st.tensor(name).unwrap_or_else(|_| panic!("{name}"));
+    let data = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    (t.shape().to_vec(), data)
+}
+
+/// The image's soft tokens, `[tokens · hidden]`, from its PNG.
+fn encode(f: &Fixture, index: usize) -> Vec<f32> {
+    let png = std::fs::read(fixture().join(format!("images/{index}.png"))).expect("png");
+    let img = decode_image(&png, DecodeLimits::default()).expect("decode");
+    let processed = ImageProcessor::new(70)
+        .unwrap()
+        .process(&img)
+        .expect("process");
+    let out = f
+        .tower
+        .encode(VisionInput {
+            patches: &processed.patches,
+            positions: &processed.positions,
+        })
+        .expect("encode");
+    assert_eq!(out.dim(0).unwrap(), processed.soft_tokens);
+    out.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn soft_tokens_match_the_reference() {
+    let f = load();
+    for i in 0..4 {
+        let ours = encode(&f, i);
+        let (shape, want) = tensor(&f.goldens, &format!("features.{i}"));
+        assert_eq!(ours.len(), shape.iter().product::<usize>(), "image {i}");
+        let scale = want.iter().map(|x| x.abs()).fold(0.0, f32::max);
+        let diff = max_abs_diff(&ours, &want);
+        eprintln!("image {i}: soft tokens max |Δ| {diff:.2e} (largest value {scale:.2})");
+        // f32 against f32: the same operations, summed in another order.
+        assert!(
+            diff <= 1e-4 * scale.max(1.0),
+            "image {i}: max |Δ| {diff} (largest value {scale})"
+        );
+    }
+}
+
+#[test]
+fn prompts_with_images_match_the_reference_logits_and_greedy_tokens() {
+    let f = load();
+    let hidden = f.model.config().hidden_size;
+    let image_token = f.tower.config().image_token_id;
+    let features: Vec<Vec<f32>> = (0..4).map(|i| encode(&f, i)).collect();
+    let prompts = f.golden["prompts"].as_array().expect("prompts");
+    assert_eq!(prompts.len(), 3);
+    for (n, p) in prompts.iter().enumerate() {
+        let ids: Vec<u32> = p["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let rows: Vec<usize> = (0..ids.len()).filter(|&i| ids[i] == image_token).collect();
+        let embeds: Vec<f32> = p["images"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|i| features[i.as_u64().unwrap() as usize].clone())
+            .collect();
+        assert_eq!(
+            embeds.len(),
+            rows.len() * hidden,
+            "prompt {n}: one row per placeholder"
+        );
+        let mut cache = KvCache::new(f.model.config().num_layers());
+        let soft = SoftTokens {
+            rows: &rows,
+            embeds: &embeds,
+        };
+        let logits = f
+            .model
+            .forward_with_soft_tokens(&ids, Some(soft), &mut cache, LogitsFor::Last, None)
+            .expect("prefill");
+        let logits: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+        let (_, want) = tensor(&f.goldens, &format!("logits.{n}"));
+        let diff = max_abs_diff(&logits, &want);
+        eprintln!("prompt {n}: logits max |Δ| {diff:.2e}");
+        assert!(
+            diff <= DEFAULT_TOLERANCE,
+            "prompt {n}: logits max |Δ| {diff}"
+        );
+
+        let greedy: Vec<u32> = p["greedy"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let mut next = argmax(&logits).0;
+        let mut ours = vec![next];
+        while ours.len() < greedy.len() {
+            let l = f
+                .model
+                .forward(&[next], &mut cache, LogitsFor::Last, None)
+                .expect("decode");
+            next = argmax(&l.flatten_all().unwrap().to_vec1::<f32>().unwrap()).0;
+            ours.push(next);
+        }
+        assert_eq!(ours, greedy, "prompt {n}");
+    }
+}
+
+#[test]
+fn without_the_image_the_logits_differ() {
+    // The soft tokens matter: the same prompt with the placeholders' pad
+    // embeddings in their place departs from the reference.
+    let f = load();
+    let p = &f.golden["prompts"][0];
+    let ids: Vec<u32> = p["ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap() as u32)
+        .collect();
+    let pad_ids: Vec<u32> = ids
+        .iter()
+        .map(|&t| {
+            if t == f.tower.config().image_token_id {
+                0
+            } else {
+                t
+            }
+        })
+        .collect();
+    let mut cache = KvCache::new(f.model.config().num_layers());
+    let l = f
+        .model
+        .forward(&pad_ids, &mut cache, LogitsFor::Last, None)
+        .expect("forward");
+    let (_, want) = tensor(&f.goldens, "logits.0");
+    let diff = max_abs_diff(&l.flatten_all().unwrap().to_vec1::<f32>().unwrap(), &want);
+    assert!(diff > 100.0 * DEFAULT_TOLERANCE, "{diff}");
+}
