@@ -101,6 +101,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 prompt_ids,
                 params,
                 deadline: None,
+                soft_prompt: None,
             })
             .context("cannot start the reply")?;
         let mut reply = String::new();

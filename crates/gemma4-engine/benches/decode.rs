@@ -67,6 +67,7 @@ fn main() {
                                 prompt_ids: prompt,
                                 params,
                                 deadline: None,
+                                soft_prompt: None,
                             })
                             .expect("submit");
                         let mut n = 0;

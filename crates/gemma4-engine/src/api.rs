@@ -132,6 +132,40 @@ pub struct GenerationRequest {
     pub params: SamplingParams,
     /// The request ends with [`FinishReason::Timeout`] once this passes.
     pub deadline: Option<Instant>,
+    /// Prompt positions whose embeddings an encoder computed (images).
+    pub soft_prompt: Option<std::sync::Arc<SoftPrompt>>,
+}
+
+/// Encoder outputs for some prompt positions: the model reads these rows
+/// instead of the token table there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SoftPrompt {
+    /// Prompt positions, ascending.
+    pub rows: Vec<usize>,
+    /// `rows.len() × hidden` values.
+    pub embeds: Vec<f32>,
+    /// A digest of the media: cached prefixes are keyed on it, so two
+    /// prompts with the same placeholders but different images never share
+    /// KV blocks.
+    pub content_key: u64,
+}
+
+impl SoftPrompt {
+    /// The rows (relative to `start`) and values that fall in
+    /// `start..start + len`.
+    pub fn window(&self, start: usize, len: usize) -> (Vec<usize>, &[f32]) {
+        let lo = self.rows.partition_point(|&r| r < start);
+        let hi = self.rows.partition_point(|&r| r < start + len);
+        let hidden = if self.rows.is_empty() {
+            0
+        } else {
+            self.embeds.len() / self.rows.len()
+        };
+        (
+            self.rows[lo..hi].iter().map(|r| r - start).collect(),
+            &self.embeds[lo * hidden..hi * hidden],
+        )
+    }
 }
 
 /// A token's log-probability with its strongest alternatives.

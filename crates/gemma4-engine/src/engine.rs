@@ -14,13 +14,13 @@ use candle_core::{Device, Tensor};
 use gemma4_model::config::AttentionKind;
 use gemma4_model::paged::{kv_groups, KvDtype, PagedKvPool, SeqBlocks};
 use gemma4_model::plan::kv_pool_blocks;
-use gemma4_model::{BatchSeq, Gemma4, LogitsFor};
+use gemma4_model::{BatchSeq, Gemma4, LogitsFor, SoftTokens};
 use gemma4_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::api::{
-    EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, TokenConstraint,
-    TokenLogprob, Usage,
+    EngineEvent, EngineStats, FinishReason, GenerationRequest, SoftPrompt, SubmitError,
+    TokenConstraint, TokenLogprob, Usage,
 };
 use crate::kv_manager::KvManager;
 use crate::output::OutputState;
@@ -102,6 +102,8 @@ pub struct EngineHandle {
     config: Arc<EngineConfig>,
     tokenizer: Arc<Tokenizer>,
     token_id_limit: usize,
+    /// The model's width: the length of each encoder row a request brings.
+    hidden_size: usize,
     kv_plan: Arc<KvPlanReport>,
 }
 
@@ -215,6 +217,22 @@ impl EngineHandle {
                 r.prompt_ids.len(),
                 r.params.max_tokens
             )));
+        }
+        if let Some(soft) = &r.soft_prompt {
+            let in_prompt = soft.rows.windows(2).all(|w| w[0] < w[1])
+                && soft
+                    .rows
+                    .last()
+                    .is_none_or(|&last| last < r.prompt_ids.len());
+            if !in_prompt || soft.embeds.len() != soft.rows.len() * self.hidden_size {
+                return Err(SubmitError::Invalid(format!(
+                    "the encoder rows do not fit the prompt: {} rows (ascending, below {}), {} values for a width of {}",
+                    soft.rows.len(),
+                    r.prompt_ids.len(),
+                    soft.embeds.len(),
+                    self.hidden_size
+                )));
+            }
         }
         self.check_token_ids(&r.prompt_ids)?;
         self.check_token_ids(&r.params.stop_token_ids)?;
@@ -412,6 +430,7 @@ fn start_worker(
         config: Arc::new(config),
         tokenizer,
         token_id_limit,
+        hidden_size: cfg.hidden_size,
         kv_plan: Arc::new(kv_plan),
     })
 }
@@ -426,6 +445,8 @@ struct Live {
     generated: usize,
     /// Left the wait queue for the first time (later re-queues are preemptions).
     admitted: bool,
+    /// Encoder rows of the prompt (images), if any.
+    soft_prompt: Option<Arc<SoftPrompt>>,
 }
 
 struct Worker {
@@ -567,13 +588,15 @@ impl Worker {
                         prompt_len,
                         generated: 0,
                         admitted: false,
+                        soft_prompt: request.soft_prompt.clone(),
                     },
                 );
+                let content_key = request.soft_prompt.as_ref().map_or(0, |s| s.content_key);
                 self.scheduler.waiting.push_back(SeqState {
                     id,
                     tokens: request.prompt_ids,
                     computed: 0,
-                    kv: self.kv.empty(),
+                    kv: self.kv.empty_keyed(content_key),
                     prefix_hit: 0,
                 });
             }
@@ -796,13 +819,25 @@ impl Worker {
                 len_after_step: c.start + c.len,
             })
             .collect();
+        // Each chunk's share of its prompt's encoder rows.
+        let soft: Vec<Option<(Vec<usize>, &[f32])>> = chunks
+            .iter()
+            .map(|c| {
+                let live = self.live.get(&running[c.index].id)?;
+                let window = live.soft_prompt.as_ref()?.window(c.start, c.len);
+                (!window.0.is_empty()).then_some(window)
+            })
+            .collect();
         let batch: Vec<BatchSeq<'_>> = chunks
             .iter()
-            .map(|c| BatchSeq {
+            .zip(&soft)
+            .map(|(c, soft)| BatchSeq {
                 ids: &running[c.index].tokens[c.start..c.start + c.len],
                 start: c.start,
                 logits: c.samples.then_some(LogitsFor::Last),
-                soft: None,
+                soft: soft
+                    .as_ref()
+                    .map(|(rows, embeds)| SoftTokens { rows, embeds }),
             })
             .collect();
         let (model, pool) = (&self.model, &mut self.pool);

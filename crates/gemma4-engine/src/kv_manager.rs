@@ -83,6 +83,9 @@ pub struct SeqKv {
     registered_blocks: usize,
     /// Hash of the last registered block (the chain's parent).
     last_hash: u64,
+    /// The chain's root: 0 for text, a digest of the media for prompts with
+    /// encoder rows.
+    seed: u64,
 }
 
 /// Usage figures.
@@ -149,10 +152,17 @@ impl KvManager {
 
     /// An empty table set for a new sequence.
     pub fn empty(&self) -> SeqKv {
+        self.empty_keyed(0)
+    }
+
+    /// An empty table set whose cached prefixes are keyed on `seed` as well
+    /// as on the tokens (prompts whose placeholders stand for media).
+    pub fn empty_keyed(&self, seed: u64) -> SeqKv {
         SeqKv {
             tables: vec![GroupBlocks::default(); self.groups.len()],
             registered_blocks: 0,
-            last_hash: 0,
+            last_hash: seed,
+            seed,
         }
     }
 
@@ -228,7 +238,7 @@ impl KvManager {
             t.first_block = 0;
         }
         seq.registered_blocks = 0;
-        seq.last_hash = 0;
+        seq.last_hash = seq.seed;
     }
 
     /// Hash of block `index` given its parent's hash and its tokens.
@@ -247,7 +257,7 @@ impl KvManager {
         let bs = self.block_size;
         let max_blocks = (tokens.len() - 1) / bs;
         let mut hashes = Vec::with_capacity(max_blocks);
-        let mut parent = 0u64;
+        let mut parent = seq.seed;
         for b in 0..max_blocks {
             parent = self.chain(parent, b, &tokens[b * bs..(b + 1) * bs]);
             hashes.push(parent);

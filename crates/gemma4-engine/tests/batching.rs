@@ -59,6 +59,7 @@ fn request(ids: &[u32]) -> GenerationRequest {
             ..Default::default()
         },
         deadline: None,
+        soft_prompt: None,
     }
 }
 
@@ -208,6 +209,7 @@ fn sliding_layers_hold_only_their_window() {
                 ..Default::default()
             },
             deadline: None,
+            soft_prompt: None,
         })
         .expect("submit");
     let mut n = 0;
@@ -279,6 +281,7 @@ fn sampled(engine: &EngineHandle, ids: &[u32], seed: u64) -> Vec<u32> {
             prompt_ids: ids.to_vec(),
             params,
             deadline: None,
+            soft_prompt: None,
         })
         .expect("submit")
         .blocking_finish()
@@ -357,6 +360,7 @@ fn stop_strings_cut_the_text() {
             prompt_ids: p.input_ids.clone(),
             params,
             deadline: None,
+            soft_prompt: None,
         })
         .expect("submit");
     let mut text = String::new();
@@ -391,6 +395,7 @@ fn timeouts_and_cancellation_free_blocks() {
             prompt_ids: long.clone(),
             params: params.clone(),
             deadline,
+            soft_prompt: None,
         })
         .expect("submit");
     let mut reason = None;
@@ -406,6 +411,7 @@ fn timeouts_and_cancellation_free_blocks() {
             prompt_ids: long,
             params,
             deadline: None,
+            soft_prompt: None,
         })
         .expect("submit");
     for _ in 0..3 {

@@ -62,6 +62,7 @@ fn leading_tokens(path: &Path, dtype: KvDtype) -> Vec<(usize, usize)> {
                         ..Default::default()
                     },
                     deadline: None,
+                    soft_prompt: None,
                 })
                 .expect("submit")
                 .blocking_finish()

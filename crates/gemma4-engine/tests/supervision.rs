@@ -57,6 +57,7 @@ fn request(ids: &[u32]) -> GenerationRequest {
             ..Default::default()
         },
         deadline: None,
+        soft_prompt: None,
     }
 }
 

@@ -273,6 +273,7 @@ pub fn build_requests(
                 prompt_ids: prompt.clone(),
                 params,
                 deadline,
+                soft_prompt: None,
             });
         }
     }

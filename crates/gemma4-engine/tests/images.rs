@@ -1,0 +1,184 @@
+//! Prompts with images through the engine: chunked prefill across the soft
+//! tokens, batched with each other, and prefix caching keyed on the media,
+//! against the reference's greedy tokens on the vision fixture.
+
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use gemma4_engine::{start, EngineConfig, GenerationRequest, SamplingParams, SoftPrompt};
+use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
+use gemma4_model::{
+    load_hf_dir, HfSafetensors, LoadPolicy, VisionConfig, VisionInput, VisionTower, Weights,
+};
+use gemma4_text::Tokenizer;
+use serde_json::Value;
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision/e-style")
+}
+
+struct Prompt {
+    ids: Vec<u32>,
+    images: Vec<usize>,
+    greedy: Vec<u32>,
+}
+
+fn prompts() -> Vec<Prompt> {
+    let text = std::fs::read_to_string(fixture().join("golden.json")).expect("golden.json");
+    let golden: Value = serde_json::from_str(&text).expect("json");
+    let ints = |v: &Value| -> Vec<u64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect()
+    };
+    golden["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| Prompt {
+            ids: ints(&p["ids"]).into_iter().map(|x| x as u32).collect(),
+            images: ints(&p["images"]).into_iter().map(|x| x as usize).collect(),
+            greedy: ints(&p["greedy"]).into_iter().map(|x| x as u32).collect(),
+        })
+        .collect()
+}
+
+/// Each test image's soft tokens.
+fn image_features() -> (Vec<Vec<f32>>, u32) {
+    let dir = fixture();
+    let cfg = VisionConfig::from_dir(&dir).unwrap().expect("vision tower");
+    let image_token = cfg.image_token_id;
+    let src = HfSafetensors::open(&dir).unwrap();
+    let towers = src.towers();
+    let tower = VisionTower::load(cfg, 64, &Weights::new(&towers, LoadPolicy::default())).unwrap();
+    let features = (0..4)
+        .map(|i| {
+            let png = std::fs::read(dir.join(format!("images/{i}.png"))).unwrap();
+            let img = decode_image(&png, DecodeLimits::default()).unwrap();
+            let p = ImageProcessor::new(70).unwrap().process(&img).unwrap();
+            tower
+                .encode(VisionInput {
+                    patches: &p.patches,
+                    positions: &p.positions,
+                })
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        })
+        .collect();
+    (features, image_token)
+}
+
+fn request(
+    ids: &[u32],
+    images: &[usize],
+    features: &[Vec<f32>],
+    image_token: u32,
+) -> GenerationRequest {
+    let rows: Vec<usize> = (0..ids.len()).filter(|&i| ids[i] == image_token).collect();
+    let embeds: Vec<f32> = images.iter().flat_map(|&i| features[i].clone()).collect();
+    let mut h = DefaultHasher::new();
+    images.hash(&mut h);
+    GenerationRequest {
+        prompt_ids: ids.to_vec(),
+        params: SamplingParams {
+            max_tokens: 12,
+            ..Default::default()
+        },
+        deadline: None,
+        soft_prompt: Some(Arc::new(SoftPrompt {
+            rows,
+            embeds,
+            content_key: h.finish(),
+        })),
+    }
+}
+
+fn engine() -> gemma4_engine::EngineHandle {
+    let tokenizer = Arc::new(Tokenizer::from_dir(&fixture()).expect("tokenizer"));
+    let config = EngineConfig {
+        max_num_seqs: 4,
+        max_model_len: 256,
+        block_size: 4,
+        // Prompts of 70–136 tokens run in chunks that cut through their images.
+        max_batch_tokens: 24,
+        ..Default::default()
+    };
+    start(load_hf_dir(&fixture()).expect("model"), tokenizer, config).expect("engine")
+}
+
+#[test]
+fn image_prompts_in_chunks_and_batched_keep_the_reference_tokens() {
+    let (features, image_token) = image_features();
+    let engine = engine();
+    let prompts = prompts();
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            engine
+                .submit(request(&p.ids, &p.images, &features, image_token))
+                .expect("submit")
+        })
+        .collect();
+    for (p, s) in prompts.iter().zip(streams) {
+        let (ids, _) = s.blocking_finish().expect("finished");
+        assert_eq!(ids, p.greedy);
+    }
+}
+
+#[test]
+fn a_cached_prefix_is_never_shared_between_different_images() {
+    // Images 0 and 2 both become 63 soft tokens, so prompt 0's ids hold
+    // either; only the media key tells the cached blocks apart.
+    let (features, image_token) = image_features();
+    assert_eq!(features[0].len(), features[2].len());
+    let engine = engine();
+    let p = &prompts()[0];
+    let run = |images: &[usize]| {
+        engine
+            .submit(request(&p.ids, images, &features, image_token))
+            .unwrap()
+            .blocking_finish()
+            .unwrap()
+            .0
+    };
+    assert_eq!(run(&[0]), p.greedy);
+    let other = run(&[2]);
+    assert_ne!(
+        other, p.greedy,
+        "image 2 must not read image 0's cached blocks"
+    );
+    // Image 2 alone, on an engine that has never seen image 0.
+    let fresh = engine_fresh_run(&p.ids, &features, image_token);
+    assert_eq!(other, fresh);
+    // And the same image again reuses its own blocks with the same result.
+    assert_eq!(run(&[0]), p.greedy);
+}
+
+fn engine_fresh_run(ids: &[u32], features: &[Vec<f32>], image_token: u32) -> Vec<u32> {
+    engine()
+        .submit(request(ids, &[2], features, image_token))
+        .unwrap()
+        .blocking_finish()
+        .unwrap()
+        .0
+}
+
+#[test]
+fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
+    let engine = engine();
+    let mut r = request(&[2, 500, 500, 7], &[], &[], 500);
+    // Two placeholder rows but no values.
+    assert!(engine.submit(r.clone()).is_err());
+    r.soft_prompt = Some(Arc::new(SoftPrompt {
+        rows: vec![9],
+        embeds: vec![0.0; 64],
+        content_key: 1,
+    }));
+    assert!(engine.submit(r).is_err());
+}
