@@ -23,7 +23,8 @@ attention:
   tokens after `embed_vision`, `[tokens, hidden]`); per prompt `logits.N` (last
   position);
 * `golden.json`: per prompt the token ids (with the image soft tokens expanded), the
-  images it holds, and 12 greedy tokens.
+  images it holds, and 12 greedy tokens; and one chat turn with two images rendered by
+  the real Gemma 4 template, tokenized around its placeholders, with its 12 greedy tokens.
 
 Needs torch, torchvision and transformers 5.23 (CPU):
   pip install torch torchvision transformers==5.23.0 pillow
@@ -159,6 +160,8 @@ def main(src: Path, dst: Path) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (src / name).exists():
             shutil.copy(src / name, dst / name)
+    # The real Gemma 4 chat template (it renders image parts as <|image|>).
+    shutil.copy(src.parent / "real-vocab" / "chat_template.jinja", dst / "chat_template.jinja")
     # The goldens come from the checkpoint as saved, widened to float32.
     model = Gemma4ForConditionalGeneration.from_pretrained(
         dst, dtype=torch.float32, attn_implementation="eager"
@@ -240,6 +243,37 @@ def main(src: Path, dst: Path) -> None:
             )[0, len(ids):].tolist()
         tensors[f"logits.{n}"] = logits.float().contiguous()
         golden_prompts.append({"ids": ids, "images": p["images"], "greedy": gen})
+    # A chat turn as the server builds it: the real template renders each
+    # image part as <|image|>; the text between is tokenized piece by piece
+    # and each placeholder becomes <|image>, N soft tokens, <image|>.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(dst)
+    chat_images = [1, 3]
+    messages = [{"role": "user", "content": [
+        {"type": "text", "text": "Compare these two."}, {"type": "image"}, {"type": "image"}]}]
+    rendered = tok.apply_chat_template(
+        messages, chat_template=(dst / "chat_template.jinja").read_text(),
+        tokenize=False, add_generation_prompt=True)
+    pieces = rendered.split("<|image|>")
+    assert len(pieces) == len(chat_images) + 1, rendered
+    ids = []
+    for k, piece in enumerate(pieces):
+        if k:
+            count = images[chat_images[k - 1]][1].shape[0]
+            ids += [BOI_TOKEN] + [IMAGE_TOKEN] * count + [EOI_TOKEN]
+        ids += tok(piece, add_special_tokens=False).input_ids
+    pv = torch.cat([images[i][0]["pixel_values"] for i in chat_images])
+    pos = torch.cat([images[i][0]["image_position_ids"] for i in chat_images])
+    input_ids = torch.tensor([ids])
+    with torch.no_grad():
+        gen = model.generate(
+            input_ids=input_ids, pixel_values=pv, image_position_ids=pos,
+            attention_mask=torch.ones_like(input_ids), max_new_tokens=12, min_new_tokens=12,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )[0, len(ids):].tolist()
+    chat_golden = {"messages_text": "Compare these two.", "images": chat_images, "rendered": rendered,
+                   "ids": ids, "greedy": gen}
     save_file(tensors, dst / "golden_tensors.safetensors")
     (dst / "golden.json").write_text(json.dumps({
         "generator": "tools/make_vision_fixture.py",
@@ -247,6 +281,7 @@ def main(src: Path, dst: Path) -> None:
         "transformers": __import__("transformers").__version__,
         "max_soft_tokens": MAX_SOFT_TOKENS,
         "prompts": golden_prompts,
+        "chat": chat_golden,
     }, indent=1) + "\n")
     print(f"wrote {dst}")
 

@@ -457,7 +457,64 @@ def scenario_responses(args):
     return out
 
 
+def data_uri(path):
+    import base64
+
+    with open(path, "rb") as f:
+        return "data:image/png;base64," + base64.b64encode(f.read()).decode()
+
+
+def scenario_images(args):
+    """A chat turn with images as data URIs, whole and streamed, and bad media."""
+    c = client(args)
+    content = [{"type": "text", "text": args.prompt[0]}] + [
+        {"type": "image_url", "image_url": {"url": data_uri(path)}} for path in args.image
+    ]
+    messages = [{"role": "user", "content": content}]
+    r = c.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=args.max_tokens, temperature=0,
+        extra_body=GREEDY_EXTRA,
+    )
+    stream = c.chat.completions.create(
+        model=args.model, messages=messages, max_tokens=args.max_tokens, temperature=0,
+        extra_body=GREEDY_EXTRA, stream=True, stream_options={"include_usage": True},
+    )
+    streamed, stream_usage = [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            stream_usage = chunk.usage.model_dump()
+        for ch in chunk.choices:
+            if ch.delta.content:
+                streamed.append(ch.delta.content)
+    bad = {}
+    cases = {
+        "corrupt": "data:image/png;base64," + "iVBORw0KGgo" + "A" * 41,
+        "not_base64": "data:image/png;base64,!!!",
+        "not_an_image": "data:image/png;base64,aGVsbG8gd29ybGQ=",
+        "remote": "https://example.com/cat.png",
+    }
+    for name, url in cases.items():
+        try:
+            c.chat.completions.create(
+                model=args.model, max_tokens=1,
+                messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]}],
+            )
+            bad[name] = {"status": 200}
+        except openai.APIError as e:
+            bad[name] = error_info(e)
+    return {
+        "text": r.choices[0].message.content,
+        "finish_reason": r.choices[0].finish_reason,
+        "usage": r.usage.model_dump(),
+        "streamed": "".join(streamed),
+        "stream_usage": stream_usage,
+        "bad": bad,
+    }
+
+
 SCENARIOS = {
+    "images": scenario_images,
     "responses": scenario_responses,
     "structured": scenario_structured,
     "protocol": scenario_protocol,
@@ -478,6 +535,7 @@ def main():
     p.add_argument("--api-key", default="")
     p.add_argument("--prompt", action="append", default=[], help="repeatable")
     p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--image", action="append", default=[], help="PNG path, repeatable (images scenario)")
     p.add_argument("--count", type=int, default=4, help="simultaneous requests (queue scenario)")
     p.add_argument("--budget", type=int, default=12, help="thinking_token_budget (protocol scenario)")
     p.add_argument("--ban", type=int, action="append", default=[], help="token id to ban (protocol scenario)")

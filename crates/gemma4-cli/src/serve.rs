@@ -78,6 +78,13 @@ pub struct Args {
     /// Tokens per KV-cache block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// Soft tokens per image unless a request's `mm_processor_kwargs` says
+    /// otherwise: 70, 140, 280, 560 or 1120 (more reads finer detail).
+    #[arg(long, default_value_t = 280, value_parser = parse_soft_tokens)]
+    max_soft_tokens: usize,
+    /// Most media items per prompt, as `image=N`.
+    #[arg(long, default_value = "image=8", value_parser = parse_mm_limit)]
+    limit_mm_per_prompt: usize,
     /// Most tokens in one engine step (the prefill chunk size).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
@@ -192,6 +199,10 @@ async fn serve(args: Args) -> Result<ExitCode> {
     tracing::info!(model = %path.display(), "loading model");
     let (tx, rx) = oneshot::channel();
     let model_args = args.model.clone();
+    let media = MediaArgs {
+        max_soft_tokens: args.max_soft_tokens,
+        max_images: args.limit_mm_per_prompt,
+    };
     let engine_config = EngineConfig {
         max_num_seqs: args.max_num_seqs,
         max_queue: args.max_queue,
@@ -205,7 +216,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
     std::thread::Builder::new()
         .name("gemma4-load".into())
         .spawn(move || {
-            let _ = tx.send(load(&model_args, engine_config));
+            let _ = tx.send(load(&model_args, &media, engine_config));
         })
         .context("cannot start the model-loading thread")?;
     tokio::select! {
@@ -229,9 +240,47 @@ fn install_signals() -> Result<(Signal, Signal)> {
     Ok((term, int))
 }
 
+fn parse_soft_tokens(s: &str) -> std::result::Result<usize, String> {
+    let n: usize = s.parse().map_err(|_| format!("{s:?} is not a number"))?;
+    gemma4_media::ImageProcessor::new(n)
+        .map(|_| n)
+        .map_err(|e| e.to_string())
+}
+
+fn parse_mm_limit(s: &str) -> std::result::Result<usize, String> {
+    let mut images = None;
+    for item in s.split(',') {
+        match item.split_once('=') {
+            Some(("image", n)) => {
+                images = Some(
+                    n.trim()
+                        .parse()
+                        .map_err(|_| format!("image={n}: not a number"))?,
+                )
+            }
+            Some((kind @ ("audio" | "video"), _)) => {
+                return Err(format!("{kind} input is not supported by this server"))
+            }
+            _ => return Err(format!("{item:?}: expected image=N")),
+        }
+    }
+    images.ok_or_else(|| "expected image=N".into())
+}
+
+/// Media settings for the loading thread.
+struct MediaArgs {
+    max_soft_tokens: usize,
+    max_images: usize,
+}
+
 /// Loads the model and tokenizer and starts the engine.
-fn load(model_args: &ModelArgs, mut engine_config: EngineConfig) -> Result<ModelContext> {
+fn load(
+    model_args: &ModelArgs,
+    media: &MediaArgs,
+    mut engine_config: EngineConfig,
+) -> Result<ModelContext> {
     let loaded = model_args.load()?;
+    let vision = crate::model_io::load_vision(&loaded.path, loaded.model.config().hidden_size)?;
     let context_len = loaded.model.config().max_position_embeddings;
     engine_config.max_model_len = match engine_config.max_model_len {
         0 => DEFAULT_MAX_MODEL_LEN.min(context_len),
@@ -248,5 +297,22 @@ fn load(model_args: &ModelArgs, mut engine_config: EngineConfig) -> Result<Model
     let eos_ids = loaded.model.config().eos_token_ids.clone();
     let engine = gemma4_engine::start(loaded.model, Arc::new(loaded.tokenizer), engine_config)
         .context("cannot start the engine")?;
-    Ok(ModelContext::new(engine, template, &eos_ids))
+    let context = ModelContext::new(engine, template, &eos_ids);
+    Ok(match vision {
+        Some(tower) => {
+            eprintln!(
+                "vision tower: {} layers, {} wide; {} soft tokens per image, at most {} images per prompt",
+                tower.config().num_layers,
+                tower.config().hidden_size,
+                media.max_soft_tokens,
+                media.max_images
+            );
+            context.with_vision(gemma4_server::media::Vision::new(
+                tower,
+                media.max_soft_tokens,
+                media.max_images,
+            ))
+        }
+        None => context,
+    })
 }

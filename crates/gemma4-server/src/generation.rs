@@ -9,7 +9,7 @@ use std::time::Instant;
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use gemma4_engine::{
     check_stop_strings, ConstraintFactory, EngineEvent, FinishReason, GenerationRequest,
-    RequestStream, SamplingParams, ThinkingBudget, TokenLogprob, Usage,
+    RequestStream, SamplingParams, SoftPrompt, ThinkingBudget, TokenLogprob, Usage,
 };
 
 use gemma4_text::{
@@ -32,8 +32,17 @@ pub async fn blocking<T: Send + 'static>(
         .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
 }
 
-/// Renders a chat request with the model's template and tokenizes it.
-pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<Vec<u32>, ApiError> {
+/// A chat prompt as the engine takes it.
+#[derive(Debug, Clone, Default)]
+pub struct ChatPrompt {
+    pub ids: Vec<u32>,
+    /// The images' soft tokens, when the messages hold images.
+    pub soft: Option<Arc<SoftPrompt>>,
+}
+
+/// Renders a chat request with the model's template and tokenizes it; the
+/// images' placeholders become their soft tokens.
+pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt, ApiError> {
     let template = model.chat_template.as_ref().map_err(|why| {
         ApiError::bad_request(format!(
             "this model cannot serve chat completions: {why}; or use /v1/completions"
@@ -41,6 +50,15 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<Vec<u32>, 
         .with_param("messages")
         .with_code("chat_template_missing")
     })?;
+    let images = if req.images.is_empty() {
+        Vec::new()
+    } else {
+        let vision = model.vision.as_ref().ok_or_else(|| {
+            ApiError::bad_request("this model has no vision tower; it cannot read image_url parts")
+                .with_param(req.images[0].param.clone())
+        })?;
+        vision.encode_all(&req.images, req.max_soft_tokens)?
+    };
     let text = template
         .render(
             &req.messages,
@@ -53,13 +71,41 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<Vec<u32>, 
                 .with_param("messages")
         })?;
     let tokenizer = model.engine.tokenizer();
+    let encode = |text: &str, add_bos: bool| {
+        tokenizer.encode(text, add_bos).map_err(|e| {
+            ApiError::bad_request(format!("cannot tokenize the chat prompt: {e}"))
+                .with_param("messages")
+        })
+    };
     // Templates usually write the BOS token themselves; do not add a second one.
     let has_bos = tokenizer
         .bos_token()
         .is_some_and(|bos| text.starts_with(bos));
-    tokenizer.encode(&text, !has_bos).map_err(|e| {
-        ApiError::bad_request(format!("cannot tokenize the chat prompt: {e}"))
-            .with_param("messages")
+    let Some(vision) = model.vision.as_ref().filter(|_| !images.is_empty()) else {
+        return Ok(ChatPrompt {
+            ids: encode(&text, !has_bos)?,
+            soft: None,
+        });
+    };
+    let pieces: Vec<&str> = text.split(crate::media::IMAGE_PLACEHOLDER).collect();
+    if pieces.len() != images.len() + 1 {
+        return Err(ApiError::bad_request(format!(
+            "the rendered prompt holds {} image placeholders for {} images (is {} written in the text?)",
+            pieces.len() - 1,
+            images.len(),
+            crate::media::IMAGE_PLACEHOLDER
+        ))
+        .with_param("messages"));
+    }
+    let pieces = pieces
+        .iter()
+        .enumerate()
+        .map(|(i, piece)| encode(piece, i == 0 && !has_bos))
+        .collect::<Result<Vec<_>, _>>()?;
+    let (ids, soft) = vision.splice(pieces, images);
+    Ok(ChatPrompt {
+        ids,
+        soft: Some(soft),
     })
 }
 

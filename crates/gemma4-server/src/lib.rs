@@ -31,6 +31,7 @@ pub mod error;
 mod fields;
 pub mod generation;
 pub mod grammar;
+pub mod media;
 pub mod metrics;
 pub mod openai;
 mod responses;

@@ -251,7 +251,8 @@ pub(crate) async fn submit_chat(
         blocking(move || chat_prompt(&model, &req)).await?
     };
     let job = OpenAiJob {
-        prompts: vec![prompt],
+        prompts: vec![prompt.ids],
+        soft_prompts: vec![prompt.soft],
         sampling,
         logprobs,
         chat: Some(chat),
@@ -276,6 +277,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
         blocking(move || texts.iter().map(|p| text_prompt(&model, p)).collect()).await?
     };
     let job = OpenAiJob {
+        soft_prompts: vec![None; prompts.len()],
         prompts,
         sampling,
         logprobs,
@@ -362,6 +364,8 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
 /// The parts of an OpenAI chat or completion request that drive generation.
 struct OpenAiJob {
     prompts: Vec<Vec<u32>>,
+    /// Per prompt, its images' soft tokens.
+    soft_prompts: Vec<Option<Arc<gemma4_engine::SoftPrompt>>>,
     sampling: Sampling,
     logprobs: Option<usize>,
     /// Chat requests' tool and thinking controls.
@@ -413,7 +417,7 @@ async fn submit_openai(
         let model = Arc::clone(model);
         blocking(move || model.grammars().map(|_| ())).await?;
     }
-    let requests = build_requests(
+    let mut requests = build_requests(
         state,
         model,
         &job.prompts,
@@ -423,6 +427,10 @@ async fn submit_openai(
         job.arrival,
         job.prompt_param,
     )?;
+    // Requests come `n` per prompt, in prompt order.
+    for (i, r) in requests.iter_mut().enumerate() {
+        r.soft_prompt = job.soft_prompts[i / job.sampling.n.max(1)].clone();
+    }
     let reading = match format {
         Format::Chat => Reading::Chat,
         Format::Completion => Reading::Text,

@@ -31,6 +31,9 @@ pub struct ModelContext {
     pub stop_token_ids: Vec<u32>,
     /// The grammar compiler, built on the first structured-output request.
     grammars: OnceLock<Result<Grammars, String>>,
+    /// The vision tower, when the checkpoint has one (image parts are
+    /// refused otherwise).
+    pub vision: Option<Arc<crate::media::Vision>>,
 }
 
 impl ModelContext {
@@ -52,7 +55,14 @@ impl ModelContext {
             chat_template: chat_template.map_err(|e| e.to_string()),
             stop_token_ids,
             grammars: OnceLock::new(),
+            vision: None,
         }
+    }
+
+    /// Serves images with this tower and settings.
+    pub fn with_vision(mut self, vision: crate::media::Vision) -> Self {
+        self.vision = Some(Arc::new(vision));
+        self
     }
 
     /// The grammar compiler for this model's vocabulary (slow the first time:

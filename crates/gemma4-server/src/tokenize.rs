@@ -50,7 +50,7 @@ pub async fn tokenize(
     let tokens = if f.get("messages").is_some() {
         let req = ChatRequest::parse(&bytes)?;
         let model = model.clone();
-        blocking(move || chat_prompt(&model, &req)).await?
+        blocking(move || chat_prompt(&model, &req)).await?.ids
     } else {
         let prompt = f
             .string("prompt")?

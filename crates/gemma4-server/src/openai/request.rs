@@ -245,6 +245,20 @@ pub struct ChatRequest {
     /// `Some(k)`: return each token's log-probability and `k` alternatives.
     pub logprobs: Option<usize>,
     pub streaming: Streaming,
+    /// The `image_url` parts of the messages, in the order the template
+    /// renders them.
+    pub images: Vec<ImagePart>,
+    /// `mm_processor_kwargs.max_soft_tokens`: this request's soft-token
+    /// budget per image (the server's default otherwise).
+    pub max_soft_tokens: Option<usize>,
+}
+
+/// An image part of a message: where the image is, and the request field
+/// to blame when it is bad.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ImagePart {
+    pub url: String,
+    pub param: String,
 }
 
 /// Whether the model may, must, or must not call tools.
@@ -335,7 +349,20 @@ impl ChatRequest {
             )
             .with_param("modalities"));
         }
-        let messages = check_messages(f.get("messages"))?;
+        let mut images = Vec::new();
+        let messages = check_messages(f.get("messages"), &mut images)?;
+        let max_soft_tokens = match f.object("mm_processor_kwargs")? {
+            None => None,
+            Some(kw) => match kw.get("max_soft_tokens") {
+                None | Some(Value::Null) => None,
+                Some(v) => Some(v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                    ApiError::bad_request(
+                        "`mm_processor_kwargs.max_soft_tokens` must be one of 70, 140, 280, 560, 1120",
+                    )
+                    .with_param("mm_processor_kwargs.max_soft_tokens")
+                })?),
+            },
+        };
         let mut template_kwargs = f
             .object("chat_template_kwargs")?
             .cloned()
@@ -375,6 +402,8 @@ impl ChatRequest {
             sampling: Sampling::parse(&f, &["max_completion_tokens", "max_tokens"])?,
             logprobs,
             streaming: Streaming::parse(&f)?,
+            images,
+            max_soft_tokens,
         })
     }
 }
@@ -384,7 +413,7 @@ impl ChatRequest {
 /// of text parts is joined into one, as templates that take strings need);
 /// assistant `tool_calls` with `function.arguments` as an object (OpenAI
 /// clients send a JSON string, which templates would print verbatim).
-fn check_messages(v: Option<&Value>) -> Result<Value, ApiError> {
+fn check_messages(v: Option<&Value>, images: &mut Vec<ImagePart>) -> Result<Value, ApiError> {
     let bad = |msg: String, param: &str| ApiError::bad_request(msg).with_param(param);
     let Some(v) = v else {
         return Err(bad(
@@ -432,7 +461,7 @@ fn check_messages(v: Option<&Value>) -> Result<Value, ApiError> {
         let content = match obj.get("content") {
             Some(Value::String(_)) => None,
             None | Some(Value::Null) if role == "assistant" => None,
-            Some(Value::Array(parts)) => Some(join_text_parts(parts, &format!("{at}.content"))?),
+            Some(Value::Array(parts)) => Some(content_parts(parts, &format!("{at}.content"), images)?),
             _ => {
                 return Err(bad(
                     format!("`{at}.content` must be a string or an array of {{\"type\": \"text\", \"text\": ...}} parts"),
@@ -440,8 +469,8 @@ fn check_messages(v: Option<&Value>) -> Result<Value, ApiError> {
                 ))
             }
         };
-        if let Some(text) = content {
-            obj.insert("content".into(), Value::String(text));
+        if let Some(content) = content {
+            obj.insert("content".into(), content);
         }
         if let Some(calls) = obj.get_mut("tool_calls").filter(|c| !c.is_null()) {
             check_tool_calls(calls, &format!("{at}.tool_calls"))?;
@@ -451,37 +480,83 @@ fn check_messages(v: Option<&Value>) -> Result<Value, ApiError> {
     Ok(Value::Array(out))
 }
 
-/// Text parts joined with newlines; image and audio parts are refused.
-fn join_text_parts(parts: &[Value], at: &str) -> Result<String, ApiError> {
-    let mut texts = Vec::with_capacity(parts.len());
+/// A content array as the template takes it: text parts only are joined
+/// into one string (templates that take strings need it); with images, the
+/// parts stay a list, each `image_url` part becoming `{"type": "image"}` (as
+/// the reference processor hands them to the template) and its URL recorded.
+fn content_parts(
+    parts: &[Value],
+    at: &str,
+    images: &mut Vec<ImagePart>,
+) -> Result<Value, ApiError> {
+    if !parts
+        .iter()
+        .any(|p| p.get("type").and_then(Value::as_str) == Some("image_url"))
+    {
+        return join_text_parts(parts, at).map(Value::String);
+    }
+    let mut out = Vec::with_capacity(parts.len());
     for (j, part) in parts.iter().enumerate() {
         let here = format!("{at}[{j}]");
-        let kind = part.get("type").and_then(Value::as_str);
-        match kind {
-            Some("text") => match part.get("text") {
-                Some(Value::String(t)) => texts.push(t.as_str()),
+        if part.get("type").and_then(Value::as_str) == Some("image_url") {
+            let url = match part.get("image_url") {
+                Some(Value::String(u)) => u.clone(),
+                Some(Value::Object(o)) => match o.get("url") {
+                    Some(Value::String(u)) => u.clone(),
+                    _ => {
+                        return Err(ApiError::bad_request(format!(
+                            "`{here}.image_url.url` must be a string (a data: URI)"
+                        ))
+                        .with_param(format!("{here}.image_url.url")))
+                    }
+                },
                 _ => {
-                    return Err(
-                        ApiError::bad_request(format!("`{here}.text` must be a string"))
-                            .with_param(here),
-                    )
+                    return Err(ApiError::bad_request(format!(
+                        "`{here}.image_url` must be an object with a \"url\""
+                    ))
+                    .with_param(format!("{here}.image_url")))
                 }
-            },
-            Some(other) => {
-                return Err(ApiError::bad_request(format!(
-                    "`{here}` is a {other:?} part; this server accepts text parts only"
-                ))
-                .with_param(here))
-            }
-            None => {
-                return Err(
-                    ApiError::bad_request(format!("`{here}` needs a \"type\" (\"text\")"))
-                        .with_param(here),
-                )
-            }
+            };
+            images.push(ImagePart {
+                url,
+                param: format!("{here}.image_url.url"),
+            });
+            out.push(serde_json::json!({"type": "image"}));
+        } else {
+            out.push(serde_json::json!({"type": "text", "text": text_part(part, &here)?}));
         }
     }
+    Ok(Value::Array(out))
+}
+
+/// Text parts joined with newlines.
+fn join_text_parts(parts: &[Value], at: &str) -> Result<String, ApiError> {
+    let texts = parts
+        .iter()
+        .enumerate()
+        .map(|(j, part)| text_part(part, &format!("{at}[{j}]")))
+        .collect::<Result<Vec<_>, _>>()?;
     Ok(texts.join("\n"))
+}
+
+/// The text of a `{"type": "text"}` part; other kinds are refused, naming them.
+fn text_part<'a>(part: &'a Value, here: &str) -> Result<&'a str, ApiError> {
+    match part.get("type").and_then(Value::as_str) {
+        Some("text") => match part.get("text") {
+            Some(Value::String(t)) => Ok(t.as_str()),
+            _ => Err(
+                ApiError::bad_request(format!("`{here}.text` must be a string")).with_param(here),
+            ),
+        },
+        Some(other) => Err(ApiError::bad_request(format!(
+            "`{here}` is a {other:?} part; this server accepts text and image_url parts"
+        ))
+        .with_param(here)),
+        None => Err(ApiError::bad_request(format!(
+            "`{here}` needs a \"type\" (\"text\" or \"image_url\")"
+        ))
+        .with_param(here)),
+    }
 }
 
 /// Each call needs `function.name`; `function.arguments` given as JSON text is
@@ -733,7 +808,16 @@ mod tests {
             ),
             (
                 r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}"#,
-                "text parts only",
+                "`messages[0].content[0].image_url.url` must be a string",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}"#,
+                "is a \"input_audio\" part; this server accepts text and image_url parts",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                   "mm_processor_kwargs": {"max_soft_tokens": "many"}}"#,
+                "`mm_processor_kwargs.max_soft_tokens` must be one of",
             ),
         ];
         for (body, expected) in cases {
@@ -743,6 +827,30 @@ mod tests {
             assert!(e.message.contains(expected), "{body}: {}", e.message);
             assert_eq!(e.status.as_u16(), 400);
         }
+    }
+
+    #[test]
+    fn image_parts_stay_a_list_for_the_template_and_are_recorded_in_order() {
+        let r = chat(
+            r#"{"messages": [
+                {"role": "user", "content": [
+                    {"type": "text", "text": "compare"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                    {"type": "image_url", "image_url": "data:image/png;base64,BBBB"}]},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}"#,
+        )
+        .expect("parses");
+        assert_eq!(
+            r.messages[0]["content"],
+            serde_json::json!([{"type": "text", "text": "compare"}, {"type": "image"}, {"type": "image"}])
+        );
+        assert_eq!(r.messages[1]["content"], "a\nb");
+        let urls: Vec<&str> = r.images.iter().map(|i| i.url.as_str()).collect();
+        assert_eq!(
+            urls,
+            ["data:image/png;base64,AAAA", "data:image/png;base64,BBBB"]
+        );
+        assert_eq!(r.images[1].param, "messages[0].content[2].image_url.url");
     }
 
     #[test]

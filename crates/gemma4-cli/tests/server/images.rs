@@ -1,0 +1,173 @@
+//! Images through `gemma4 serve` with the official `openai` client, on the
+//! vision fixture (`tests/fixtures/vision/e-style`): a chat turn with two
+//! images keeps the reference's prompt length and greedy tokens, whole and
+//! streamed; bad media gets a 400 that names the problem.
+
+use base64::Engine as _;
+use serde_json::{json, Value};
+
+use crate::harness::{openai_client, openai_error, root, ServerProc};
+
+fn vision_fixture() -> std::path::PathBuf {
+    root().join("tests/fixtures/vision/e-style")
+}
+
+fn chat_golden() -> Value {
+    let text = std::fs::read_to_string(vision_fixture().join("golden.json")).expect("golden.json");
+    serde_json::from_str::<Value>(&text).expect("json")["chat"].clone()
+}
+
+fn data_uri(bytes: &[u8]) -> String {
+    format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    )
+}
+
+fn image_chat(urls: &[String], extra: Value) -> Value {
+    let mut content = vec![json!({"type": "text", "text": "x"})];
+    content.extend(
+        urls.iter()
+            .map(|u| json!({"type": "image_url", "image_url": {"url": u}})),
+    );
+    let mut body = json!({"messages": [{"role": "user", "content": content}], "max_tokens": 1});
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    body
+}
+
+#[test]
+fn a_chat_with_two_images_keeps_the_reference_tokens_through_the_openai_client() {
+    let dir = vision_fixture();
+    let server = ServerProc::start(&dir, &["--max-soft-tokens", "70"], &[]);
+    let golden = chat_golden();
+    let expected = server.post("/detokenize", &json!({"tokens": golden["greedy"]}));
+    assert_eq!(expected.status, 200, "{}", expected.body);
+    let expected = expected.json()["prompt"].as_str().expect("text").to_owned();
+    assert!(!expected.is_empty());
+    let images: Vec<String> = golden["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| dir.join(format!("images/{i}.png")).display().to_string())
+        .collect();
+    let mut args = vec![
+        "--scenario".to_string(),
+        "images".into(),
+        "--prompt".into(),
+        golden["messages_text"].as_str().unwrap().into(),
+        "--max-tokens".into(),
+        "12".into(),
+    ];
+    for path in &images {
+        args.extend(["--image".into(), path.clone()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let Some(out) = openai_client(&server.url(), &args) else {
+        return;
+    };
+    let prompt_tokens = golden["ids"].as_array().unwrap().len() as u64;
+    assert_eq!(out["usage"]["prompt_tokens"], prompt_tokens, "{out}");
+    assert_eq!(out["usage"]["completion_tokens"], 12);
+    assert_eq!(out["text"], expected.as_str(), "whole reply");
+    assert_eq!(out["streamed"], expected.as_str(), "streamed reply");
+    assert_eq!(out["stream_usage"]["prompt_tokens"], prompt_tokens);
+    let bad = &out["bad"];
+    for (case, words) in [
+        ("corrupt", "could not be decoded"),
+        ("not_base64", "not valid base64"),
+        ("not_an_image", "format is not supported"),
+        ("remote", "data: URI"),
+    ] {
+        assert_eq!(bad[case]["status"], 400, "{case}: {}", bad[case]);
+        let message = bad[case]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(words), "{case}: {message}");
+        assert!(
+            message.contains("messages[0].content[1].image_url.url"),
+            "{case}: {message}"
+        );
+    }
+}
+
+/// The PNG chunk checksum (CRC-32, polynomial 0xEDB88320), to keep an
+/// edited header valid.
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = !0u32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+#[test]
+fn bad_media_and_limits_get_a_400_naming_the_problem() {
+    let dir = vision_fixture();
+    let server = ServerProc::start(&dir, &["--limit-mm-per-prompt", "image=1"], &[]);
+    let png = std::fs::read(dir.join("images/0.png")).expect("png");
+    // A PNG whose header claims 20000×20000: refused before decoding.
+    let mut bomb = png.clone();
+    bomb[16..20].copy_from_slice(&20_000u32.to_be_bytes());
+    bomb[20..24].copy_from_slice(&20_000u32.to_be_bytes());
+    let crc = crc32(&bomb[12..29]);
+    bomb[29..33].copy_from_slice(&crc.to_be_bytes());
+    let cases = [
+        (
+            image_chat(&[data_uri(&png), data_uri(&png)], json!({})),
+            "at most 1 per prompt",
+        ),
+        (image_chat(&[data_uri(&bomb)], json!({})), "20000×20000"),
+        (
+            image_chat(
+                &[data_uri(&png)],
+                json!({"mm_processor_kwargs": {"max_soft_tokens": 100}}),
+            ),
+            "max_soft_tokens must be one of",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "look: <|image|>"}], "max_tokens": 1}),
+            "",
+        ),
+    ];
+    for (body, words) in &cases[..3] {
+        let r = server.post("/v1/chat/completions", body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        let e = openai_error(&r);
+        assert!(
+            e["message"].as_str().unwrap_or_default().contains(words),
+            "{e}"
+        );
+    }
+    // The placeholder typed as text, without an image, is just text.
+    let r = server.post("/v1/chat/completions", &cases[3].0);
+    assert_eq!(r.status, 200, "{}", r.body);
+    // One good image still answers after the refusals.
+    let r = server.post(
+        "/v1/chat/completions",
+        &image_chat(&[data_uri(&png)], json!({})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+
+    // A model without a vision tower says so.
+    let text_only = ServerProc::start(&root().join("tests/fixtures/oracle/e-style"), &[], &[]);
+    let r = text_only.post(
+        "/v1/chat/completions",
+        &image_chat(&[data_uri(&png)], json!({})),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = openai_error(&r);
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("no vision tower"),
+        "{e}"
+    );
+}
