@@ -12,23 +12,29 @@ Weights are drawn at random and saved as bfloat16 (as published checkpoints are)
 goldens come from transformers loading the saved checkpoint in float32 with eager
 attention:
 
-* `images/*.png`: the test images (smooth patterns with noise, so that the bicubic
-  resize matters), written by this script;
-* `processor.json`: for each test image, and for blank images of 24 other shapes at
+* `../images/*.png`: the test images (smooth patterns with noise, so that the bicubic
+  resize matters), written by this script and shared by every variant;
+* `processor.json` (with `--processor`): for each test image, and for blank images of 24 other shapes at
   three soft-token budgets, what the reference image processor returns: resized size,
   patch count, soft-token count; the test images also carry the sha256 of their
   resized pixels (the processor's floats × 255, rounded back to bytes);
-* `golden_tensors.safetensors`: per test image `pixels.N` (the resized image as
-  `[h, w, 3]` uint8, recovered from the processor's floats) and `features.N` (the soft
+* `golden_tensors.safetensors`: per test image `pixels.N` (with `--processor`: the
+  resized image as `[h, w, 3]` uint8, recovered from the processor's floats) and `features.N` (the soft
   tokens after `embed_vision`, `[tokens, hidden]`); per prompt `logits.N` (last
   position);
 * `golden.json`: per prompt the token ids (with the image soft tokens expanded), the
   images it holds, and 12 greedy tokens; and one chat turn with two images rendered by
   the real Gemma 4 template, tokenized around its placeholders, with its 12 greedy tokens.
 
+With `--bidirectional` the text config gets `use_bidirectional_attention: "vision"` (as the
+31B and 26B-A4B checkpoints have), and the reference runs with the processor's
+`mm_token_type_ids`, so each image's soft tokens see each other on sliding layers.
+
 Needs torch, torchvision and transformers 5.23 (CPU):
   pip install torch torchvision transformers==5.23.0 pillow
-  python tools/make_vision_fixture.py tests/fixtures/oracle/e-style tests/fixtures/vision/e-style
+  python tools/make_vision_fixture.py tests/fixtures/oracle/e-style tests/fixtures/vision/e-style --processor
+  python tools/make_vision_fixture.py tests/fixtures/oracle/dense-k-eq-v tests/fixtures/vision/dense --bidirectional
+  python tools/make_vision_fixture.py tests/fixtures/oracle/moe tests/fixtures/vision/moe --bidirectional
 """
 
 import hashlib
@@ -131,11 +137,14 @@ def resized_bytes(pixel_values: torch.Tensor, positions: torch.Tensor, patch: in
     return out
 
 
-def main(src: Path, dst: Path) -> None:
+def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> None:
     dst.mkdir(parents=True, exist_ok=True)
-    (dst / "images").mkdir(exist_ok=True)
+    image_dir = dst.parent / "images"
+    image_dir.mkdir(exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
     cfg["vision_config"] = vision_config()
+    if bidirectional:
+        cfg["text_config"]["use_bidirectional_attention"] = "vision"
     cfg["image_token_id"] = IMAGE_TOKEN
     cfg["boi_token_id"] = BOI_TOKEN
     cfg["eoi_token_id"] = EOI_TOKEN
@@ -174,15 +183,16 @@ def main(src: Path, dst: Path) -> None:
     images = []
     for i, (w, h) in enumerate(TEST_IMAGES):
         img = test_image(i, w, h)
-        img.save(dst / "images" / f"{i}.png")
-        img = Image.open(dst / "images" / f"{i}.png").convert("RGB")
+        img.save(image_dir / f"{i}.png")
+        img = Image.open(image_dir / f"{i}.png").convert("RGB")
         out = tv(images=[img], return_tensors="pt")
         out_pil = pil(images=[img], return_tensors="pt")
         if not torch.equal(out["pixel_values"], out_pil["pixel_values"]):
             diff = (out["pixel_values"] - out_pil["pixel_values"]).abs().max().item() * 255
             print(f"image {i}: torchvision and PIL backends differ by up to {diff:.1f}/255")
         pixels = resized_bytes(out["pixel_values"][0], out["image_position_ids"][0], 16)
-        tensors[f"pixels.{i}"] = torch.from_numpy(pixels.copy())
+        if with_processor:
+            tensors[f"pixels.{i}"] = torch.from_numpy(pixels.copy())
         with torch.no_grad():
             feats = model.model.get_image_features(
                 out["pixel_values"], out["image_position_ids"], return_dict=True
@@ -190,7 +200,7 @@ def main(src: Path, dst: Path) -> None:
         tensors[f"features.{i}"] = feats.float().contiguous()
         images.append((out, feats))
         processor_cases.append({
-            "image": f"images/{i}.png", "width": w, "height": h, "max_soft_tokens": MAX_SOFT_TOKENS,
+            "image": f"{i}.png", "width": w, "height": h, "max_soft_tokens": MAX_SOFT_TOKENS,
             "resized": [pixels.shape[1], pixels.shape[0]],
             "patches": int((out["image_position_ids"][0] != -1).all(dim=-1).sum()),
             "soft_tokens": int(out["num_soft_tokens_per_image"][0]),
@@ -213,7 +223,8 @@ def main(src: Path, dst: Path) -> None:
                 "patches": int(valid.sum()),
                 "soft_tokens": int(out["num_soft_tokens_per_image"][0]),
             })
-    (dst / "processor.json").write_text(json.dumps(processor_cases, indent=1) + "\n")
+    if with_processor:
+        (dst / "processor.json").write_text(json.dumps(processor_cases, indent=1) + "\n")
 
     # Prompts: text ids from the tiny vocabulary around one or two images.
     prompts = [
@@ -233,10 +244,12 @@ def main(src: Path, dst: Path) -> None:
         pv = torch.cat([images[i][0]["pixel_values"] for i in p["images"]])
         pos = torch.cat([images[i][0]["image_position_ids"] for i in p["images"]])
         input_ids = torch.tensor([ids])
+        mm = (input_ids == IMAGE_TOKEN).long()
         with torch.no_grad():
-            logits = model(input_ids=input_ids, pixel_values=pv, image_position_ids=pos).logits[0, -1]
+            logits = model(input_ids=input_ids, pixel_values=pv, image_position_ids=pos,
+                           mm_token_type_ids=mm).logits[0, -1]
             gen = model.generate(
-                input_ids=input_ids, pixel_values=pv, image_position_ids=pos,
+                input_ids=input_ids, pixel_values=pv, image_position_ids=pos, mm_token_type_ids=mm,
                 attention_mask=torch.ones_like(input_ids),
                 max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
                 min_new_tokens=12,
@@ -269,6 +282,7 @@ def main(src: Path, dst: Path) -> None:
     with torch.no_grad():
         gen = model.generate(
             input_ids=input_ids, pixel_values=pv, image_position_ids=pos,
+            mm_token_type_ids=(input_ids == IMAGE_TOKEN).long(),
             attention_mask=torch.ones_like(input_ids), max_new_tokens=12, min_new_tokens=12,
             do_sample=False, eos_token_id=None, pad_token_id=0,
         )[0, len(ids):].tolist()
@@ -287,4 +301,4 @@ def main(src: Path, dst: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]), "--bidirectional" in sys.argv[3:], "--processor" in sys.argv[3:])

@@ -151,6 +151,11 @@ pub struct SoftPrompt {
 }
 
 impl SoftPrompt {
+    /// `[start, end)` runs of consecutive rows: one per image.
+    pub fn images(&self) -> Vec<(usize, usize)> {
+        gemma4_model::soft_token_runs(&self.rows, 0)
+    }
+
     /// The rows (relative to `start`) and values that fall in
     /// `start..start + len`.
     pub fn window(&self, start: usize, len: usize) -> (Vec<usize>, &[f32]) {

@@ -104,6 +104,8 @@ pub struct EngineHandle {
     token_id_limit: usize,
     /// The model's width: the length of each encoder row a request brings.
     hidden_size: usize,
+    /// Images attend within themselves, so each must run in one step.
+    bidirectional_vision: bool,
     kv_plan: Arc<KvPlanReport>,
 }
 
@@ -219,6 +221,14 @@ impl EngineHandle {
             )));
         }
         if let Some(soft) = &r.soft_prompt {
+            let step = self.config.max_batch_tokens;
+            let too_long = soft.images().into_iter().find(|(s, e)| e - s > step);
+            if let Some((s, e)) = too_long.filter(|_| self.bidirectional_vision) {
+                return Err(SubmitError::Invalid(format!(
+                    "an image of {} soft tokens does not fit one step of {step} tokens; raise --max-batch-tokens or send fewer soft tokens per image",
+                    e - s
+                )));
+            }
             let in_prompt = soft.rows.windows(2).all(|w| w[0] < w[1])
                 && soft
                     .rows
@@ -431,6 +441,7 @@ fn start_worker(
         tokenizer,
         token_id_limit,
         hidden_size: cfg.hidden_size,
+        bidirectional_vision: cfg.bidirectional_vision,
         kv_plan: Arc::new(kv_plan),
     })
 }
@@ -592,12 +603,17 @@ impl Worker {
                     },
                 );
                 let content_key = request.soft_prompt.as_ref().map_or(0, |s| s.content_key);
+                let whole_spans = match &request.soft_prompt {
+                    Some(soft) if self.model.config().bidirectional_vision => soft.images(),
+                    _ => Vec::new(),
+                };
                 self.scheduler.waiting.push_back(SeqState {
                     id,
                     tokens: request.prompt_ids,
                     computed: 0,
                     kv: self.kv.empty_keyed(content_key),
                     prefix_hit: 0,
+                    whole_spans,
                 });
             }
             Command::Cancel(id) => self.end(id, FinishReason::Cancelled),

@@ -250,7 +250,12 @@ impl KvManager {
     /// that every group holds (the sliding group only the blocks its window
     /// needs). At least one token is always left to compute. Returns the
     /// number of tokens whose KV is now in place.
-    pub fn adopt_prefix(&mut self, seq: &mut SeqKv, tokens: &[u32]) -> usize {
+    pub fn adopt_prefix(
+        &mut self,
+        seq: &mut SeqKv,
+        tokens: &[u32],
+        resumable: impl Fn(usize) -> bool,
+    ) -> usize {
         if !self.prefix_caching || tokens.len() < 2 {
             return 0;
         }
@@ -265,6 +270,9 @@ impl KvManager {
         // Longest k such that each group has the blocks it needs for a resume at k·bs.
         let mut best = 0;
         for k in (1..=max_blocks).rev() {
+            if !resumable(k * bs) {
+                continue;
+            }
             let ok = self.groups.iter().all(|g| {
                 let first = g.first_needed_block(k * bs, bs);
                 (first..k).all(|b| g.cached.contains_key(&hashes[b]))
@@ -384,7 +392,7 @@ mod tests {
         assert!(m.allocate(&mut a, 13, 0));
         m.register_full_blocks(&mut a, &tokens, 13);
         let mut b = m.empty();
-        let hit = m.adopt_prefix(&mut b, &tokens);
+        let hit = m.adopt_prefix(&mut b, &tokens, |_| true);
         assert_eq!(hit, 12);
         assert_eq!(b.tables[1].blocks, a.tables[1].blocks[..3].to_vec());
         // The sliding group adopted only what a query at 12 can see (keys ≥ 5: blocks 1 and 2).
@@ -394,7 +402,7 @@ mod tests {
         assert!(m.usage().iter().all(|u| u.used == 0));
         // Freed blocks keep their prefix until reused.
         let mut c = m.empty();
-        assert_eq!(m.adopt_prefix(&mut c, &tokens), 12);
+        assert_eq!(m.adopt_prefix(&mut c, &tokens, |_| true), 12);
         m.release(&mut c);
     }
 }

@@ -32,12 +32,35 @@ pub struct SeqState {
     pub kv: SeqKv,
     /// Tokens taken from the prefix cache at the last admission.
     pub prefix_hit: usize,
+    /// `[start, end)` spans of the prompt that must run in one step (an
+    /// image whose tokens attend to each other), ascending.
+    pub whole_spans: Vec<(usize, usize)>,
 }
 
 impl SeqState {
     /// Tokens still to run through the model.
     pub fn pending(&self) -> usize {
         self.tokens.len() - self.computed
+    }
+
+    /// How many of the next tokens one step may run within `budget`, never
+    /// ending inside a whole span (0 when the span ahead needs more budget).
+    pub fn chunk_len(&self, budget: usize) -> usize {
+        let start = self.computed;
+        let mut len = self.pending().min(budget);
+        for &(s, e) in &self.whole_spans {
+            if s < start + len && start + len < e {
+                len = if s > start {
+                    s - start
+                } else if e - start <= budget {
+                    e - start
+                } else {
+                    0
+                };
+                break;
+            }
+        }
+        len
     }
 }
 
@@ -79,7 +102,7 @@ impl Scheduler {
         let mut chunks = Vec::new();
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
-            let len = self.running[i].pending().min(budget);
+            let len = self.running[i].chunk_len(budget);
             if len == 0 {
                 i += 1;
                 continue;
@@ -111,7 +134,10 @@ impl Scheduler {
                 break;
             };
             if seq.computed == 0 {
-                let hit = kv.adopt_prefix(&mut seq.kv, &seq.tokens);
+                // A cached prefix may not end inside an image that attends to itself.
+                let spans = &seq.whole_spans;
+                let resumable = |pos: usize| !spans.iter().any(|&(s, e)| s < pos && pos < e);
+                let hit = kv.adopt_prefix(&mut seq.kv, &seq.tokens, resumable);
                 seq.computed = hit;
                 seq.prefix_hit = hit;
                 if hit > 0 {
@@ -119,8 +145,8 @@ impl Scheduler {
                 }
             }
             let start = seq.computed;
-            let len = seq.pending().min(budget);
-            if !kv.allocate(&mut seq.kv, start + len, start) {
+            let len = seq.chunk_len(budget);
+            if len == 0 || !kv.allocate(&mut seq.kv, start + len, start) {
                 kv.release(&mut seq.kv);
                 seq.computed = 0;
                 self.waiting.push_front(seq);

@@ -1,6 +1,7 @@
-//! Prompts with images through the engine: chunked prefill across the soft
-//! tokens, batched with each other, and prefix caching keyed on the media,
-//! against the reference's greedy tokens on the vision fixture.
+//! Prompts with images through the engine: chunked prefill (through the soft
+//! tokens on causal models; around whole images where they attend to each
+//! other), batched with each other, and prefix caching keyed on the media,
+//! against the reference's greedy tokens on the vision fixtures.
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::PathBuf;
@@ -14,8 +15,12 @@ use gemma4_model::{
 use gemma4_text::Tokenizer;
 use serde_json::Value;
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision/e-style")
+const VARIANTS: [&str; 3] = ["e-style", "dense", "moe"];
+
+fn fixture(variant: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/vision")
+        .join(variant)
 }
 
 struct Prompt {
@@ -24,8 +29,8 @@ struct Prompt {
     greedy: Vec<u32>,
 }
 
-fn prompts() -> Vec<Prompt> {
-    let text = std::fs::read_to_string(fixture().join("golden.json")).expect("golden.json");
+fn prompts(variant: &str) -> Vec<Prompt> {
+    let text = std::fs::read_to_string(fixture(variant).join("golden.json")).expect("golden.json");
     let golden: Value = serde_json::from_str(&text).expect("json");
     let ints = |v: &Value| -> Vec<u64> {
         v.as_array()
@@ -47,16 +52,20 @@ fn prompts() -> Vec<Prompt> {
 }
 
 /// Each test image's soft tokens.
-fn image_features() -> (Vec<Vec<f32>>, u32) {
-    let dir = fixture();
+fn image_features(variant: &str) -> (Vec<Vec<f32>>, u32) {
+    let dir = fixture(variant);
+    let hidden = gemma4_model::TextConfig::from_dir(&dir)
+        .unwrap()
+        .hidden_size;
     let cfg = VisionConfig::from_dir(&dir).unwrap().expect("vision tower");
     let image_token = cfg.image_token_id;
     let src = HfSafetensors::open(&dir).unwrap();
     let towers = src.towers();
-    let tower = VisionTower::load(cfg, 64, &Weights::new(&towers, LoadPolicy::default())).unwrap();
+    let tower =
+        VisionTower::load(cfg, hidden, &Weights::new(&towers, LoadPolicy::default())).unwrap();
     let features = (0..4)
         .map(|i| {
-            let png = std::fs::read(dir.join(format!("images/{i}.png"))).unwrap();
+            let png = std::fs::read(dir.join(format!("../images/{i}.png"))).unwrap();
             let img = decode_image(&png, DecodeLimits::default()).unwrap();
             let p = ImageProcessor::new(70).unwrap().process(&img).unwrap();
             tower
@@ -99,24 +108,38 @@ fn request(
     }
 }
 
-fn engine() -> gemma4_engine::EngineHandle {
-    let tokenizer = Arc::new(Tokenizer::from_dir(&fixture()).expect("tokenizer"));
+fn engine(variant: &str) -> gemma4_engine::EngineHandle {
+    let dir = fixture(variant);
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+    let model = load_hf_dir(&dir).expect("model");
     let config = EngineConfig {
         max_num_seqs: 4,
         max_model_len: 256,
         block_size: 4,
-        // Prompts of 70–136 tokens run in chunks that cut through their images.
-        max_batch_tokens: 24,
+        // Prompts of 70–136 tokens with images of 60–66 soft tokens: chunks of
+        // 24 cut through the images of a causal model; with bidirectional
+        // images, chunks of 80 end before an image they cannot hold whole.
+        max_batch_tokens: if model.config().bidirectional_vision {
+            80
+        } else {
+            24
+        },
         ..Default::default()
     };
-    start(load_hf_dir(&fixture()).expect("model"), tokenizer, config).expect("engine")
+    start(model, tokenizer, config).expect("engine")
 }
 
 #[test]
 fn image_prompts_in_chunks_and_batched_keep_the_reference_tokens() {
-    let (features, image_token) = image_features();
-    let engine = engine();
-    let prompts = prompts();
+    for variant in VARIANTS {
+        image_prompts_keep_the_reference_tokens(variant);
+    }
+}
+
+fn image_prompts_keep_the_reference_tokens(variant: &str) {
+    let (features, image_token) = image_features(variant);
+    let engine = engine(variant);
+    let prompts = prompts(variant);
     let streams: Vec<_> = prompts
         .iter()
         .map(|p| {
@@ -127,7 +150,7 @@ fn image_prompts_in_chunks_and_batched_keep_the_reference_tokens() {
         .collect();
     for (p, s) in prompts.iter().zip(streams) {
         let (ids, _) = s.blocking_finish().expect("finished");
-        assert_eq!(ids, p.greedy);
+        assert_eq!(ids, p.greedy, "{variant}");
     }
 }
 
@@ -135,10 +158,10 @@ fn image_prompts_in_chunks_and_batched_keep_the_reference_tokens() {
 fn a_cached_prefix_is_never_shared_between_different_images() {
     // Images 0 and 2 both become 63 soft tokens, so prompt 0's ids hold
     // either; only the media key tells the cached blocks apart.
-    let (features, image_token) = image_features();
+    let (features, image_token) = image_features("e-style");
     assert_eq!(features[0].len(), features[2].len());
-    let engine = engine();
-    let p = &prompts()[0];
+    let engine = engine("e-style");
+    let p = &prompts("e-style")[0];
     let run = |images: &[usize]| {
         engine
             .submit(request(&p.ids, images, &features, image_token))
@@ -161,7 +184,7 @@ fn a_cached_prefix_is_never_shared_between_different_images() {
 }
 
 fn engine_fresh_run(ids: &[u32], features: &[Vec<f32>], image_token: u32) -> Vec<u32> {
-    engine()
+    engine("e-style")
         .submit(request(ids, &[2], features, image_token))
         .unwrap()
         .blocking_finish()
@@ -171,14 +194,31 @@ fn engine_fresh_run(ids: &[u32], features: &[Vec<f32>], image_token: u32) -> Vec
 
 #[test]
 fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
-    let engine = engine();
+    let e_style = engine("e-style");
     let mut r = request(&[2, 500, 500, 7], &[], &[], 500);
     // Two placeholder rows but no values.
-    assert!(engine.submit(r.clone()).is_err());
+    assert!(e_style.submit(r.clone()).is_err());
     r.soft_prompt = Some(Arc::new(SoftPrompt {
         rows: vec![9],
         embeds: vec![0.0; 64],
         content_key: 1,
     }));
-    assert!(engine.submit(r).is_err());
+    assert!(e_style.submit(r).is_err());
+    // An image that attends to itself must fit one step.
+    let dense = engine("dense");
+    let ids: Vec<u32> = std::iter::once(2)
+        .chain(std::iter::repeat_n(500, 81))
+        .chain([7])
+        .collect();
+    let r = request(&ids, &[], &[], 500);
+    let r = GenerationRequest {
+        soft_prompt: Some(Arc::new(SoftPrompt {
+            rows: (1..82).collect(),
+            embeds: vec![0.0; 81 * 128],
+            content_key: 1,
+        })),
+        ..r
+    };
+    let err = dense.submit(r).err().expect("refused").to_string();
+    assert!(err.contains("does not fit one step"), "{err}");
 }

@@ -76,7 +76,7 @@ fn main() {
                 q: &q,
                 start: ctx - 1,
                 scale: 0.0625,
-                visibility: Visibility { window: None },
+                visibility: Visibility::causal(None),
             };
             let reps = 200;
             let mut in_place = Vec::new();

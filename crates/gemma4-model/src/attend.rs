@@ -199,7 +199,7 @@ impl InPlace<'_> {
         for i in 0..n {
             let p = queries.start + i;
             let lo = queries.visibility.first_seen(p).max(self.first);
-            let hi = (p + 1).min(end);
+            let hi = (queries.visibility.last_seen(p) + 1).min(end);
             for h in 0..heads {
                 let kh = h / group;
                 let qv = &q[(i * heads + h) * hd..][..hd];

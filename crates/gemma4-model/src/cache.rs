@@ -10,14 +10,35 @@ use crate::layers::softmax_last_dim;
 /// Which keys a query sees: a query at position p sees key j iff j ≤ p and,
 /// with a sliding window w, j > p − w.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Visibility {
+pub struct Visibility<'a> {
     pub window: Option<usize>,
+    /// `[start, end)` runs of positions that see each other whole (one
+    /// image's soft tokens, on bidirectional models' sliding layers),
+    /// ascending; empty for plain causal attention.
+    pub blocks: &'a [(usize, usize)],
 }
 
-impl Visibility {
+impl Visibility<'_> {
+    /// Causal attention, limited to `window` keys when given.
+    pub fn causal(window: Option<usize>) -> Self {
+        Visibility {
+            window,
+            blocks: &[],
+        }
+    }
+
     /// The first position a query at `p` sees.
     pub fn first_seen(self, p: usize) -> usize {
         self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+    }
+
+    /// The last position a query at `p` sees: itself, or the end of its block.
+    pub fn last_seen(self, p: usize) -> usize {
+        let i = self.blocks.partition_point(|&(_, end)| end <= p);
+        match self.blocks.get(i) {
+            Some(&(start, end)) if start <= p => end - 1,
+            _ => p,
+        }
     }
 }
 
@@ -29,7 +50,7 @@ pub struct Queries<'a> {
     /// Absolute position of the first query.
     pub start: usize,
     pub scale: f64,
-    pub visibility: Visibility,
+    pub visibility: Visibility<'a>,
 }
 
 /// Storage for the keys and values of the sequences in a batch.
@@ -82,9 +103,10 @@ pub fn attend_gathered(
     for at in (0..n).step_by(rows) {
         let len = rows.min(n - at);
         let start = queries.start + at;
-        // From the first row's window start to the last row: the keys any row sees.
+        // From the first row's window start to the last row (or the end of
+        // its block): the keys any row sees.
         let lo = queries.visibility.first_seen(start).max(first);
-        let hi = (start + len).min(first + total);
+        let hi = (queries.visibility.last_seen(start + len - 1) + 1).min(first + total);
         if hi <= lo {
             return Err(ModelError::Input(format!(
                 "queries at {start}..{} see no stored key ({first}..{})",
@@ -124,9 +146,12 @@ fn attend_tile(k: &Tensor, v: &Tensor, first: usize, queries: Queries<'_>) -> Re
     }
     let mut mask = Vec::with_capacity(n * total);
     for p in queries.start..queries.start + n {
-        let seen = queries.visibility.first_seen(p);
+        let (seen, last) = (
+            queries.visibility.first_seen(p),
+            queries.visibility.last_seen(p),
+        );
         for j in first..first + total {
-            let visible = j <= p && j >= seen;
+            let visible = j <= last && j >= seen;
             mask.push(if visible { 0.0f32 } else { f32::NEG_INFINITY });
         }
     }
@@ -227,17 +252,35 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
+    #[test]
+    fn a_block_sees_itself_whole_and_nothing_else_changes() {
+        let blocks = [(10, 13), (20, 21)];
+        let v = Visibility {
+            window: Some(4),
+            blocks: &blocks,
+        };
+        assert_eq!(
+            (9..22).map(|p| v.last_seen(p)).collect::<Vec<_>>(),
+            [9, 12, 12, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+        );
+        assert_eq!(v.first_seen(12), 9);
+        assert_eq!(Visibility::causal(None).last_seen(11), 11);
+    }
+
     /// Tiles over query rows, each multiplying only the keys its rows can
     /// see, give what one product over every query and key gives.
     #[test]
     fn tiled_attention_equals_one_product_over_everything() {
         let dev = Device::Cpu;
         let (heads, kv_heads, hd) = (4, 2, 16);
-        for (window, first, total, n) in [
-            (None, 0, 700, 700),
-            (None, 0, 1500, 300),
-            (Some(64), 0, 900, 900),
-            (Some(200), 1000, 800, 500),
+        // Blocks: runs of positions that see each other whole.
+        let blocks = [(100, 163), (400, 466)];
+        for (window, first, total, n, blocks) in [
+            (None, 0, 700, 700, &[][..]),
+            (None, 0, 1500, 300, &[]),
+            (Some(64), 0, 900, 900, &[]),
+            (Some(200), 1000, 800, 500, &[]),
+            (Some(64), 0, 900, 900, &blocks[..]),
         ] {
             let k = Tensor::randn(0f32, 1.0, (kv_heads, total, hd), &dev).expect("k");
             let v = Tensor::randn(0f32, 1.0, (kv_heads, total, hd), &dev).expect("v");
@@ -246,7 +289,7 @@ mod tests {
                 q: &q,
                 start: first + total - n,
                 scale: 0.25,
-                visibility: Visibility { window },
+                visibility: Visibility { window, blocks },
             };
             assert!(
                 SCORE_TILE / (heads * total) < n,

@@ -95,6 +95,9 @@ pub struct TextConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
+    /// `use_bidirectional_attention: "vision"`: on sliding layers, the soft
+    /// tokens of one image also see each other's later positions.
+    pub bidirectional_vision: bool,
     /// Keys of the text config this loader does not know and ignored (named
     /// with their `text_config.` prefix), for warnings and `gemma4 doctor`.
     pub unknown_keys: Vec<String>,
@@ -142,6 +145,7 @@ struct RawTextConfig {
     bos_token_id: Option<u32>,
     eos_token_id: Option<Value>,
     pad_token_id: Option<u32>,
+    use_bidirectional_attention: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -594,6 +598,16 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
         bos_token_id: raw.bos_token_id,
         eos_token_ids: eos_list(eos, &f("eos_token_id"))?,
         pad_token_id: raw.pad_token_id,
+        bidirectional_vision: match raw.use_bidirectional_attention.as_deref() {
+            None => false,
+            Some("vision") => true,
+            Some(other) => {
+                return Err(ConfigError::invalid(
+                    f("use_bidirectional_attention"),
+                    format!("`{other}` is not supported (only \"vision\" or null)"),
+                ))
+            }
+        },
         unknown_keys: Vec::new(),
     })
 }

@@ -42,7 +42,9 @@ pub struct BatchSeq<'a> {
 /// Encoder outputs that replace token embeddings, as the reference's
 /// multimodal wrapper scatters them: at these rows the scaled token embedding
 /// is replaced by the given row (unscaled), and the per-layer-embedding table
-/// is read at the pad id (the context part sees the replaced row).
+/// is read at the pad id (the context part sees the replaced row). On models
+/// with bidirectional image attention each run of consecutive rows is one
+/// image, and must lie whole in the step (the engine never splits one).
 #[derive(Debug, Clone, Copy)]
 pub struct SoftTokens<'a> {
     /// Indices into the sequence's `ids`, ascending.
@@ -70,6 +72,9 @@ struct RopeTable {
 /// What every layer of one step shares.
 struct Step<'a> {
     spans: &'a [Span],
+    /// Per span, the runs of positions that see each other whole on
+    /// sliding layers (bidirectional image attention); empty otherwise.
+    blocks: &'a [Vec<(usize, usize)>],
     rope: &'a [RopeTable],
 }
 
@@ -373,6 +378,15 @@ impl Gemma4 {
             ids.extend_from_slice(s.ids);
             positions.extend(s.start..s.start + s.ids.len());
         }
+        // Bidirectional image attention: each run of consecutive soft tokens
+        // is one image, whose tokens see each other on sliding layers.
+        let blocks: Vec<Vec<(usize, usize)>> = seqs
+            .iter()
+            .map(|s| match s.soft {
+                Some(soft) if self.cfg.bidirectional_vision => soft_token_runs(soft.rows, s.start),
+                _ => Vec::new(),
+            })
+            .collect();
         // Placeholder ids may lie outside the table (the reference reads the
         // pad row there, and overwrites it).
         let pad = self.cfg.pad_token_id.unwrap_or(0);
@@ -414,6 +428,7 @@ impl Gemma4 {
         }
         let step = Step {
             spans: &spans,
+            blocks: &blocks,
             rope: &rope,
         };
         for layer in &self.layers {
@@ -474,6 +489,20 @@ impl Gemma4 {
         let context = p.norm.forward(&context.reshape((n, layers, p.dim))?)?;
         Ok(((context + token)? * std::f64::consts::FRAC_1_SQRT_2)?)
     }
+}
+
+/// `[start, end)` runs of consecutive rows (ascending), shifted by
+/// `offset`: each run of soft tokens is one image.
+pub fn soft_token_runs(rows: &[usize], offset: usize) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for &r in rows {
+        let p = offset + r;
+        match out.last_mut() {
+            Some(last) if last.1 == p => last.1 = p + 1,
+            _ => out.push((p, p + 1)),
+        }
+    }
+    out
 }
 
 fn load_moe(
@@ -579,11 +608,14 @@ impl DecoderLayer {
             KvSource::Own => self.index,
             KvSource::SharedFrom(j) => j,
         };
-        let visibility = Visibility {
-            window: (self.spec.kind == AttentionKind::Sliding).then_some(at.sliding_window),
-        };
+        let sliding = self.spec.kind == AttentionKind::Sliding;
         let mut outs = Vec::with_capacity(spans.len());
         for sp in spans {
+            let visibility = Visibility {
+                window: sliding.then_some(at.sliding_window),
+                // Full layers stay strictly causal.
+                blocks: if sliding { &step.blocks[sp.seq] } else { &[] },
+            };
             let queries = Queries {
                 q: &q.narrow(0, sp.offset, sp.len)?,
                 start: sp.start,

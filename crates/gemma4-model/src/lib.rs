@@ -24,7 +24,7 @@ pub mod vision;
 pub use cache::{KvCache, KvStore};
 pub use config::TextConfig;
 pub use error::{ConfigError, ModelError, Result, WeightError};
-pub use gemma4::{BatchSeq, ForwardTrace, Gemma4, LogitsFor, SoftTokens};
+pub use gemma4::{soft_token_runs, BatchSeq, ForwardTrace, Gemma4, LogitsFor, SoftTokens};
 pub use gguf_source::GgufSource;
 pub use loader::{LoadPolicy, LoadReport, Progress, Quant, Weights};
 pub use source::{HfSafetensors, RandomWeights, TowerSource, WeightSource};

@@ -651,7 +651,7 @@ mod tests {
                             q: &q,
                             start: len - n,
                             scale: 0.25,
-                            visibility: Visibility { window },
+                            visibility: Visibility::causal(window),
                         };
                         let got = view.attend(layer, 0, queries).expect("in place");
                         let (kg, vg, f) = view.read(layer, 0).expect("read");

@@ -1,8 +1,10 @@
-//! The vision path against transformers in float32, on the tiny E-style
-//! checkpoint with a vision tower (`tests/fixtures/vision/e-style`, written by
-//! `tools/make_vision_fixture.py`): each image's soft tokens after
-//! `embed_vision`, then prompts holding one or two images — the logits at the
-//! last prompt position and 12 greedy tokens.
+//! The vision path against transformers in float32, on tiny checkpoints with
+//! a vision tower (`tests/fixtures/vision/*`, written by
+//! `tools/make_vision_fixture.py`): E-style (causal), and the dense (k = v)
+//! and MoE variants with bidirectional image attention on sliding layers.
+//! Each image's soft tokens after `embed_vision`, then prompts holding one
+//! or two images — the logits at the last prompt position and 12 greedy
+//! tokens.
 
 use std::path::PathBuf;
 
@@ -14,8 +16,12 @@ use gemma4_model::{
 };
 use serde_json::Value;
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision/e-style")
+const VARIANTS: [&str; 3] = ["e-style", "dense", "moe"];
+
+fn fixture(variant: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/vision")
+        .join(variant)
 }
 
 struct Fixture {
@@ -25,8 +31,8 @@ struct Fixture {
     golden: Value,
 }
 
-fn load() -> Fixture {
-    let dir = fixture();
+fn load(variant: &str) -> Fixture {
+    let dir = fixture(variant);
     let model = gemma4_model::load(&dir, LoadPolicy::default()).expect("text model");
     let cfg = VisionConfig::from_dir(&dir)
         .expect("config")
@@ -59,7 +65,7 @@ fn tensor(bytes: &[u8], name: &str) -> (Vec<usize>, Vec<f32>) {
 
 /// The image's soft tokens, `[tokens · hidden]`, from its PNG.
 fn encode(f: &Fixture, index: usize) -> Vec<f32> {
-    let png = std::fs::read(fixture().join(format!("images/{index}.png"))).expect("png");
+    let png = std::fs::read(fixture("images").join(format!("{index}.png"))).expect("png");
     let img = decode_image(&png, DecodeLimits::default()).expect("decode");
     let processed = ImageProcessor::new(70)
         .unwrap()
@@ -86,14 +92,20 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn soft_tokens_match_the_reference() {
-    let f = load();
+    for variant in VARIANTS {
+        soft_tokens_match(variant);
+    }
+}
+
+fn soft_tokens_match(variant: &str) {
+    let f = load(variant);
     for i in 0..4 {
         let ours = encode(&f, i);
         let (shape, want) = tensor(&f.goldens, &format!("features.{i}"));
         assert_eq!(ours.len(), shape.iter().product::<usize>(), "image {i}");
         let scale = want.iter().map(|x| x.abs()).fold(0.0, f32::max);
         let diff = max_abs_diff(&ours, &want);
-        eprintln!("image {i}: soft tokens max |Δ| {diff:.2e} (largest value {scale:.2})");
+        eprintln!("{variant} image {i}: soft tokens max |Δ| {diff:.2e} (largest value {scale:.2})");
         // f32 against f32: the same operations, summed in another order.
         assert!(
             diff <= 1e-4 * scale.max(1.0),
@@ -104,7 +116,13 @@ fn soft_tokens_match_the_reference() {
 
 #[test]
 fn prompts_with_images_match_the_reference_logits_and_greedy_tokens() {
-    let f = load();
+    for variant in VARIANTS {
+        prompts_match(variant);
+    }
+}
+
+fn prompts_match(variant: &str) {
+    let f = load(variant);
     let hidden = f.model.config().hidden_size;
     let image_token = f.tower.config().image_token_id;
     let features: Vec<Vec<f32>> = (0..4).map(|i| encode(&f, i)).collect();
@@ -141,10 +159,10 @@ fn prompts_with_images_match_the_reference_logits_and_greedy_tokens() {
         let logits: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
         let (_, want) = tensor(&f.goldens, &format!("logits.{n}"));
         let diff = max_abs_diff(&logits, &want);
-        eprintln!("prompt {n}: logits max |Δ| {diff:.2e}");
+        eprintln!("{variant} prompt {n}: logits max |Δ| {diff:.2e}");
         assert!(
             diff <= DEFAULT_TOLERANCE,
-            "prompt {n}: logits max |Δ| {diff}"
+            "{variant} prompt {n}: logits max |Δ| {diff}"
         );
 
         let greedy: Vec<u32> = p["greedy"]
@@ -163,7 +181,7 @@ fn prompts_with_images_match_the_reference_logits_and_greedy_tokens() {
             next = argmax(&l.flatten_all().unwrap().to_vec1::<f32>().unwrap()).0;
             ours.push(next);
         }
-        assert_eq!(ours, greedy, "prompt {n}");
+        assert_eq!(ours, greedy, "{variant} prompt {n}");
     }
 }
 
@@ -171,7 +189,7 @@ fn prompts_with_images_match_the_reference_logits_and_greedy_tokens() {
 fn without_the_image_the_logits_differ() {
     // The soft tokens matter: the same prompt with the placeholders' pad
     // embeddings in their place departs from the reference.
-    let f = load();
+    let f = load("e-style");
     let p = &f.golden["prompts"][0];
     let ids: Vec<u32> = p["ids"]
         .as_array()

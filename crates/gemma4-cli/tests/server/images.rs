@@ -50,7 +50,7 @@ fn a_chat_with_two_images_keeps_the_reference_tokens_through_the_openai_client()
         .as_array()
         .unwrap()
         .iter()
-        .map(|i| dir.join(format!("images/{i}.png")).display().to_string())
+        .map(|i| dir.join(format!("../images/{i}.png")).display().to_string())
         .collect();
     let mut args = vec![
         "--scenario".to_string(),
@@ -111,7 +111,7 @@ fn crc32(bytes: &[u8]) -> u32 {
 fn bad_media_and_limits_get_a_400_naming_the_problem() {
     let dir = vision_fixture();
     let server = ServerProc::start(&dir, &["--limit-mm-per-prompt", "image=1"], &[]);
-    let png = std::fs::read(dir.join("images/0.png")).expect("png");
+    let png = std::fs::read(dir.join("../images/0.png")).expect("png");
     // A PNG whose header claims 20000×20000: refused before decoding.
     let mut bomb = png.clone();
     bomb[16..20].copy_from_slice(&20_000u32.to_be_bytes());
