@@ -22,7 +22,7 @@ attention:
   resized image as `[h, w, 3]` uint8, recovered from the processor's floats) and `features.N` (the soft
   tokens after `embed_vision`, `[tokens, hidden]`); per prompt `logits.N` (last
   position);
-* `golden.json`: per prompt the token ids (with the image soft tokens expanded), the
+* `golden.json`: the test images' paths, per prompt the token ids (with the image soft tokens expanded), the
   images it holds, and 12 greedy tokens; and one chat turn with two images rendered by
   the real Gemma 4 template, tokenized around its placeholders, with its 12 greedy tokens.
 
@@ -35,6 +35,11 @@ Needs torch, torchvision and transformers 5.23 (CPU):
   python tools/make_vision_fixture.py tests/fixtures/oracle/e-style tests/fixtures/vision/e-style --processor
   python tools/make_vision_fixture.py tests/fixtures/oracle/dense-k-eq-v tests/fixtures/vision/dense --bidirectional
   python tools/make_vision_fixture.py tests/fixtures/oracle/moe tests/fixtures/vision/moe --bidirectional
+  python tools/make_vision_fixture.py tests/fixtures/oracle/unified tests/fixtures/vision/unified
+
+The unified (12B, `gemma4_unified`) variant has no encoder: its images are 48-pixel patches
+(the 16-pixel patches of the same resize, merged 3×3) projected straight into the text
+model, one soft token per patch; its config already asks for bidirectional image attention.
 """
 
 import hashlib
@@ -47,9 +52,15 @@ import numpy as np
 import torch
 from PIL import Image
 from safetensors.torch import save_file
-from transformers import Gemma4Config, Gemma4ForConditionalGeneration
+from transformers import (
+    Gemma4Config,
+    Gemma4ForConditionalGeneration,
+    Gemma4UnifiedConfig,
+    Gemma4UnifiedForConditionalGeneration,
+)
 from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+from transformers.models.gemma4_unified.image_processing_gemma4_unified import Gemma4UnifiedImageProcessor
 
 SEED = 20261201
 MAX_SOFT_TOKENS = 70
@@ -100,12 +111,25 @@ def vision_config() -> dict:
     }
 
 
+def unified_vision_config() -> dict:
+    """The 12B's encoder-free embedder: 48-pixel patches straight into the text model."""
+    return {
+        "model_type": "gemma4_unified_vision",
+        "patch_size": 16,
+        "pooling_kernel_size": 3,
+        "mm_embed_dim": 48,
+        "mm_posemb_size": 64,
+        "output_proj_dims": 48,
+        "rms_norm_eps": 1e-6,
+    }
+
+
 def randomize(model: torch.nn.Module) -> None:
     """Every parameter and buffer drawn at random (clip ranges finite), rounded to bf16."""
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith("layernorm.weight") or "norm.weight" in name:
+            if name.endswith("layernorm.weight") or "norm.weight" in name or "_ln" in name and name.endswith("weight"):
                 v = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
             elif "position_embedding_table" in name:
                 v = 0.5 * torch.randn(p.shape, generator=gen)
@@ -142,19 +166,23 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
     image_dir = dst.parent / "images"
     image_dir.mkdir(exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["vision_config"] = vision_config()
+    unified = cfg["model_type"] == "gemma4_unified"
+    cfg["vision_config"] = unified_vision_config() if unified else vision_config()
     if bidirectional:
         cfg["text_config"]["use_bidirectional_attention"] = "vision"
     cfg["image_token_id"] = IMAGE_TOKEN
     cfg["boi_token_id"] = BOI_TOKEN
     cfg["eoi_token_id"] = EOI_TOKEN
-    config = Gemma4Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
+    config_class = Gemma4UnifiedConfig if unified else Gemma4Config
+    model_class = Gemma4UnifiedForConditionalGeneration if unified else Gemma4ForConditionalGeneration
+    config = config_class(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
     config.text_config._attn_implementation = "eager"
-    config.vision_config._attn_implementation = "eager"
+    if not unified:
+        config.vision_config._attn_implementation = "eager"
     config._attn_implementation = "eager"
 
     torch.manual_seed(SEED)
-    model = Gemma4ForConditionalGeneration(config).float().eval()
+    model = model_class(config).float().eval()
     randomize(model)
     model.save_pretrained(dst, safe_serialization=True)
     # Saved as bf16 (values are on the bf16 grid, so nothing is lost).
@@ -172,11 +200,11 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
     # The real Gemma 4 chat template (it renders image parts as <|image|>).
     shutil.copy(src.parent / "real-vocab" / "chat_template.jinja", dst / "chat_template.jinja")
     # The goldens come from the checkpoint as saved, widened to float32.
-    model = Gemma4ForConditionalGeneration.from_pretrained(
+    model = model_class.from_pretrained(
         dst, dtype=torch.float32, attn_implementation="eager"
     ).eval()
 
-    tv = Gemma4ImageProcessor(max_soft_tokens=MAX_SOFT_TOKENS)
+    tv = (Gemma4UnifiedImageProcessor if unified else Gemma4ImageProcessor)(max_soft_tokens=MAX_SOFT_TOKENS)
     pil = Gemma4ImageProcessorPil(max_soft_tokens=MAX_SOFT_TOKENS)
     processor_cases = []
     tensors = {}
@@ -187,10 +215,10 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
         img = Image.open(image_dir / f"{i}.png").convert("RGB")
         out = tv(images=[img], return_tensors="pt")
         out_pil = pil(images=[img], return_tensors="pt")
-        if not torch.equal(out["pixel_values"], out_pil["pixel_values"]):
+        if not unified and not torch.equal(out["pixel_values"], out_pil["pixel_values"]):
             diff = (out["pixel_values"] - out_pil["pixel_values"]).abs().max().item() * 255
             print(f"image {i}: torchvision and PIL backends differ by up to {diff:.1f}/255")
-        pixels = resized_bytes(out["pixel_values"][0], out["image_position_ids"][0], 16)
+        pixels = resized_bytes(out["pixel_values"][0], out["image_position_ids"][0], 48 if unified else 16)
         if with_processor:
             tensors[f"pixels.{i}"] = torch.from_numpy(pixels.copy())
         with torch.no_grad():
@@ -201,7 +229,7 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
         images.append((out, feats))
         processor_cases.append({
             "image": f"{i}.png", "width": w, "height": h, "max_soft_tokens": MAX_SOFT_TOKENS,
-            "resized": [pixels.shape[1], pixels.shape[0]],
+            "resized": [pixels.shape[1], pixels.shape[0]],  # patches below count 16-pixel ones
             "patches": int((out["image_position_ids"][0] != -1).all(dim=-1).sum()),
             "soft_tokens": int(out["num_soft_tokens_per_image"][0]),
             "pixels_sha256": hashlib.sha256(pixels.tobytes()).hexdigest(),
@@ -294,6 +322,7 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "max_soft_tokens": MAX_SOFT_TOKENS,
+        "images": [f"../images/{i}.png" for i in range(len(TEST_IMAGES))],
         "prompts": golden_prompts,
         "chat": chat_golden,
     }, indent=1) + "\n")

@@ -12,6 +12,7 @@ mod model_io;
 mod plan;
 mod serve;
 mod verify;
+mod verify_vision;
 
 use std::process::ExitCode;
 

@@ -34,26 +34,19 @@ pub struct ModelArgs {
     pub chat_template: Option<PathBuf>,
 }
 
-/// The checkpoint's vision tower, if it has one: loaded as stored (its
-/// matrices are small beside the text model's, and quantizing them is not
-/// measured). GGUF files carry no tower (llama.cpp keeps it in a separate
-/// `mmproj` file, which is not read).
-pub fn load_vision(path: &Path, text_hidden: usize) -> Result<Option<gemma4_model::VisionTower>> {
+/// The checkpoint's image encoder (vision tower, or the 12B's encoder-free
+/// embedder), if it has one: loaded as stored (its matrices are small beside
+/// the text model's, and quantizing them is not measured). GGUF files carry
+/// none (llama.cpp keeps it in a separate `mmproj` file, which is not read).
+pub fn load_image_encoder(
+    path: &Path,
+    text_hidden: usize,
+) -> Result<Option<gemma4_model::ImageEncoder>> {
     if !path.is_dir() {
         return Ok(None);
     }
-    let Some(cfg) = gemma4_model::VisionConfig::from_dir(path)
-        .with_context(|| format!("cannot read the vision settings of {}", path.display()))?
-    else {
-        return Ok(None);
-    };
-    let src = gemma4_model::HfSafetensors::open(path)
-        .with_context(|| format!("cannot open {}", path.display()))?;
-    let towers = src.towers();
-    let weights = gemma4_model::Weights::new(&towers, LoadPolicy::default());
-    let tower = gemma4_model::VisionTower::load(cfg, text_hidden, &weights)
-        .with_context(|| format!("cannot load the vision tower of {}", path.display()))?;
-    Ok(Some(tower))
+    gemma4_model::ImageEncoder::load_dir(path, text_hidden)
+        .with_context(|| format!("cannot load the image encoder of {}", path.display()))
 }
 
 /// A model with its tokenizer.

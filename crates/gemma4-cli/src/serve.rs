@@ -280,7 +280,8 @@ fn load(
     mut engine_config: EngineConfig,
 ) -> Result<ModelContext> {
     let loaded = model_args.load()?;
-    let vision = crate::model_io::load_vision(&loaded.path, loaded.model.config().hidden_size)?;
+    let vision =
+        crate::model_io::load_image_encoder(&loaded.path, loaded.model.config().hidden_size)?;
     let context_len = loaded.model.config().max_position_embeddings;
     engine_config.max_model_len = match engine_config.max_model_len {
         0 => DEFAULT_MAX_MODEL_LEN.min(context_len),
@@ -299,16 +300,15 @@ fn load(
         .context("cannot start the engine")?;
     let context = ModelContext::new(engine, template, &eos_ids);
     Ok(match vision {
-        Some(tower) => {
+        Some(encoder) => {
             eprintln!(
-                "vision tower: {} layers, {} wide; {} soft tokens per image, at most {} images per prompt",
-                tower.config().num_layers,
-                tower.config().hidden_size,
+                "{}; {} soft tokens per image, at most {} images per prompt",
+                encoder.describe(),
                 media.max_soft_tokens,
                 media.max_images
             );
             context.with_vision(gemma4_server::media::Vision::new(
-                tower,
+                encoder,
                 media.max_soft_tokens,
                 media.max_images,
             ))

@@ -12,7 +12,8 @@ use crate::model_io::ModelArgs;
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
-    /// Golden file in the oracle format (prompts with logits and greedy ids).
+    /// Golden file in the oracle format (prompts with logits and greedy ids),
+    /// or one with images (checked stage by stage: processor, encoder, prompts).
     #[arg(long)]
     golden: PathBuf,
     /// Maximum allowed absolute logit difference.
@@ -21,8 +22,19 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
-    let golden = Golden::read(&args.golden)?;
     let path = args.model.path()?;
+    if let Some(golden) = crate::verify_vision::VisionGolden::read(&args.golden)? {
+        let (model, _) = crate::model_io::load_model(&path, args.model.policy())?;
+        let all_match =
+            crate::verify_vision::verify(&model, &path, &args.golden, &golden, args.tolerance)?;
+        println!("SEQ_MATCH {all_match}");
+        return Ok(if all_match {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
+    }
+    let golden = Golden::read(&args.golden)?;
     let (model, _) = crate::model_io::load_model(&path, args.model.policy())?;
     let tokenizer = crate::model_io::load_tokenizer(&path).ok();
     let tensors = args.golden.with_file_name("golden_tensors.safetensors");

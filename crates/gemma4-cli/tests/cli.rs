@@ -68,6 +68,60 @@ fn verify_passes_on_every_fixture() {
 }
 
 #[test]
+fn verify_checks_images_stage_by_stage() {
+    let vision = root().join("tests/fixtures/vision");
+    for v in ["e-style", "dense", "moe", "unified"] {
+        let dir = vision.join(v);
+        let (out, text) = run(bin()
+            .args(["verify", "--model"])
+            .arg(&dir)
+            .arg("--golden")
+            .arg(dir.join("golden.json")));
+        assert!(out.status.success(), "{v}: {text}");
+        assert!(text.lines().any(|l| l == "SEQ_MATCH true"), "{v}: {text}");
+        // Four images, three prompts.
+        assert_eq!(
+            text.lines().filter(|l| l.starts_with("MATCH")).count(),
+            7,
+            "{v}: {text}"
+        );
+    }
+    // Images 0 and 2 become the same number of soft tokens: swapped, the
+    // first stage to depart is the processor's output.
+    let tmp = std::env::temp_dir().join(format!("gemma4-cli-{}-vision", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let copy = tmp.join("e-style");
+    std::fs::create_dir_all(&copy).expect("mkdir");
+    std::fs::create_dir_all(tmp.join("images")).expect("mkdir");
+    for e in std::fs::read_dir(vision.join("e-style")).expect("read_dir") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), copy.join(e.file_name())).expect("copy");
+    }
+    for (from, to) in [(0, 2), (1, 1), (2, 0), (3, 3)] {
+        std::fs::copy(
+            vision.join(format!("images/{from}.png")),
+            tmp.join(format!("images/{to}.png")),
+        )
+        .expect("copy image");
+    }
+    let (out, text) = run(bin()
+        .args(["verify", "--model"])
+        .arg(&copy)
+        .arg("--golden")
+        .arg(copy.join("golden.json")));
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("DIFF  image=0 stage=processor output"),
+        "{text}"
+    );
+    assert!(
+        text.lines().any(|l| l.starts_with("SEQ_MATCH false")),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+#[test]
 fn verify_fails_and_names_the_first_departing_layer() {
     // Another variant's golden file: same format, different model.
     let dir = copy_dir(&fixture("e-style"), "wrong-golden", &[]);

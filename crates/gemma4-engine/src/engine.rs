@@ -441,7 +441,7 @@ fn start_worker(
         tokenizer,
         token_id_limit,
         hidden_size: cfg.hidden_size,
-        bidirectional_vision: cfg.bidirectional_vision,
+        bidirectional_vision: cfg.image_attention.is_bidirectional(),
         kv_plan: Arc::new(kv_plan),
     })
 }
@@ -604,7 +604,9 @@ impl Worker {
                 );
                 let content_key = request.soft_prompt.as_ref().map_or(0, |s| s.content_key);
                 let whole_spans = match &request.soft_prompt {
-                    Some(soft) if self.model.config().bidirectional_vision => soft.images(),
+                    Some(soft) if self.model.config().image_attention.is_bidirectional() => {
+                        soft.images()
+                    }
                     _ => Vec::new(),
                 };
                 self.scheduler.waiting.push_back(SeqState {

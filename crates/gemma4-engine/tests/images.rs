@@ -9,13 +9,11 @@ use std::sync::Arc;
 
 use gemma4_engine::{start, EngineConfig, GenerationRequest, SamplingParams, SoftPrompt};
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
-use gemma4_model::{
-    load_hf_dir, HfSafetensors, LoadPolicy, VisionConfig, VisionInput, VisionTower, Weights,
-};
+use gemma4_model::{load_hf_dir, ImageEncoder, VisionInput};
 use gemma4_text::Tokenizer;
 use serde_json::Value;
 
-const VARIANTS: [&str; 3] = ["e-style", "dense", "moe"];
+const VARIANTS: [&str; 4] = ["e-style", "dense", "moe", "unified"];
 
 fn fixture(variant: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -57,18 +55,22 @@ fn image_features(variant: &str) -> (Vec<Vec<f32>>, u32) {
     let hidden = gemma4_model::TextConfig::from_dir(&dir)
         .unwrap()
         .hidden_size;
-    let cfg = VisionConfig::from_dir(&dir).unwrap().expect("vision tower");
-    let image_token = cfg.image_token_id;
-    let src = HfSafetensors::open(&dir).unwrap();
-    let towers = src.towers();
-    let tower =
-        VisionTower::load(cfg, hidden, &Weights::new(&towers, LoadPolicy::default())).unwrap();
+    let encoder = ImageEncoder::load_dir(&dir, hidden)
+        .unwrap()
+        .expect("an image encoder");
+    let image_token = encoder.tokens().image;
     let features = (0..4)
         .map(|i| {
             let png = std::fs::read(dir.join(format!("../images/{i}.png"))).unwrap();
             let img = decode_image(&png, DecodeLimits::default()).unwrap();
-            let p = ImageProcessor::new(70).unwrap().process(&img).unwrap();
-            tower
+            let proc = ImageProcessor::new(70).unwrap();
+            let p = if encoder.takes_merged_patches() {
+                proc.process_merged(&img)
+            } else {
+                proc.process(&img)
+            }
+            .unwrap();
+            encoder
                 .encode(VisionInput {
                     patches: &p.patches,
                     positions: &p.positions,
@@ -119,7 +121,7 @@ fn engine(variant: &str) -> gemma4_engine::EngineHandle {
         // Prompts of 70–136 tokens with images of 60–66 soft tokens: chunks of
         // 24 cut through the images of a causal model; with bidirectional
         // images, chunks of 80 end before an image they cannot hold whole.
-        max_batch_tokens: if model.config().bidirectional_vision {
+        max_batch_tokens: if model.config().image_attention.is_bidirectional() {
             80
         } else {
             24

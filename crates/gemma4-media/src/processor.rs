@@ -106,34 +106,51 @@ impl ImageProcessor {
         Ok(self.patchify(&resized))
     }
 
+    /// [`process`](Self::process) for the 12B's encoder-free embedder: each
+    /// `pooling × pooling` block of patches merged into one patch of
+    /// `patch · pooling` pixels (one soft token each), positions in block units.
+    pub fn process_merged(&self, img: &RgbImage) -> Result<ProcessedImage> {
+        let (tw, th) = self.target_size(img.width, img.height)?;
+        let resized = resize_bicubic(img, tw, th);
+        let mut out = cut(&resized, self.patch_size * self.pooling);
+        out.soft_tokens = out.positions.len();
+        Ok(out)
+    }
+
     /// Cuts an image already of a valid size into patches (row-major patch
     /// order; within a patch, pixel rows then columns then channels).
     pub fn patchify(&self, img: &RgbImage) -> ProcessedImage {
-        let p = self.patch_size;
-        let (w, h) = (img.width as usize, img.height as usize);
-        let (pw, ph) = (w / p, h / p);
-        let mut patches = Vec::with_capacity(pw * ph * p * p * 3);
-        let mut positions = Vec::with_capacity(pw * ph);
-        for py in 0..ph {
-            for px in 0..pw {
-                for dy in 0..p {
-                    let row = ((py * p + dy) * w + px * p) * 3;
-                    patches.extend(
-                        img.pixels[row..row + p * 3]
-                            .iter()
-                            .map(|&b| f32::from(b) * RESCALE),
-                    );
-                }
-                positions.push((px as u32, py as u32));
+        let mut out = cut(img, self.patch_size);
+        out.soft_tokens = out.positions.len() / (self.pooling * self.pooling);
+        out
+    }
+}
+
+/// `p × p` patches of an image whose sides are multiples of `p`, rescaled.
+fn cut(img: &RgbImage, p: usize) -> ProcessedImage {
+    let (w, h) = (img.width as usize, img.height as usize);
+    let (pw, ph) = (w / p, h / p);
+    let mut patches = Vec::with_capacity(pw * ph * p * p * 3);
+    let mut positions = Vec::with_capacity(pw * ph);
+    for py in 0..ph {
+        for px in 0..pw {
+            for dy in 0..p {
+                let row = ((py * p + dy) * w + px * p) * 3;
+                patches.extend(
+                    img.pixels[row..row + p * 3]
+                        .iter()
+                        .map(|&b| f32::from(b) * RESCALE),
+                );
             }
+            positions.push((px as u32, py as u32));
         }
-        ProcessedImage {
-            width: img.width,
-            height: img.height,
-            patches,
-            soft_tokens: positions.len() / (self.pooling * self.pooling),
-            positions,
-        }
+    }
+    ProcessedImage {
+        width: img.width,
+        height: img.height,
+        patches,
+        positions,
+        soft_tokens: 0,
     }
 }
 

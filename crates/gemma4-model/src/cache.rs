@@ -13,9 +13,12 @@ use crate::layers::softmax_last_dim;
 pub struct Visibility<'a> {
     pub window: Option<usize>,
     /// `[start, end)` runs of positions that see each other whole (one
-    /// image's soft tokens, on bidirectional models' sliding layers),
+    /// image's soft tokens, on models with bidirectional image attention),
     /// ascending; empty for plain causal attention.
     pub blocks: &'a [(usize, usize)],
+    /// A query sees all of its block even past its window (the 12B's masks);
+    /// otherwise the window still bounds it.
+    pub blocks_escape_window: bool,
 }
 
 impl Visibility<'_> {
@@ -24,21 +27,27 @@ impl Visibility<'_> {
         Visibility {
             window,
             blocks: &[],
+            blocks_escape_window: false,
         }
+    }
+
+    fn block_of(self, p: usize) -> Option<(usize, usize)> {
+        let i = self.blocks.partition_point(|&(_, end)| end <= p);
+        self.blocks.get(i).copied().filter(|&(start, _)| start <= p)
     }
 
     /// The first position a query at `p` sees.
     pub fn first_seen(self, p: usize) -> usize {
-        self.window.map_or(0, |w| (p + 1).saturating_sub(w))
+        let window_start = self.window.map_or(0, |w| (p + 1).saturating_sub(w));
+        match self.block_of(p) {
+            Some((start, _)) if self.blocks_escape_window => window_start.min(start),
+            _ => window_start,
+        }
     }
 
     /// The last position a query at `p` sees: itself, or the end of its block.
     pub fn last_seen(self, p: usize) -> usize {
-        let i = self.blocks.partition_point(|&(_, end)| end <= p);
-        match self.blocks.get(i) {
-            Some(&(start, end)) if start <= p => end - 1,
-            _ => p,
-        }
+        self.block_of(p).map_or(p, |(_, end)| end - 1)
     }
 }
 
@@ -103,9 +112,14 @@ pub fn attend_gathered(
     for at in (0..n).step_by(rows) {
         let len = rows.min(n - at);
         let start = queries.start + at;
-        // From the first row's window start to the last row (or the end of
-        // its block): the keys any row sees.
-        let lo = queries.visibility.first_seen(start).max(first);
+        // From the earliest key any row sees to the last row (or the end of
+        // its block).
+        let vis = queries.visibility;
+        let lo = (start..start + len)
+            .map(|p| vis.first_seen(p))
+            .min()
+            .unwrap_or(start)
+            .max(first);
         let hi = (queries.visibility.last_seen(start + len - 1) + 1).min(first + total);
         if hi <= lo {
             return Err(ModelError::Input(format!(
@@ -258,6 +272,7 @@ mod tests {
         let v = Visibility {
             window: Some(4),
             blocks: &blocks,
+            blocks_escape_window: false,
         };
         assert_eq!(
             (9..22).map(|p| v.last_seen(p)).collect::<Vec<_>>(),
@@ -265,6 +280,19 @@ mod tests {
         );
         assert_eq!(v.first_seen(12), 9);
         assert_eq!(Visibility::causal(None).last_seen(11), 11);
+        // Past the window: the whole block, from its start.
+        let escaping = Visibility {
+            blocks_escape_window: true,
+            ..v
+        };
+        assert_eq!(escaping.first_seen(12), 9);
+        let long = [(10, 30)];
+        let escaping = Visibility {
+            blocks: &long,
+            ..escaping
+        };
+        assert_eq!((escaping.first_seen(25), escaping.last_seen(25)), (10, 29));
+        assert_eq!(escaping.first_seen(31), 28);
     }
 
     /// Tiles over query rows, each multiplying only the keys its rows can
@@ -275,12 +303,13 @@ mod tests {
         let (heads, kv_heads, hd) = (4, 2, 16);
         // Blocks: runs of positions that see each other whole.
         let blocks = [(100, 163), (400, 466)];
-        for (window, first, total, n, blocks) in [
-            (None, 0, 700, 700, &[][..]),
-            (None, 0, 1500, 300, &[]),
-            (Some(64), 0, 900, 900, &[]),
-            (Some(200), 1000, 800, 500, &[]),
-            (Some(64), 0, 900, 900, &blocks[..]),
+        for (window, first, total, n, blocks, escape) in [
+            (None, 0, 700, 700, &[][..], false),
+            (None, 0, 1500, 300, &[], false),
+            (Some(64), 0, 900, 900, &[], false),
+            (Some(200), 1000, 800, 500, &[], false),
+            (Some(64), 0, 900, 900, &blocks[..], false),
+            (Some(16), 0, 900, 900, &blocks[..], true),
         ] {
             let k = Tensor::randn(0f32, 1.0, (kv_heads, total, hd), &dev).expect("k");
             let v = Tensor::randn(0f32, 1.0, (kv_heads, total, hd), &dev).expect("v");
@@ -289,7 +318,11 @@ mod tests {
                 q: &q,
                 start: first + total - n,
                 scale: 0.25,
-                visibility: Visibility { window, blocks },
+                visibility: Visibility {
+                    window,
+                    blocks,
+                    blocks_escape_window: escape,
+                },
             };
             assert!(
                 SCORE_TILE / (heads * total) < n,

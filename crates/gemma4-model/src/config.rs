@@ -95,12 +95,32 @@ pub struct TextConfig {
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
-    /// `use_bidirectional_attention: "vision"`: on sliding layers, the soft
-    /// tokens of one image also see each other's later positions.
-    pub bidirectional_vision: bool,
+    /// How the soft tokens of one image see each other.
+    pub image_attention: ImageAttention,
     /// Keys of the text config this loader does not know and ignored (named
     /// with their `text_config.` prefix), for warnings and `gemma4 doctor`.
     pub unknown_keys: Vec<String>,
+}
+
+/// `use_bidirectional_attention: "vision"`: how one image's soft tokens see
+/// each other (a query sees every key of its own image, later ones too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ImageAttention {
+    /// Strictly causal (E2B/E4B).
+    Causal,
+    /// On sliding layers only, and only within the window (31B, 26B-A4B:
+    /// `AND(window, OR(causal, same image))`).
+    SlidingWindows,
+    /// On every layer, past the window too (the 12B, `gemma4_unified`:
+    /// `OR(causal ∧ window, same image)`).
+    EveryLayer,
+}
+
+impl ImageAttention {
+    /// Whether an image's soft tokens must be computed in one step.
+    pub fn is_bidirectional(self) -> bool {
+        self != Self::Causal
+    }
 }
 
 /// `text_config` exactly as stored, without the keys this loader does not know.
@@ -392,6 +412,19 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
         .clone()
         .unwrap_or_else(|| "gemma4_text".into());
     let gemma3 = model_type.starts_with("gemma3");
+    let image_attention = match raw.use_bidirectional_attention.as_deref() {
+        None => ImageAttention::Causal,
+        // The 12B's own masks (`gemma4_unified`) lay the image block over
+        // every layer's mask; Gemma 4's only inside sliding windows.
+        Some("vision") if model_type.starts_with("gemma4_unified") => ImageAttention::EveryLayer,
+        Some("vision") => ImageAttention::SlidingWindows,
+        Some(other) => {
+            return Err(ConfigError::invalid(
+                f("use_bidirectional_attention"),
+                format!("`{other}` is not supported (only \"vision\" or null)"),
+            ))
+        }
+    };
     let n = raw.num_hidden_layers;
     if n == 0 {
         return Err(ConfigError::invalid(
@@ -598,16 +631,7 @@ fn resolve(raw: RawTextConfig, eos: Option<&Value>, p: &str) -> Result<TextConfi
         bos_token_id: raw.bos_token_id,
         eos_token_ids: eos_list(eos, &f("eos_token_id"))?,
         pad_token_id: raw.pad_token_id,
-        bidirectional_vision: match raw.use_bidirectional_attention.as_deref() {
-            None => false,
-            Some("vision") => true,
-            Some(other) => {
-                return Err(ConfigError::invalid(
-                    f("use_bidirectional_attention"),
-                    format!("`{other}` is not supported (only \"vision\" or null)"),
-                ))
-            }
-        },
+        image_attention,
         unknown_keys: Vec::new(),
     })
 }

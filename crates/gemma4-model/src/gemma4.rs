@@ -10,7 +10,9 @@
 use candle_core::{Device, Tensor, D};
 
 use crate::cache::{KvCache, KvStore, Queries, Visibility};
-use crate::config::{AttentionKind, KvSource, LayerSpec, MoeSpec, RopeSpec, TextConfig};
+use crate::config::{
+    AttentionKind, ImageAttention, KvSource, LayerSpec, MoeSpec, RopeSpec, TextConfig,
+};
 use crate::error::{ModelError, Result};
 use crate::layers::{gated_gelu, ids_tensor, softcap, softmax_last_dim, RmsNorm, Rotary};
 use crate::loader::Weights;
@@ -72,9 +74,10 @@ struct RopeTable {
 /// What every layer of one step shares.
 struct Step<'a> {
     spans: &'a [Span],
-    /// Per span, the runs of positions that see each other whole on
-    /// sliding layers (bidirectional image attention); empty otherwise.
+    /// Per span, the runs of positions that see each other whole
+    /// (bidirectional image attention); empty otherwise.
     blocks: &'a [Vec<(usize, usize)>],
+    image_attention: ImageAttention,
     rope: &'a [RopeTable],
 }
 
@@ -383,7 +386,9 @@ impl Gemma4 {
         let blocks: Vec<Vec<(usize, usize)>> = seqs
             .iter()
             .map(|s| match s.soft {
-                Some(soft) if self.cfg.bidirectional_vision => soft_token_runs(soft.rows, s.start),
+                Some(soft) if self.cfg.image_attention.is_bidirectional() => {
+                    soft_token_runs(soft.rows, s.start)
+                }
                 _ => Vec::new(),
             })
             .collect();
@@ -429,6 +434,7 @@ impl Gemma4 {
         let step = Step {
             spans: &spans,
             blocks: &blocks,
+            image_attention: self.cfg.image_attention,
             rope: &rope,
         };
         for layer in &self.layers {
@@ -609,12 +615,22 @@ impl DecoderLayer {
             KvSource::SharedFrom(j) => j,
         };
         let sliding = self.spec.kind == AttentionKind::Sliding;
+        let image_blocks = match step.image_attention {
+            ImageAttention::Causal => false,
+            // Full layers stay strictly causal.
+            ImageAttention::SlidingWindows => sliding,
+            ImageAttention::EveryLayer => true,
+        };
         let mut outs = Vec::with_capacity(spans.len());
         for sp in spans {
             let visibility = Visibility {
                 window: sliding.then_some(at.sliding_window),
-                // Full layers stay strictly causal.
-                blocks: if sliding { &step.blocks[sp.seq] } else { &[] },
+                blocks: if image_blocks {
+                    &step.blocks[sp.seq]
+                } else {
+                    &[]
+                },
+                blocks_escape_window: step.image_attention == ImageAttention::EveryLayer,
             };
             let queries = Queries {
                 q: &q.narrow(0, sp.offset, sp.len)?,

@@ -20,16 +20,17 @@ pub mod safetensors_store;
 pub mod source;
 pub mod storage;
 pub mod vision;
+pub mod vision_unified;
 
 pub use cache::{KvCache, KvStore};
-pub use config::TextConfig;
+pub use config::{ImageAttention, TextConfig};
 pub use error::{ConfigError, ModelError, Result, WeightError};
 pub use gemma4::{soft_token_runs, BatchSeq, ForwardTrace, Gemma4, LogitsFor, SoftTokens};
 pub use gguf_source::GgufSource;
 pub use loader::{LoadPolicy, LoadReport, Progress, Quant, Weights};
 pub use source::{HfSafetensors, RandomWeights, TowerSource, WeightSource};
 pub use storage::{Embedding, Linear};
-pub use vision::{VisionConfig, VisionInput, VisionTower};
+pub use vision::{ImageEncoder, ImageTokens, VisionConfig, VisionInput, VisionTower};
 
 use std::path::Path;
 

@@ -40,27 +40,130 @@ pub struct VisionConfig {
     pub rope_theta: f64,
     pub clipped_linears: bool,
     pub standardize: bool,
+    pub tokens: ImageTokens,
+}
+
+/// The token ids of an image in the prompt: `begin`, one `image`
+/// placeholder per soft token, `end`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageTokens {
     /// `<|image|>`: the soft-token placeholder.
-    pub image_token_id: u32,
-    /// `<|image>` and `<image|>`, around an image's soft tokens.
-    pub boi_token_id: u32,
-    pub eoi_token_id: u32,
+    pub image: u32,
+    /// `<|image>`
+    pub begin: u32,
+    /// `<image|>`
+    pub end: u32,
+}
+
+impl ImageTokens {
+    /// From the multimodal config's `image_token_id`, `boi_token_id`,
+    /// `eoi_token_id` (Gemma 4's ids where absent).
+    pub fn from_hf_json(json: &Value) -> Self {
+        let token = |key: &str, default: u32| {
+            json.get(key)
+                .and_then(Value::as_u64)
+                .map_or(default, |x| x as u32)
+        };
+        Self {
+            image: token("image_token_id", 258_880),
+            begin: token("boi_token_id", 255_999),
+            end: token("eoi_token_id", 258_882),
+        }
+    }
+}
+
+/// Reads a checkpoint directory's `config.json`.
+fn read_config(dir: &Path) -> Result<Value> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    Ok(serde_json::from_str(&text).map_err(|e| ConfigError::Json {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })?)
+}
+
+/// What turns an image into soft tokens: the vision tower (E2B/E4B, 31B,
+/// 26B-A4B), or the 12B's encoder-free embedder.
+pub enum ImageEncoder {
+    Tower(VisionTower),
+    Unified(crate::vision_unified::UnifiedVisionEmbedder),
+}
+
+impl ImageEncoder {
+    /// The checkpoint's image encoder, loaded as stored; `None` when its
+    /// `config.json` has no `vision_config`.
+    pub fn load_dir(dir: &Path, text_hidden: usize) -> Result<Option<Self>> {
+        let json = read_config(dir)?;
+        let Some(v) = json.get("vision_config").filter(|v| !v.is_null()) else {
+            return Ok(None);
+        };
+        let src = crate::HfSafetensors::open(dir)?;
+        let towers = src.towers();
+        let weights = Weights::new(&towers, crate::LoadPolicy::default());
+        let unified = v.get("model_type").and_then(Value::as_str) == Some("gemma4_unified_vision");
+        Ok(Some(if unified {
+            let cfg = crate::vision_unified::UnifiedVisionConfig::from_hf_json(
+                v,
+                ImageTokens::from_hf_json(&json),
+            )?;
+            Self::Unified(crate::vision_unified::UnifiedVisionEmbedder::load(
+                cfg,
+                text_hidden,
+                &weights,
+            )?)
+        } else {
+            let cfg = VisionConfig::from_hf_json(&json)?
+                .ok_or_else(|| ConfigError::missing("vision_config"))?;
+            Self::Tower(VisionTower::load(cfg, text_hidden, &weights)?)
+        }))
+    }
+
+    pub fn tokens(&self) -> ImageTokens {
+        match self {
+            Self::Tower(t) => t.config().tokens,
+            Self::Unified(u) => u.config().tokens,
+        }
+    }
+
+    /// Whether the encoder takes 3×3-merged (48-pixel) patches, one soft
+    /// token each, rather than 16-pixel patches pooled 3×3.
+    pub fn takes_merged_patches(&self) -> bool {
+        matches!(self, Self::Unified(_))
+    }
+
+    /// The image's soft tokens, `[tokens, hidden]`.
+    pub fn encode(&self, image: VisionInput<'_>) -> Result<Tensor> {
+        match self {
+            Self::Tower(t) => t.encode(image),
+            Self::Unified(u) => u.encode(image),
+        }
+    }
+
+    /// A line for the load log.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Tower(t) => format!(
+                "vision tower: {} layers, {} wide",
+                t.config().num_layers,
+                t.config().hidden_size
+            ),
+            Self::Unified(u) => format!(
+                "encoder-free image embedder: {}-pixel patches, {} wide",
+                u.config().patch_pixels,
+                u.config().embed_dim
+            ),
+        }
+    }
 }
 
 impl VisionConfig {
     /// The vision settings of a checkpoint directory's `config.json`;
     /// `None` when the checkpoint has no vision tower.
     pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
-        let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
-            path: path.display().to_string(),
-            source,
-        })?;
-        let json: Value = serde_json::from_str(&text).map_err(|e| ConfigError::Json {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        })?;
-        Ok(Self::from_hf_json(&json)?)
+        Ok(Self::from_hf_json(&read_config(dir)?)?)
     }
 
     pub fn from_hf_json(json: &Value) -> std::result::Result<Option<Self>, ConfigError> {
@@ -77,12 +180,11 @@ impl VisionConfig {
                 None => default.ok_or_else(|| ConfigError::missing(format!("vision_config.{key}"))),
             }
         };
+        if v.get("model_type").and_then(Value::as_str) == Some("gemma4_unified_vision") {
+            // The 12B's encoder-free embedder (see `ImageEncoder::load_dir`).
+            return Ok(None);
+        }
         let flag = |key: &str| v.get(key).and_then(Value::as_bool).unwrap_or(false);
-        let token = |key: &str, default: u32| {
-            json.get(key)
-                .and_then(Value::as_u64)
-                .map_or(default, |x| x as u32)
-        };
         let activation = v
             .get("hidden_activation")
             .and_then(Value::as_str)
@@ -127,9 +229,7 @@ impl VisionConfig {
                 .unwrap_or(100.0),
             clipped_linears: flag("use_clipped_linears"),
             standardize: flag("standardize"),
-            image_token_id: token("image_token_id", 258_880),
-            boi_token_id: token("boi_token_id", 255_999),
-            eoi_token_id: token("eoi_token_id", 258_882),
+            tokens: ImageTokens::from_hf_json(json),
         };
         if !cfg.head_dim.is_multiple_of(4)
             || cfg.num_kv_heads == 0

@@ -1,7 +1,8 @@
 //! The vision path against transformers in float32, on tiny checkpoints with
 //! a vision tower (`tests/fixtures/vision/*`, written by
 //! `tools/make_vision_fixture.py`): E-style (causal), and the dense (k = v)
-//! and MoE variants with bidirectional image attention on sliding layers.
+//! and MoE variants with bidirectional image attention on sliding layers, and
+//! the 12B's encoder-free path (`unified`).
 //! Each image's soft tokens after `embed_vision`, then prompts holding one
 //! or two images — the logits at the last prompt position and 12 greedy
 //! tokens.
@@ -10,13 +11,10 @@ use std::path::PathBuf;
 
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
 use gemma4_model::golden::{argmax, DEFAULT_TOLERANCE};
-use gemma4_model::{
-    HfSafetensors, KvCache, LoadPolicy, LogitsFor, SoftTokens, VisionConfig, VisionInput,
-    VisionTower, Weights,
-};
+use gemma4_model::{ImageEncoder, KvCache, LoadPolicy, LogitsFor, SoftTokens, VisionInput};
 use serde_json::Value;
 
-const VARIANTS: [&str; 3] = ["e-style", "dense", "moe"];
+const VARIANTS: [&str; 4] = ["e-style", "dense", "moe", "unified"];
 
 fn fixture(variant: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -26,7 +24,7 @@ fn fixture(variant: &str) -> PathBuf {
 
 struct Fixture {
     model: gemma4_model::Gemma4,
-    tower: VisionTower,
+    encoder: ImageEncoder,
     goldens: Vec<u8>,
     golden: Value,
 }
@@ -34,19 +32,15 @@ struct Fixture {
 fn load(variant: &str) -> Fixture {
     let dir = fixture(variant);
     let model = gemma4_model::load(&dir, LoadPolicy::default()).expect("text model");
-    let cfg = VisionConfig::from_dir(&dir)
-        .expect("config")
-        .expect("a vision tower");
-    let src = HfSafetensors::open(&dir).expect("checkpoint");
-    let towers = src.towers();
-    let weights = Weights::new(&towers, LoadPolicy::default());
-    let tower = VisionTower::load(cfg, model.config().hidden_size, &weights).expect("tower");
+    let encoder = ImageEncoder::load_dir(&dir, model.config().hidden_size)
+        .expect("encoder")
+        .expect("an image encoder");
     let goldens = std::fs::read(dir.join("golden_tensors.safetensors")).expect("goldens");
     let golden = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap())
         .expect("golden.json");
     Fixture {
         model,
-        tower,
+        encoder,
         goldens,
         golden,
     }
@@ -67,12 +61,15 @@ fn tensor(bytes: &[u8], name: &str) -> (Vec<usize>, Vec<f32>) {
 fn encode(f: &Fixture, index: usize) -> Vec<f32> {
     let png = std::fs::read(fixture("images").join(format!("{index}.png"))).expect("png");
     let img = decode_image(&png, DecodeLimits::default()).expect("decode");
-    let processed = ImageProcessor::new(70)
-        .unwrap()
-        .process(&img)
-        .expect("process");
+    let proc = ImageProcessor::new(70).unwrap();
+    let processed = if f.encoder.takes_merged_patches() {
+        proc.process_merged(&img)
+    } else {
+        proc.process(&img)
+    }
+    .expect("process");
     let out = f
-        .tower
+        .encoder
         .encode(VisionInput {
             patches: &processed.patches,
             positions: &processed.positions,
@@ -124,7 +121,7 @@ fn prompts_with_images_match_the_reference_logits_and_greedy_tokens() {
 fn prompts_match(variant: &str) {
     let f = load(variant);
     let hidden = f.model.config().hidden_size;
-    let image_token = f.tower.config().image_token_id;
+    let image_token = f.encoder.tokens().image;
     let features: Vec<Vec<f32>> = (0..4).map(|i| encode(&f, i)).collect();
     let prompts = f.golden["prompts"].as_array().expect("prompts");
     assert_eq!(prompts.len(), 3);
@@ -199,13 +196,7 @@ fn without_the_image_the_logits_differ() {
         .collect();
     let pad_ids: Vec<u32> = ids
         .iter()
-        .map(|&t| {
-            if t == f.tower.config().image_token_id {
-                0
-            } else {
-                t
-            }
-        })
+        .map(|&t| if t == f.encoder.tokens().image { 0 } else { t })
         .collect();
     let mut cache = KvCache::new(f.model.config().num_layers());
     let l = f

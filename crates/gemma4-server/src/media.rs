@@ -1,6 +1,7 @@
 //! Images in chat requests: `data:` URIs decoded with limits, processed as
-//! the reference processor does, and encoded by the model's vision tower
-//! into the soft tokens that replace each image's placeholders.
+//! the reference processor does, and encoded by the model's vision tower (or
+//! the 12B's encoder-free embedder) into the soft tokens that replace each
+//! image's placeholders.
 
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
@@ -8,7 +9,7 @@ use std::sync::Arc;
 use base64::Engine as _;
 use gemma4_engine::SoftPrompt;
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor, RgbImage};
-use gemma4_model::{VisionInput, VisionTower};
+use gemma4_model::{ImageEncoder, VisionInput};
 
 use crate::error::ApiError;
 use crate::openai::request::ImagePart;
@@ -16,9 +17,9 @@ use crate::openai::request::ImagePart;
 /// What the template writes where an image goes.
 pub const IMAGE_PLACEHOLDER: &str = "<|image|>";
 
-/// The server's vision settings and the tower that encodes images.
+/// The server's vision settings and the encoder that turns images into soft tokens.
 pub struct Vision {
-    pub tower: VisionTower,
+    pub encoder: ImageEncoder,
     /// Soft tokens per image unless a request asks otherwise (70 … 1120).
     pub default_soft_tokens: usize,
     /// Most images one request may hold.
@@ -37,9 +38,9 @@ pub struct EncodedImage {
 }
 
 impl Vision {
-    pub fn new(tower: VisionTower, default_soft_tokens: usize, max_images: usize) -> Self {
+    pub fn new(encoder: ImageEncoder, default_soft_tokens: usize, max_images: usize) -> Self {
         Self {
-            tower,
+            encoder,
             default_soft_tokens,
             max_images,
             limits: DecodeLimits::default(),
@@ -73,11 +74,14 @@ impl Vision {
                 let img = self
                     .load(&part.url)
                     .map_err(|e| bad(format!("`{}`: {e}", part.param)))?;
-                let processed = processor
-                    .process(&img)
-                    .map_err(|e| bad(format!("`{}`: {e}", part.param)))?;
+                let processed = if self.encoder.takes_merged_patches() {
+                    processor.process_merged(&img)
+                } else {
+                    processor.process(&img)
+                }
+                .map_err(|e| bad(format!("`{}`: {e}", part.param)))?;
                 let embeds = self
-                    .tower
+                    .encoder
                     .encode(VisionInput {
                         patches: &processed.patches,
                         positions: &processed.positions,
@@ -123,7 +127,7 @@ impl Vision {
         pieces: Vec<Vec<u32>>,
         images: Vec<EncodedImage>,
     ) -> (Vec<u32>, Arc<SoftPrompt>) {
-        let cfg = self.tower.config();
+        let tokens = self.encoder.tokens();
         let mut ids = Vec::new();
         let mut rows = Vec::new();
         let mut embeds = Vec::new();
@@ -132,10 +136,10 @@ impl Vision {
         for (i, piece) in pieces.into_iter().enumerate() {
             if i > 0 {
                 if let Some(img) = images.next() {
-                    ids.push(cfg.boi_token_id);
+                    ids.push(tokens.begin);
                     rows.extend(ids.len()..ids.len() + img.soft_tokens);
-                    ids.extend(std::iter::repeat_n(cfg.image_token_id, img.soft_tokens));
-                    ids.push(cfg.eoi_token_id);
+                    ids.extend(std::iter::repeat_n(tokens.image, img.soft_tokens));
+                    ids.push(tokens.end);
                     embeds.extend(img.embeds);
                     img.digest.hash(&mut key);
                 }

@@ -155,6 +155,23 @@ fn bad_media_and_limits_get_a_400_naming_the_problem() {
     );
     assert_eq!(r.status, 200, "{}", r.body);
 
+    // The Responses API takes `input_image` parts the same way.
+    let responses = |content: Value| {
+        let r = server.post(
+            "/v1/responses",
+            &json!({"input": [{"role": "user", "content": content}], "max_output_tokens": 1}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["usage"]["input_tokens"]
+            .as_u64()
+            .expect("input_tokens")
+    };
+    let text_only = responses(json!([{"type": "input_text", "text": "x"}]));
+    let with_image = responses(json!([{"type": "input_text", "text": "x"},
+                                      {"type": "input_image", "image_url": data_uri(&png)}]));
+    // <|image>, the soft tokens, <image|> in place of the placeholder.
+    assert!(with_image > text_only + 60, "{text_only} vs {with_image}");
+
     // A model without a vision tower says so.
     let text_only = ServerProc::start(&root().join("tests/fixtures/oracle/e-style"), &[], &[]);
     let r = text_only.post(

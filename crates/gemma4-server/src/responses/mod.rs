@@ -41,31 +41,52 @@ fn bad(message: impl Into<String>, param: &str) -> ApiError {
     ApiError::bad_request(message).with_param(param)
 }
 
-/// Text of a content value: a string, or `input_text` / `output_text` parts.
-fn content_text(content: &Value, at: &str) -> Result<String, ApiError> {
+/// A content value as chat content: a string, or `input_text` / `output_text`
+/// parts joined into one; with `input_image` parts, chat content parts
+/// (`text` and `image_url`), which the chat path checks and encodes.
+fn content_value(content: &Value, at: &str) -> Result<Value, ApiError> {
     match content {
-        Value::String(s) => Ok(s.clone()),
+        Value::String(s) => Ok(Value::String(s.clone())),
         Value::Array(parts) => {
-            let mut texts = Vec::new();
+            let mut out = Vec::new();
+            let mut images = false;
             for (j, part) in parts.iter().enumerate() {
                 match part.get("type").and_then(Value::as_str) {
-                    Some("input_text" | "output_text" | "text") => texts.push(
-                        part.get("text")
+                    Some("input_text" | "output_text" | "text") => {
+                        let text = part
+                            .get("text")
                             .and_then(Value::as_str)
-                            .ok_or_else(|| bad(format!("`{at}[{j}].text` must be a string"), at))?
-                            .to_owned(),
-                    ),
+                            .ok_or_else(|| bad(format!("`{at}[{j}].text` must be a string"), at))?;
+                        out.push(json!({"type": "text", "text": text}));
+                    }
+                    Some("input_image") => {
+                        let url = match part.get("image_url") {
+                            Some(Value::String(u)) => u.clone(),
+                            _ => {
+                                return Err(bad(
+                                    format!("`{at}[{j}].image_url` must be a string (a data: URI)"),
+                                    at,
+                                ))
+                            }
+                        };
+                        images = true;
+                        out.push(json!({"type": "image_url", "image_url": {"url": url}}));
+                    }
                     other => {
                         return Err(bad(
                             format!(
-                                "`{at}[{j}]` is a {other:?} part; this server accepts text only"
+                                "`{at}[{j}]` is a {other:?} part; this server accepts input_text and input_image parts"
                             ),
                             at,
                         ))
                     }
                 }
             }
-            Ok(texts.join("\n"))
+            if images {
+                return Ok(Value::Array(out));
+            }
+            let texts: Vec<&str> = out.iter().filter_map(|p| p["text"].as_str()).collect();
+            Ok(Value::String(texts.join("\n")))
         }
         _ => Err(bad(format!("`{at}` must be a string or text parts"), at)),
     }
@@ -95,7 +116,7 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
         match item.get("type").and_then(Value::as_str) {
             None | Some("message") => {
                 let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
-                let content = content_text(item.get("content").unwrap_or(&Value::Null), &at)?;
+                let content = content_value(item.get("content").unwrap_or(&Value::Null), &at)?;
                 out.push(json!({"role": role, "content": content}));
             }
             Some("function_call") => {

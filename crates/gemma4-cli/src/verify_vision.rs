@@ -1,0 +1,202 @@
+//! `gemma4 verify` on a golden file with images (written by
+//! `tools/make_vision_fixture.py`): stage by stage — the processor's resized
+//! pixels, the encoder's soft tokens, then prompts holding the images (logits
+//! at the last prompt position and the greedy tokens) — and the first stage
+//! that departs from the reference is named.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use gemma4_media::{decode_image, resize::resize_bicubic, DecodeLimits, ImageProcessor};
+use gemma4_model::golden::argmax;
+use gemma4_model::{Gemma4, ImageEncoder, KvCache, LogitsFor, SoftTokens, VisionInput};
+use serde::Deserialize;
+
+/// A golden file with images.
+#[derive(Debug, Deserialize)]
+pub struct VisionGolden {
+    pub max_soft_tokens: usize,
+    /// Image paths, relative to the golden file.
+    pub images: Vec<String>,
+    pub prompts: Vec<VisionPrompt>,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct VisionPrompt {
+    pub ids: Vec<u32>,
+    pub images: Vec<usize>,
+    pub greedy: Vec<u32>,
+}
+
+impl VisionGolden {
+    /// The file as a golden with images, or `None` when it is another format.
+    pub fn read(path: &Path) -> Result<Option<Self>> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read golden file {}", path.display()))?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .with_context(|| format!("{} is not JSON", path.display()))?;
+        if json.get("images").is_none() || json.get("max_soft_tokens").is_none() {
+            return Ok(None);
+        }
+        Ok(Some(serde_json::from_value(json).with_context(|| {
+            format!("{} is not a golden file with images", path.display())
+        })?))
+    }
+}
+
+/// Golden tensors by name (f32 or u8), read once.
+struct Tensors(Vec<u8>);
+
+impl Tensors {
+    fn get(&self, name: &str) -> Result<Option<(safetensors::Dtype, Vec<u8>)>> {
+        let st = safetensors::SafeTensors::deserialize(&self.0).context("golden tensors")?;
+        Ok(st.tensor(name).ok().map(|t| (t.dtype(), t.data().to_vec())))
+    }
+
+    fn f32s(&self, name: &str) -> Result<Vec<f32>> {
+        match self.get(name)? {
+            Some((safetensors::Dtype::F32, bytes)) => Ok(bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect()),
+            _ => bail!("golden tensor {name} (f32) is missing"),
+        }
+    }
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Checks every stage; returns whether everything matched.
+pub fn verify(
+    model: &Gemma4,
+    checkpoint: &Path,
+    golden_path: &Path,
+    golden: &VisionGolden,
+    tolerance: f32,
+) -> Result<bool> {
+    let encoder = ImageEncoder::load_dir(checkpoint, model.config().hidden_size)?
+        .context("the golden file holds images, but the checkpoint has no vision_config")?;
+    let tensors = Tensors(
+        std::fs::read(golden_path.with_file_name("golden_tensors.safetensors"))
+            .context("golden_tensors.safetensors beside the golden file")?,
+    );
+    let processor = ImageProcessor::new(golden.max_soft_tokens)?;
+    let dir = golden_path.parent().unwrap_or(Path::new("."));
+    let mut all = true;
+    let mut features = Vec::with_capacity(golden.images.len());
+    for (i, rel) in golden.images.iter().enumerate() {
+        let path = dir.join(rel);
+        let bytes =
+            std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let img = decode_image(&bytes, DecodeLimits::default())
+            .with_context(|| format!("{}", path.display()))?;
+        let processed = if encoder.takes_merged_patches() {
+            processor.process_merged(&img)?
+        } else {
+            processor.process(&img)?
+        };
+        // Stage 1: the processor's resized pixels, byte for byte, where recorded.
+        if let Some((_, want)) = tensors.get(&format!("pixels.{i}"))? {
+            let ours = resize_bicubic(&img, processed.width, processed.height).pixels;
+            let differing = ours.iter().zip(&want).filter(|(a, b)| a != b).count()
+                + ours.len().abs_diff(want.len());
+            if differing > 0 {
+                println!("DIFF  image={i} stage=processor output: {differing} of {} resized bytes differ", want.len());
+                all = false;
+                continue;
+            }
+        }
+        // Stage 2: the encoder's soft tokens.
+        let ours: Vec<f32> = encoder
+            .encode(VisionInput {
+                patches: &processed.patches,
+                positions: &processed.positions,
+            })?
+            .flatten_all()?
+            .to_vec1()?;
+        let want = tensors.f32s(&format!("features.{i}"))?;
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+        let diff = if ours.len() == want.len() {
+            max_abs_diff(&ours, &want)
+        } else {
+            f32::INFINITY
+        };
+        // f32 against f32: the same operations summed in another order.
+        let ok = diff <= 1e-4 * scale;
+        all &= ok;
+        println!(
+            "{} image={i} resized={}x{} soft_tokens={} max_abs_diff={diff:.3e}{}",
+            if ok { "MATCH" } else { "DIFF " },
+            processed.width,
+            processed.height,
+            processed.soft_tokens,
+            if ok { "" } else { " stage=encoder output" }
+        );
+        features.push(ours);
+    }
+    if features.len() != golden.images.len() {
+        println!("SEQ_MATCH false (the processor departs; prompts not run)");
+        return Ok(false);
+    }
+    let image_token = encoder.tokens().image;
+    let hidden = model.config().hidden_size;
+    for (n, p) in golden.prompts.iter().enumerate() {
+        let rows: Vec<usize> = (0..p.ids.len())
+            .filter(|&i| p.ids[i] == image_token)
+            .collect();
+        let embeds: Vec<f32> = p
+            .images
+            .iter()
+            .flat_map(|&i| features[i].iter().copied())
+            .collect();
+        if embeds.len() != rows.len() * hidden {
+            bail!(
+                "prompt {n}: {} placeholders for images {:?}",
+                rows.len(),
+                p.images
+            );
+        }
+        let mut cache = KvCache::new(model.config().num_layers());
+        let soft = SoftTokens {
+            rows: &rows,
+            embeds: &embeds,
+        };
+        let logits: Vec<f32> = model
+            .forward_with_soft_tokens(&p.ids, Some(soft), &mut cache, LogitsFor::Last, None)?
+            .flatten_all()?
+            .to_vec1()?;
+        let diff = max_abs_diff(&logits, &tensors.f32s(&format!("logits.{n}"))?);
+        let mut next = argmax(&logits).0;
+        let mut ids = vec![next];
+        while ids.len() < p.greedy.len() {
+            let l = model.forward(&[next], &mut cache, LogitsFor::Last, None)?;
+            next = argmax(&l.flatten_all()?.to_vec1::<f32>()?).0;
+            ids.push(next);
+        }
+        let same = ids
+            .iter()
+            .zip(&p.greedy)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let ok = diff <= tolerance && same == p.greedy.len();
+        all &= ok;
+        println!(
+            "{} prompt={n} images={:?} tokens={} greedy={same}/{} max_abs_logit_diff={diff:.3e}{}",
+            if ok { "MATCH" } else { "DIFF " },
+            p.images,
+            p.ids.len(),
+            p.greedy.len(),
+            if ok {
+                ""
+            } else {
+                " stage=text model with merged embeddings"
+            }
+        );
+    }
+    Ok(all)
+}
