@@ -40,6 +40,9 @@ Needs torch, torchvision and transformers 5.23 (CPU):
 The unified (12B, `gemma4_unified`) variant has no encoder: its images are 48-pixel patches
 (the 16-pixel patches of the same resize, merged 3×3) projected straight into the text
 model, one soft token per patch; its config already asks for bidirectional image attention.
+It also gets the 12B's audio path: a 16 kHz test clip (`../audio/0.wav`, 16-bit) cut into
+640-sample frames, each projected into one soft token (`audio_features.0`), and a prompt
+and the chat turn hold it beside images.
 """
 
 import hashlib
@@ -60,11 +63,13 @@ from transformers import (
 )
 from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+from transformers.models.gemma4_unified.feature_extraction_gemma4_unified import Gemma4UnifiedAudioFeatureExtractor
 from transformers.models.gemma4_unified.image_processing_gemma4_unified import Gemma4UnifiedImageProcessor
 
 SEED = 20261201
 MAX_SOFT_TOKENS = 70
 IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = 500, 501, 502
+AUDIO_TOKEN, BOA_TOKEN, EOA_TOKEN = 503, 504, 505
 # (width, height): upscaled, exact multiple of 48 (not resized), downscaled, a strip.
 TEST_IMAGES = [(100, 77), (144, 96), (800, 600), (40, 300)]
 OTHER_SHAPES = [
@@ -89,6 +94,24 @@ def test_image(index: int, width: int, height: int) -> Image.Image:
     )
     pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype(np.uint8)
     return Image.fromarray(pixels, "RGB")
+
+
+def test_waveform() -> np.ndarray:
+    """1.3 s at 16 kHz: two tones and noise, as 16-bit samples."""
+    rng = np.random.default_rng(SEED)
+    t = np.arange(20_800) / 16_000
+    x = 0.3 * np.sin(2 * np.pi * 440 * t) + 0.2 * np.sin(2 * np.pi * 1234 * t) + 0.05 * rng.normal(size=t.shape)
+    return np.clip(np.round(x * 32767), -32768, 32767).astype(np.int16)
+
+
+def write_wav(path: Path, samples: np.ndarray) -> None:
+    import wave
+
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+        w.writeframes(samples.tobytes())
 
 
 def vision_config() -> dict:
@@ -170,6 +193,12 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
     cfg["vision_config"] = unified_vision_config() if unified else vision_config()
     if bidirectional:
         cfg["text_config"]["use_bidirectional_attention"] = "vision"
+    if unified:
+        # The 12B's encoder-free audio: raw 640-sample frames, one soft token each.
+        cfg["audio_config"] = {"model_type": "gemma4_unified_audio", "audio_embed_dim": 640, "rms_norm_eps": 1e-6}
+        cfg["audio_token_id"] = AUDIO_TOKEN
+        cfg["boa_token_id"] = BOA_TOKEN
+        cfg["eoa_token_index"] = EOA_TOKEN
     cfg["image_token_id"] = IMAGE_TOKEN
     cfg["boi_token_id"] = BOI_TOKEN
     cfg["eoi_token_id"] = EOI_TOKEN
@@ -254,12 +283,29 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
     if with_processor:
         (dst / "processor.json").write_text(json.dumps(processor_cases, indent=1) + "\n")
 
+    audio = None
+    if unified:
+        audio_dir = dst.parent / "audio"
+        audio_dir.mkdir(exist_ok=True)
+        samples = test_waveform()
+        write_wav(audio_dir / "0.wav", samples)
+        waveform = samples.astype(np.float32) / 32768.0
+        feats = Gemma4UnifiedAudioFeatureExtractor()(waveform, return_tensors="pt")
+        with torch.no_grad():
+            audio_features = model.model.get_audio_features(
+                feats["input_features"], feats["input_features_mask"], return_dict=True
+            ).pooler_output[0]
+        tensors["audio_features.0"] = audio_features.float().contiguous()
+        audio = (feats, audio_features.shape[0])
+
     # Prompts: text ids from the tiny vocabulary around one or two images.
     prompts = [
         {"text_before": [2, 105, 17, 33], "images": [0], "text_after": [45, 106, 107]},
         {"text_before": [2, 9, 81], "images": [1, 3], "text_after": [64, 12]},
         {"text_before": [2, 200], "images": [2], "text_after": [300, 301, 7]},
     ]
+    if unified:
+        prompts.append({"text_before": [2, 9], "images": [1], "audios": [0], "text_after": [64, 12]})
     golden_prompts = []
     for n, p in enumerate(prompts):
         ids = list(p["text_before"])
@@ -268,54 +314,72 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
                 ids.append(19)
             count = images[img_index][1].shape[0]
             ids += [BOI_TOKEN] + [IMAGE_TOKEN] * count + [EOI_TOKEN]
+        for _ in p.get("audios", []):
+            ids += [19, BOA_TOKEN] + [AUDIO_TOKEN] * audio[1] + [EOA_TOKEN]
         ids += p["text_after"]
         pv = torch.cat([images[i][0]["pixel_values"] for i in p["images"]])
         pos = torch.cat([images[i][0]["image_position_ids"] for i in p["images"]])
         input_ids = torch.tensor([ids])
-        mm = (input_ids == IMAGE_TOKEN).long()
+        mm = (input_ids == IMAGE_TOKEN).long() + 3 * (input_ids == AUDIO_TOKEN).long()
+        extra = {}
+        if p.get("audios"):
+            extra = {"input_features": audio[0]["input_features"],
+                     "input_features_mask": audio[0]["input_features_mask"]}
         with torch.no_grad():
             logits = model(input_ids=input_ids, pixel_values=pv, image_position_ids=pos,
-                           mm_token_type_ids=mm).logits[0, -1]
+                           mm_token_type_ids=mm, **extra).logits[0, -1]
             gen = model.generate(
                 input_ids=input_ids, pixel_values=pv, image_position_ids=pos, mm_token_type_ids=mm,
-                attention_mask=torch.ones_like(input_ids),
+                **extra, attention_mask=torch.ones_like(input_ids),
                 max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
                 min_new_tokens=12,
             )[0, len(ids):].tolist()
         tensors[f"logits.{n}"] = logits.float().contiguous()
-        golden_prompts.append({"ids": ids, "images": p["images"], "greedy": gen})
+        golden_prompts.append({"ids": ids, "images": p["images"], "audios": p.get("audios", []), "greedy": gen})
     # A chat turn as the server builds it: the real template renders each
     # image part as <|image|>; the text between is tokenized piece by piece
     # and each placeholder becomes <|image>, N soft tokens, <image|>.
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(dst)
+    import re
+
     chat_images = [1, 3]
-    messages = [{"role": "user", "content": [
-        {"type": "text", "text": "Compare these two."}, {"type": "image"}, {"type": "image"}]}]
+    chat_audios = [0] if unified else []
+    content = [{"type": "text", "text": "Compare these two."}, {"type": "image"}, {"type": "image"}]
+    content += [{"type": "audio"} for _ in chat_audios]
+    messages = [{"role": "user", "content": content}]
     rendered = tok.apply_chat_template(
         messages, chat_template=(dst / "chat_template.jinja").read_text(),
         tokenize=False, add_generation_prompt=True)
-    pieces = rendered.split("<|image|>")
-    assert len(pieces) == len(chat_images) + 1, rendered
+    pieces = re.split(r"(<\|image\|>|<\|audio\|>)", rendered)
     ids = []
-    for k, piece in enumerate(pieces):
-        if k:
-            count = images[chat_images[k - 1]][1].shape[0]
+    next_image = iter(chat_images)
+    for piece in pieces:
+        if piece == "<|image|>":
+            count = images[next(next_image)][1].shape[0]
             ids += [BOI_TOKEN] + [IMAGE_TOKEN] * count + [EOI_TOKEN]
-        ids += tok(piece, add_special_tokens=False).input_ids
+        elif piece == "<|audio|>":
+            ids += [BOA_TOKEN] + [AUDIO_TOKEN] * audio[1] + [EOA_TOKEN]
+        else:
+            ids += tok(piece, add_special_tokens=False).input_ids
     pv = torch.cat([images[i][0]["pixel_values"] for i in chat_images])
     pos = torch.cat([images[i][0]["image_position_ids"] for i in chat_images])
     input_ids = torch.tensor([ids])
+    extra = {}
+    if chat_audios:
+        extra = {"input_features": audio[0]["input_features"],
+                 "input_features_mask": audio[0]["input_features_mask"]}
     with torch.no_grad():
         gen = model.generate(
             input_ids=input_ids, pixel_values=pv, image_position_ids=pos,
-            mm_token_type_ids=(input_ids == IMAGE_TOKEN).long(),
+            mm_token_type_ids=(input_ids == IMAGE_TOKEN).long() + 3 * (input_ids == AUDIO_TOKEN).long(),
+            **extra,
             attention_mask=torch.ones_like(input_ids), max_new_tokens=12, min_new_tokens=12,
             do_sample=False, eos_token_id=None, pad_token_id=0,
         )[0, len(ids):].tolist()
-    chat_golden = {"messages_text": "Compare these two.", "images": chat_images, "rendered": rendered,
-                   "ids": ids, "greedy": gen}
+    chat_golden = {"messages_text": "Compare these two.", "images": chat_images, "audios": chat_audios,
+                   "rendered": rendered, "ids": ids, "greedy": gen}
     save_file(tensors, dst / "golden_tensors.safetensors")
     (dst / "golden.json").write_text(json.dumps({
         "generator": "tools/make_vision_fixture.py",
@@ -323,6 +387,7 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
         "transformers": __import__("transformers").__version__,
         "max_soft_tokens": MAX_SOFT_TOKENS,
         "images": [f"../images/{i}.png" for i in range(len(TEST_IMAGES))],
+        "audios": ["../audio/0.wav"] if unified else [],
         "prompts": golden_prompts,
         "chat": chat_golden,
     }, indent=1) + "\n")

@@ -34,19 +34,27 @@ pub struct ModelArgs {
     pub chat_template: Option<PathBuf>,
 }
 
-/// The checkpoint's image encoder (vision tower, or the 12B's encoder-free
-/// embedder), if it has one: loaded as stored (its matrices are small beside
-/// the text model's, and quantizing them is not measured). GGUF files carry
-/// none (llama.cpp keeps it in a separate `mmproj` file, which is not read).
-pub fn load_image_encoder(
+/// The checkpoint's media encoders: the image encoder (vision tower, or the
+/// 12B's encoder-free embedder) and the 12B's audio embedder, where it has
+/// them; loaded as stored (their matrices are small beside the text model's,
+/// and quantizing them is not measured). GGUF files carry none (llama.cpp
+/// keeps them in a separate `mmproj` file, which is not read).
+pub fn load_media_encoders(
     path: &Path,
     text_hidden: usize,
-) -> Result<Option<gemma4_model::ImageEncoder>> {
+) -> Result<(
+    Option<gemma4_model::ImageEncoder>,
+    Option<gemma4_model::UnifiedAudioEmbedder>,
+)> {
     if !path.is_dir() {
-        return Ok(None);
+        return Ok((None, None));
     }
-    gemma4_model::ImageEncoder::load_dir(path, text_hidden)
-        .with_context(|| format!("cannot load the image encoder of {}", path.display()))
+    let context = || format!("cannot load the media encoders of {}", path.display());
+    let images = gemma4_model::ImageEncoder::load_dir(path, text_hidden).with_context(context)?;
+    let json = gemma4_model::read_config(path).with_context(context)?;
+    let audio = gemma4_model::UnifiedAudioEmbedder::load_dir(path, &json, text_hidden)
+        .with_context(context)?;
+    Ok((images, audio))
 }
 
 /// A model with its tokenizer.

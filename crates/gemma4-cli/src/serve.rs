@@ -82,9 +82,10 @@ pub struct Args {
     /// otherwise: 70, 140, 280, 560 or 1120 (more reads finer detail).
     #[arg(long, default_value_t = 280, value_parser = parse_soft_tokens)]
     max_soft_tokens: usize,
-    /// Most media items per prompt, as `image=N`.
-    #[arg(long, default_value = "image=8", value_parser = parse_mm_limit)]
-    limit_mm_per_prompt: usize,
+    /// Most media items per prompt, as `image=N,audio=M` (either may be left
+    /// out: 8 each).
+    #[arg(long, default_value = "image=8,audio=8", value_parser = parse_mm_limit)]
+    limit_mm_per_prompt: (usize, usize),
     /// Most tokens in one engine step (the prefill chunk size).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
@@ -201,7 +202,8 @@ async fn serve(args: Args) -> Result<ExitCode> {
     let model_args = args.model.clone();
     let media = MediaArgs {
         max_soft_tokens: args.max_soft_tokens,
-        max_images: args.limit_mm_per_prompt,
+        max_images: args.limit_mm_per_prompt.0,
+        max_audio: args.limit_mm_per_prompt.1,
     };
     let engine_config = EngineConfig {
         max_num_seqs: args.max_num_seqs,
@@ -247,30 +249,34 @@ fn parse_soft_tokens(s: &str) -> std::result::Result<usize, String> {
         .map_err(|e| e.to_string())
 }
 
-fn parse_mm_limit(s: &str) -> std::result::Result<usize, String> {
-    let mut images = None;
+fn parse_mm_limit(s: &str) -> std::result::Result<(usize, usize), String> {
+    let (mut images, mut audio) = (8, 8);
     for item in s.split(',') {
         match item.split_once('=') {
             Some(("image", n)) => {
-                images = Some(
-                    n.trim()
-                        .parse()
-                        .map_err(|_| format!("image={n}: not a number"))?,
-                )
+                images = n
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("image={n}: not a number"))?
             }
-            Some((kind @ ("audio" | "video"), _)) => {
-                return Err(format!("{kind} input is not supported by this server"))
+            Some(("audio", n)) => {
+                audio = n
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("audio={n}: not a number"))?
             }
-            _ => return Err(format!("{item:?}: expected image=N")),
+            Some(("video", _)) => return Err("video input is not supported by this server".into()),
+            _ => return Err(format!("{item:?}: expected image=N,audio=M")),
         }
     }
-    images.ok_or_else(|| "expected image=N".into())
+    Ok((images, audio))
 }
 
 /// Media settings for the loading thread.
 struct MediaArgs {
     max_soft_tokens: usize,
     max_images: usize,
+    max_audio: usize,
 }
 
 /// Loads the model and tokenizer and starts the engine.
@@ -280,8 +286,8 @@ fn load(
     mut engine_config: EngineConfig,
 ) -> Result<ModelContext> {
     let loaded = model_args.load()?;
-    let vision =
-        crate::model_io::load_image_encoder(&loaded.path, loaded.model.config().hidden_size)?;
+    let (images, audio) =
+        crate::model_io::load_media_encoders(&loaded.path, loaded.model.config().hidden_size)?;
     let context_len = loaded.model.config().max_position_embeddings;
     engine_config.max_model_len = match engine_config.max_model_len {
         0 => DEFAULT_MAX_MODEL_LEN.min(context_len),
@@ -299,20 +305,24 @@ fn load(
     let engine = gemma4_engine::start(loaded.model, Arc::new(loaded.tokenizer), engine_config)
         .context("cannot start the engine")?;
     let context = ModelContext::new(engine, template, &eos_ids);
-    Ok(match vision {
-        Some(encoder) => {
-            eprintln!(
-                "{}; {} soft tokens per image, at most {} images per prompt",
-                encoder.describe(),
-                media.max_soft_tokens,
-                media.max_images
-            );
-            context.with_vision(gemma4_server::media::Vision::new(
-                encoder,
-                media.max_soft_tokens,
-                media.max_images,
-            ))
-        }
-        None => context,
-    })
+    if images.is_none() && audio.is_none() {
+        return Ok(context);
+    }
+    let mut loaded_encoders: Vec<String> = images.iter().map(|e| e.describe()).collect();
+    if let Some(a) = &audio {
+        loaded_encoders.push(format!("audio embedder: {}-sample frames", a.frame));
+    }
+    eprintln!(
+        "{}; {} soft tokens per image; at most {} images and {} audio clips per prompt",
+        loaded_encoders.join("; "),
+        media.max_soft_tokens,
+        media.max_images,
+        media.max_audio
+    );
+    Ok(context.with_media(gemma4_server::media::Media::new(
+        images,
+        audio,
+        media.max_soft_tokens,
+        (media.max_images, media.max_audio),
+    )))
 }

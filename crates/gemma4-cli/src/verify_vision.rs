@@ -1,15 +1,19 @@
-//! `gemma4 verify` on a golden file with images (written by
-//! `tools/make_vision_fixture.py`): stage by stage — the processor's resized
-//! pixels, the encoder's soft tokens, then prompts holding the images (logits
-//! at the last prompt position and the greedy tokens) — and the first stage
-//! that departs from the reference is named.
+//! `gemma4 verify` on a golden file with images (and audio, on the 12B;
+//! written by `tools/make_vision_fixture.py`): stage by stage — the
+//! processor's resized pixels, the encoders' soft tokens, then prompts holding
+//! the media (logits at the last prompt position and the greedy tokens) — and
+//! the first stage that departs from the reference is named.
 
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
+use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::{decode_image, resize::resize_bicubic, DecodeLimits, ImageProcessor};
 use gemma4_model::golden::argmax;
-use gemma4_model::{Gemma4, ImageEncoder, KvCache, LogitsFor, SoftTokens, VisionInput};
+use gemma4_model::{
+    place_soft_tokens, read_config, Gemma4, ImageEncoder, KvCache, LogitsFor, UnifiedAudioEmbedder,
+    VisionInput,
+};
 use serde::Deserialize;
 
 /// A golden file with images.
@@ -18,6 +22,9 @@ pub struct VisionGolden {
     pub max_soft_tokens: usize,
     /// Image paths, relative to the golden file.
     pub images: Vec<String>,
+    /// WAV paths, relative to the golden file.
+    #[serde(default)]
+    pub audios: Vec<String>,
     pub prompts: Vec<VisionPrompt>,
 }
 
@@ -25,6 +32,8 @@ pub struct VisionGolden {
 pub struct VisionPrompt {
     pub ids: Vec<u32>,
     pub images: Vec<usize>,
+    #[serde(default)]
+    pub audios: Vec<usize>,
     pub greedy: Vec<u32>,
 }
 
@@ -143,31 +152,65 @@ pub fn verify(
         println!("SEQ_MATCH false (the processor departs; prompts not run)");
         return Ok(false);
     }
-    let image_token = encoder.tokens().image;
     let hidden = model.config().hidden_size;
-    for (n, p) in golden.prompts.iter().enumerate() {
-        let rows: Vec<usize> = (0..p.ids.len())
-            .filter(|&i| p.ids[i] == image_token)
-            .collect();
-        let embeds: Vec<f32> = p
-            .images
-            .iter()
-            .flat_map(|&i| features[i].iter().copied())
-            .collect();
-        if embeds.len() != rows.len() * hidden {
-            bail!(
-                "prompt {n}: {} placeholders for images {:?}",
-                rows.len(),
-                p.images
-            );
-        }
-        let mut cache = KvCache::new(model.config().num_layers());
-        let soft = SoftTokens {
-            rows: &rows,
-            embeds: &embeds,
+    let json = read_config(checkpoint)?;
+    let audio = UnifiedAudioEmbedder::load_dir(checkpoint, &json, hidden)?;
+    let mut clips = Vec::with_capacity(golden.audios.len());
+    for (i, rel) in golden.audios.iter().enumerate() {
+        let audio = audio
+            .as_ref()
+            .context("the golden file holds audio, but the checkpoint has no audio embedder")?;
+        let path = dir.join(rel);
+        let bytes =
+            std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let clip = decode_wav(&bytes, 30.0).with_context(|| format!("{}", path.display()))?;
+        let ours: Vec<f32> = audio
+            .encode(&frames(&clip, audio.frame))?
+            .flatten_all()?
+            .to_vec1()?;
+        let want = tensors.f32s(&format!("audio_features.{i}"))?;
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+        let diff = if ours.len() == want.len() {
+            max_abs_diff(&ours, &want)
+        } else {
+            f32::INFINITY
         };
+        let ok = diff <= 1e-4 * scale;
+        all &= ok;
+        println!(
+            "{} audio={i} seconds={:.2} soft_tokens={} max_abs_diff={diff:.3e}{}",
+            if ok { "MATCH" } else { "DIFF " },
+            clip.seconds(),
+            ours.len() / hidden,
+            if ok {
+                ""
+            } else {
+                " stage=audio embedder output"
+            }
+        );
+        clips.push(ours);
+    }
+    let image_token = encoder.tokens().image;
+    let audio_token = audio.as_ref().map_or(u32::MAX, |a| a.tokens.audio);
+    for (n, p) in golden.prompts.iter().enumerate() {
+        let images: Vec<&[f32]> = p.images.iter().map(|&i| features[i].as_slice()).collect();
+        let audios: Vec<&[f32]> = p.audios.iter().map(|&i| clips[i].as_slice()).collect();
+        let placed = place_soft_tokens(
+            &p.ids,
+            hidden,
+            (image_token, &images),
+            (audio_token, &audios),
+        )
+        .with_context(|| format!("prompt {n}"))?;
+        let mut cache = KvCache::new(model.config().num_layers());
         let logits: Vec<f32> = model
-            .forward_with_soft_tokens(&p.ids, Some(soft), &mut cache, LogitsFor::Last, None)?
+            .forward_with_soft_tokens(
+                &p.ids,
+                Some(placed.as_soft_tokens()),
+                &mut cache,
+                LogitsFor::Last,
+                None,
+            )?
             .flatten_all()?
             .to_vec1()?;
         let diff = max_abs_diff(&logits, &tensors.f32s(&format!("logits.{n}"))?);
@@ -186,9 +229,10 @@ pub fn verify(
         let ok = diff <= tolerance && same == p.greedy.len();
         all &= ok;
         println!(
-            "{} prompt={n} images={:?} tokens={} greedy={same}/{} max_abs_logit_diff={diff:.3e}{}",
+            "{} prompt={n} images={:?} audio={:?} tokens={} greedy={same}/{} max_abs_logit_diff={diff:.3e}{}",
             if ok { "MATCH" } else { "DIFF " },
             p.images,
+            p.audios,
             p.ids.len(),
             p.greedy.len(),
             if ok {

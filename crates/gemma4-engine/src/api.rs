@@ -144,21 +144,27 @@ pub struct SoftPrompt {
     pub rows: Vec<usize>,
     /// `rows.len() × hidden` values.
     pub embeds: Vec<f32>,
+    /// `[start, end)` spans of rows that attend to each other (images, on
+    /// models with bidirectional image attention), ascending; audio rows
+    /// belong to none.
+    pub blocks: Vec<(usize, usize)>,
     /// A digest of the media: cached prefixes are keyed on it, so two
-    /// prompts with the same placeholders but different images never share
+    /// prompts with the same placeholders but different media never share
     /// KV blocks.
     pub content_key: u64,
 }
 
-impl SoftPrompt {
-    /// `[start, end)` runs of consecutive rows: one per image.
-    pub fn images(&self) -> Vec<(usize, usize)> {
-        gemma4_model::soft_token_runs(&self.rows, 0)
-    }
+/// A prefill chunk's share of a [`SoftPrompt`], relative to the chunk.
+pub struct SoftWindow<'a> {
+    pub rows: Vec<usize>,
+    pub embeds: &'a [f32],
+    pub blocks: Vec<(usize, usize)>,
+}
 
-    /// The rows (relative to `start`) and values that fall in
-    /// `start..start + len`.
-    pub fn window(&self, start: usize, len: usize) -> (Vec<usize>, &[f32]) {
+impl SoftPrompt {
+    /// The rows, values and blocks that fall in `start..start + len`
+    /// (blocks wholly inside it; the scheduler never cuts one).
+    pub fn window(&self, start: usize, len: usize) -> SoftWindow<'_> {
         let lo = self.rows.partition_point(|&r| r < start);
         let hi = self.rows.partition_point(|&r| r < start + len);
         let hidden = if self.rows.is_empty() {
@@ -166,10 +172,16 @@ impl SoftPrompt {
         } else {
             self.embeds.len() / self.rows.len()
         };
-        (
-            self.rows[lo..hi].iter().map(|r| r - start).collect(),
-            &self.embeds[lo * hidden..hi * hidden],
-        )
+        SoftWindow {
+            rows: self.rows[lo..hi].iter().map(|r| r - start).collect(),
+            embeds: &self.embeds[lo * hidden..hi * hidden],
+            blocks: self
+                .blocks
+                .iter()
+                .filter(|&&(s, e)| s >= start && e <= start + len)
+                .map(|&(s, e)| (s - start, e - start))
+                .collect(),
+        }
     }
 }
 

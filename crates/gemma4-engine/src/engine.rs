@@ -222,7 +222,7 @@ impl EngineHandle {
         }
         if let Some(soft) = &r.soft_prompt {
             let step = self.config.max_batch_tokens;
-            let too_long = soft.images().into_iter().find(|(s, e)| e - s > step);
+            let too_long = soft.blocks.iter().copied().find(|(s, e)| e - s > step);
             if let Some((s, e)) = too_long.filter(|_| self.bidirectional_vision) {
                 return Err(SubmitError::Invalid(format!(
                     "an image of {} soft tokens does not fit one step of {step} tokens; raise --max-batch-tokens or send fewer soft tokens per image",
@@ -605,7 +605,7 @@ impl Worker {
                 let content_key = request.soft_prompt.as_ref().map_or(0, |s| s.content_key);
                 let whole_spans = match &request.soft_prompt {
                     Some(soft) if self.model.config().image_attention.is_bidirectional() => {
-                        soft.images()
+                        soft.blocks.clone()
                     }
                     _ => Vec::new(),
                 };
@@ -838,12 +838,12 @@ impl Worker {
             })
             .collect();
         // Each chunk's share of its prompt's encoder rows.
-        let soft: Vec<Option<(Vec<usize>, &[f32])>> = chunks
+        let soft: Vec<Option<crate::api::SoftWindow<'_>>> = chunks
             .iter()
             .map(|c| {
                 let live = self.live.get(&running[c.index].id)?;
                 let window = live.soft_prompt.as_ref()?.window(c.start, c.len);
-                (!window.0.is_empty()).then_some(window)
+                (!window.rows.is_empty()).then_some(window)
             })
             .collect();
         let batch: Vec<BatchSeq<'_>> = chunks
@@ -853,9 +853,11 @@ impl Worker {
                 ids: &running[c.index].tokens[c.start..c.start + c.len],
                 start: c.start,
                 logits: c.samples.then_some(LogitsFor::Last),
-                soft: soft
-                    .as_ref()
-                    .map(|(rows, embeds)| SoftTokens { rows, embeds }),
+                soft: soft.as_ref().map(|w| SoftTokens {
+                    rows: &w.rows,
+                    embeds: w.embeds,
+                    blocks: &w.blocks,
+                }),
             })
             .collect();
         let (model, pool) = (&self.model, &mut self.pool);

@@ -17,8 +17,8 @@ pub mod scheduler;
 
 pub use api::{
     check_stop_strings, ConstraintFactory, EngineEvent, EngineStats, FinishReason,
-    GenerationRequest, SamplingParams, SoftPrompt, SubmitError, ThinkingBudget, TokenConstraint,
-    TokenLogprob, Usage, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
+    GenerationRequest, SamplingParams, SoftPrompt, SoftWindow, SubmitError, ThinkingBudget,
+    TokenConstraint, TokenLogprob, Usage, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
 };
 #[cfg(feature = "fault-injection")]
 pub use engine::start_with_fault;

@@ -8,8 +8,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use gemma4_engine::{start, EngineConfig, GenerationRequest, SamplingParams, SoftPrompt};
+use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
-use gemma4_model::{load_hf_dir, ImageEncoder, VisionInput};
+use gemma4_model::{
+    load_hf_dir, place_soft_tokens, ImageEncoder, UnifiedAudioEmbedder, VisionInput,
+};
 use gemma4_text::Tokenizer;
 use serde_json::Value;
 
@@ -24,6 +27,7 @@ fn fixture(variant: &str) -> PathBuf {
 struct Prompt {
     ids: Vec<u32>,
     images: Vec<usize>,
+    audios: Vec<usize>,
     greedy: Vec<u32>,
 }
 
@@ -32,10 +36,8 @@ fn prompts(variant: &str) -> Vec<Prompt> {
     let golden: Value = serde_json::from_str(&text).expect("json");
     let ints = |v: &Value| -> Vec<u64> {
         v.as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_u64().unwrap())
-            .collect()
+            .map(|a| a.iter().map(|x| x.as_u64().unwrap()).collect())
+            .unwrap_or_default()
     };
     golden["prompts"]
         .as_array()
@@ -44,6 +46,7 @@ fn prompts(variant: &str) -> Vec<Prompt> {
         .map(|p| Prompt {
             ids: ints(&p["ids"]).into_iter().map(|x| x as u32).collect(),
             images: ints(&p["images"]).into_iter().map(|x| x as usize).collect(),
+            audios: ints(&p["audios"]).into_iter().map(|x| x as usize).collect(),
             greedy: ints(&p["greedy"]).into_iter().map(|x| x as u32).collect(),
         })
         .collect()
@@ -85,16 +88,55 @@ fn image_features(variant: &str) -> (Vec<Vec<f32>>, u32) {
     (features, image_token)
 }
 
+/// The 12B fixture's audio clip as soft tokens, with the audio token id
+/// (none elsewhere).
+fn audio_clips(variant: &str) -> (u32, Vec<Vec<f32>>) {
+    let dir = fixture(variant);
+    let hidden = gemma4_model::TextConfig::from_dir(&dir)
+        .unwrap()
+        .hidden_size;
+    let json = gemma4_model::read_config(&dir).unwrap();
+    let Some(audio) = UnifiedAudioEmbedder::load_dir(&dir, &json, hidden).unwrap() else {
+        return (u32::MAX, Vec::new());
+    };
+    let wav = std::fs::read(dir.join("../audio/0.wav")).unwrap();
+    let clip = decode_wav(&wav, 30.0).unwrap();
+    let soft = audio.encode(&frames(&clip, audio.frame)).unwrap();
+    (
+        audio.tokens.audio,
+        vec![soft.flatten_all().unwrap().to_vec1().unwrap()],
+    )
+}
+
 fn request(
     ids: &[u32],
     images: &[usize],
     features: &[Vec<f32>],
     image_token: u32,
 ) -> GenerationRequest {
-    let rows: Vec<usize> = (0..ids.len()).filter(|&i| ids[i] == image_token).collect();
-    let embeds: Vec<f32> = images.iter().flat_map(|&i| features[i].clone()).collect();
+    media_request(ids, (images, features, image_token), (&[], &[], u32::MAX))
+}
+
+fn media_request(
+    ids: &[u32],
+    (images, features, image_token): (&[usize], &[Vec<f32>], u32),
+    (audios, clips, audio_token): (&[usize], &[Vec<f32>], u32),
+) -> GenerationRequest {
+    let images_v: Vec<&[f32]> = images.iter().map(|&i| features[i].as_slice()).collect();
+    let audios_v: Vec<&[f32]> = audios.iter().map(|&i| clips[i].as_slice()).collect();
+    // Every fixture's soft tokens are one row of the model's width per token.
+    let tokens = ids.iter().filter(|&&t| t == image_token).count();
+    let values: usize = images_v.iter().map(|f| f.len()).sum();
+    let hidden = values / tokens.max(1);
+    let placed = place_soft_tokens(
+        ids,
+        hidden,
+        (image_token, &images_v),
+        (audio_token, &audios_v),
+    )
+    .expect("one soft token per placeholder");
     let mut h = DefaultHasher::new();
-    images.hash(&mut h);
+    (images, audios).hash(&mut h);
     GenerationRequest {
         prompt_ids: ids.to_vec(),
         params: SamplingParams {
@@ -103,8 +145,9 @@ fn request(
         },
         deadline: None,
         soft_prompt: Some(Arc::new(SoftPrompt {
-            rows,
-            embeds,
+            rows: placed.rows,
+            embeds: placed.embeds,
+            blocks: placed.blocks,
             content_key: h.finish(),
         })),
     }
@@ -140,14 +183,18 @@ fn image_prompts_in_chunks_and_batched_keep_the_reference_tokens() {
 
 fn image_prompts_keep_the_reference_tokens(variant: &str) {
     let (features, image_token) = image_features(variant);
+    let (audio_token, clips) = audio_clips(variant);
     let engine = engine(variant);
     let prompts = prompts(variant);
     let streams: Vec<_> = prompts
         .iter()
         .map(|p| {
-            engine
-                .submit(request(&p.ids, &p.images, &features, image_token))
-                .expect("submit")
+            let r = media_request(
+                &p.ids,
+                (&p.images, &features, image_token),
+                (&p.audios, &clips, audio_token),
+            );
+            engine.submit(r).expect("submit")
         })
         .collect();
     for (p, s) in prompts.iter().zip(streams) {
@@ -197,12 +244,20 @@ fn engine_fresh_run(ids: &[u32], features: &[Vec<f32>], image_token: u32) -> Vec
 #[test]
 fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
     let e_style = engine("e-style");
-    let mut r = request(&[2, 500, 500, 7], &[], &[], 500);
+    let mut r = request(&[2, 7], &[], &[], 500);
     // Two placeholder rows but no values.
+    r.prompt_ids = vec![2, 500, 500, 7];
+    r.soft_prompt = Some(Arc::new(SoftPrompt {
+        rows: vec![1, 2],
+        embeds: Vec::new(),
+        blocks: Vec::new(),
+        content_key: 1,
+    }));
     assert!(e_style.submit(r.clone()).is_err());
     r.soft_prompt = Some(Arc::new(SoftPrompt {
         rows: vec![9],
         embeds: vec![0.0; 64],
+        blocks: Vec::new(),
         content_key: 1,
     }));
     assert!(e_style.submit(r).is_err());
@@ -212,11 +267,13 @@ fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
         .chain(std::iter::repeat_n(500, 81))
         .chain([7])
         .collect();
-    let r = request(&ids, &[], &[], 500);
+    let r = request(&[2, 7], &[], &[], 500);
     let r = GenerationRequest {
+        prompt_ids: ids,
         soft_prompt: Some(Arc::new(SoftPrompt {
             rows: (1..82).collect(),
             embeds: vec![0.0; 81 * 128],
+            blocks: vec![(1, 82)],
             content_key: 1,
         })),
         ..r

@@ -9,7 +9,9 @@
 //!   pass then vertical, each rounded to bytes).
 //! - [`processor`]: the aspect-preserving target size, rescaling to `[0, 1]`,
 //!   16-pixel patches with their `(x, y)` positions, and the soft-token count.
+//! - [`audio`]: WAV → 16 kHz mono samples, and the 12B's 640-sample frames.
 
+pub mod audio;
 pub mod decode;
 pub mod processor;
 pub mod resize;
@@ -32,10 +34,14 @@ pub enum MediaError {
         max_pixels: u64,
         max_side: u32,
     },
-    #[error("the image is empty (0 pixels)")]
+    #[error("the media is empty")]
     Empty,
     #[error("max_soft_tokens must be one of 70, 140, 280, 560, 1120 (got {0})")]
     SoftTokenBudget(usize),
+    #[error("the audio format is not supported (send WAV: PCM or float samples)")]
+    UnsupportedAudio,
+    #[error("the audio is {seconds:.1} s long; at most {max_seconds} s are accepted")]
+    TooLong { seconds: f64, max_seconds: f64 },
     #[error("an image of {width}×{height} cannot be resized into whole {side}-pixel blocks")]
     Degenerate { width: u32, height: u32, side: u32 },
 }

@@ -45,14 +45,18 @@ pub struct BatchSeq<'a> {
 /// multimodal wrapper scatters them: at these rows the scaled token embedding
 /// is replaced by the given row (unscaled), and the per-layer-embedding table
 /// is read at the pad id (the context part sees the replaced row). On models
-/// with bidirectional image attention each run of consecutive rows is one
-/// image, and must lie whole in the step (the engine never splits one).
+/// with bidirectional image attention each image is one of `blocks`, and must
+/// lie whole in the step (the engine never splits one).
 #[derive(Debug, Clone, Copy)]
 pub struct SoftTokens<'a> {
     /// Indices into the sequence's `ids`, ascending.
     pub rows: &'a [usize],
     /// `rows.len() × hidden` values, one row per index.
     pub embeds: &'a [f32],
+    /// `[start, end)` runs of `ids` whose positions attend to each other
+    /// (images, on models with bidirectional image attention); audio rows
+    /// belong to none.
+    pub blocks: &'a [(usize, usize)],
 }
 
 /// Where a sequence's tokens sit in the flat batch.
@@ -386,9 +390,11 @@ impl Gemma4 {
         let blocks: Vec<Vec<(usize, usize)>> = seqs
             .iter()
             .map(|s| match s.soft {
-                Some(soft) if self.cfg.image_attention.is_bidirectional() => {
-                    soft_token_runs(soft.rows, s.start)
-                }
+                Some(soft) if self.cfg.image_attention.is_bidirectional() => soft
+                    .blocks
+                    .iter()
+                    .map(|&(b, e)| (s.start + b, s.start + e))
+                    .collect(),
                 _ => Vec::new(),
             })
             .collect();
@@ -497,18 +503,74 @@ impl Gemma4 {
     }
 }
 
-/// `[start, end)` runs of consecutive rows (ascending), shifted by
-/// `offset`: each run of soft tokens is one image.
-pub fn soft_token_runs(rows: &[usize], offset: usize) -> Vec<(usize, usize)> {
-    let mut out: Vec<(usize, usize)> = Vec::new();
-    for &r in rows {
-        let p = offset + r;
-        match out.last_mut() {
-            Some(last) if last.1 == p => last.1 = p + 1,
-            _ => out.push((p, p + 1)),
+/// A prompt's encoder rows laid out from its placeholder ids.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PlacedSoftTokens {
+    pub rows: Vec<usize>,
+    pub embeds: Vec<f32>,
+    /// The images' runs (they attend to each other where the model says so).
+    pub blocks: Vec<(usize, usize)>,
+}
+
+impl PlacedSoftTokens {
+    pub fn as_soft_tokens(&self) -> SoftTokens<'_> {
+        SoftTokens {
+            rows: &self.rows,
+            embeds: &self.embeds,
+            blocks: &self.blocks,
         }
     }
-    out
+}
+
+/// Gives each run of `image_token` ids in `ids` the next of `images`, and
+/// each run of `audio_token` ids the next of `audios` (each `[tokens ·
+/// hidden]` values), checking that every run gets exactly its rows.
+pub fn place_soft_tokens(
+    ids: &[u32],
+    hidden: usize,
+    (image_token, images): (u32, &[&[f32]]),
+    (audio_token, audios): (u32, &[&[f32]]),
+) -> Result<PlacedSoftTokens> {
+    let mut out = PlacedSoftTokens::default();
+    let (mut next_image, mut next_audio) = (images.iter(), audios.iter());
+    let mut i = 0;
+    while i < ids.len() {
+        let t = ids[i];
+        if t != image_token && t != audio_token {
+            i += 1;
+            continue;
+        }
+        let end = i + ids[i..].iter().take_while(|&&x| x == t).count();
+        let (source, kind) = if t == image_token {
+            (next_image.next(), "image")
+        } else {
+            (next_audio.next(), "audio clip")
+        };
+        let values = source.ok_or_else(|| {
+            ModelError::Input(format!(
+                "the prompt holds more {kind} placeholders than {kind}s"
+            ))
+        })?;
+        if values.len() != (end - i) * hidden {
+            return Err(ModelError::Input(format!(
+                "an {kind} of {} soft tokens meets a run of {} placeholders at {i}",
+                values.len() / hidden.max(1),
+                end - i
+            )));
+        }
+        if t == image_token {
+            out.blocks.push((i, end));
+        }
+        out.rows.extend(i..end);
+        out.embeds.extend_from_slice(values);
+        i = end;
+    }
+    if next_image.next().is_some() || next_audio.next().is_some() {
+        return Err(ModelError::Input(
+            "more media than placeholders in the prompt".into(),
+        ));
+    }
+    Ok(out)
 }
 
 fn load_moe(

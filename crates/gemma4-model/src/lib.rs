@@ -4,6 +4,7 @@
 //! plus reading and checking against reference ("golden") outputs.
 
 mod attend;
+pub mod audio_unified;
 pub mod cache;
 pub mod compressed;
 pub mod config;
@@ -22,15 +23,18 @@ pub mod storage;
 pub mod vision;
 pub mod vision_unified;
 
+pub use audio_unified::{AudioTokens, UnifiedAudioEmbedder};
 pub use cache::{KvCache, KvStore};
 pub use config::{ImageAttention, TextConfig};
 pub use error::{ConfigError, ModelError, Result, WeightError};
-pub use gemma4::{soft_token_runs, BatchSeq, ForwardTrace, Gemma4, LogitsFor, SoftTokens};
+pub use gemma4::{
+    place_soft_tokens, BatchSeq, ForwardTrace, Gemma4, LogitsFor, PlacedSoftTokens, SoftTokens,
+};
 pub use gguf_source::GgufSource;
 pub use loader::{LoadPolicy, LoadReport, Progress, Quant, Weights};
 pub use source::{HfSafetensors, RandomWeights, TowerSource, WeightSource};
 pub use storage::{Embedding, Linear};
-pub use vision::{ImageEncoder, ImageTokens, VisionConfig, VisionInput, VisionTower};
+pub use vision::{read_config, ImageEncoder, ImageTokens, VisionConfig, VisionInput, VisionTower};
 
 use std::path::Path;
 

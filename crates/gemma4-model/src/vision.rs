@@ -73,7 +73,7 @@ impl ImageTokens {
 }
 
 /// Reads a checkpoint directory's `config.json`.
-fn read_config(dir: &Path) -> Result<Value> {
+pub fn read_config(dir: &Path) -> Result<Value> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Read {
         path: path.display().to_string(),

@@ -2,16 +2,21 @@
 //! a vision tower (`tests/fixtures/vision/*`, written by
 //! `tools/make_vision_fixture.py`): E-style (causal), and the dense (k = v)
 //! and MoE variants with bidirectional image attention on sliding layers, and
-//! the 12B's encoder-free path (`unified`).
+//! the 12B's encoder-free path (`unified`, with its raw-frame audio beside
+//! an image in one prompt).
 //! Each image's soft tokens after `embed_vision`, then prompts holding one
 //! or two images — the logits at the last prompt position and 12 greedy
 //! tokens.
 
 use std::path::PathBuf;
 
+use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
 use gemma4_model::golden::{argmax, DEFAULT_TOLERANCE};
-use gemma4_model::{ImageEncoder, KvCache, LoadPolicy, LogitsFor, SoftTokens, VisionInput};
+use gemma4_model::{
+    place_soft_tokens, read_config, ImageEncoder, KvCache, LoadPolicy, LogitsFor,
+    UnifiedAudioEmbedder, VisionInput,
+};
 use serde_json::Value;
 
 const VARIANTS: [&str; 4] = ["e-style", "dense", "moe", "unified"];
@@ -123,8 +128,14 @@ fn prompts_match(variant: &str) {
     let hidden = f.model.config().hidden_size;
     let image_token = f.encoder.tokens().image;
     let features: Vec<Vec<f32>> = (0..4).map(|i| encode(&f, i)).collect();
+    let (audio_token, clips) = audio_clips(variant, hidden);
     let prompts = f.golden["prompts"].as_array().expect("prompts");
-    assert_eq!(prompts.len(), 3);
+    assert_eq!(prompts.len(), if clips.is_empty() { 3 } else { 4 });
+    let indices = |v: &Value| -> Vec<usize> {
+        v.as_array()
+            .map(|a| a.iter().map(|x| x.as_u64().unwrap() as usize).collect())
+            .unwrap_or_default()
+    };
     for (n, p) in prompts.iter().enumerate() {
         let ids: Vec<u32> = p["ids"]
             .as_array()
@@ -132,26 +143,27 @@ fn prompts_match(variant: &str) {
             .iter()
             .map(|v| v.as_u64().unwrap() as u32)
             .collect();
-        let rows: Vec<usize> = (0..ids.len()).filter(|&i| ids[i] == image_token).collect();
-        let embeds: Vec<f32> = p["images"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .flat_map(|i| features[i.as_u64().unwrap() as usize].clone())
+        let images: Vec<&[f32]> = indices(&p["images"])
+            .into_iter()
+            .map(|i| features[i].as_slice())
             .collect();
-        assert_eq!(
-            embeds.len(),
-            rows.len() * hidden,
-            "prompt {n}: one row per placeholder"
-        );
+        let audios: Vec<&[f32]> = indices(&p["audios"])
+            .into_iter()
+            .map(|i| clips[i].as_slice())
+            .collect();
+        let placed =
+            place_soft_tokens(&ids, hidden, (image_token, &images), (audio_token, &audios))
+                .unwrap_or_else(|e| panic!("{variant} prompt {n}: {e}"));
         let mut cache = KvCache::new(f.model.config().num_layers());
-        let soft = SoftTokens {
-            rows: &rows,
-            embeds: &embeds,
-        };
         let logits = f
             .model
-            .forward_with_soft_tokens(&ids, Some(soft), &mut cache, LogitsFor::Last, None)
+            .forward_with_soft_tokens(
+                &ids,
+                Some(placed.as_soft_tokens()),
+                &mut cache,
+                LogitsFor::Last,
+                None,
+            )
             .expect("prefill");
         let logits: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
         let (_, want) = tensor(&f.goldens, &format!("logits.{n}"));
@@ -180,6 +192,33 @@ fn prompts_match(variant: &str) {
         }
         assert_eq!(ours, greedy, "{variant} prompt {n}");
     }
+}
+
+/// The 12B fixture's audio clips as soft tokens (none elsewhere), checked
+/// against the reference's `embed_audio` output; with the audio token id.
+fn audio_clips(variant: &str, hidden: usize) -> (u32, Vec<Vec<f32>>) {
+    let dir = fixture(variant);
+    let json = read_config(&dir).expect("config");
+    let Some(audio) = UnifiedAudioEmbedder::load_dir(&dir, &json, hidden).expect("audio embedder")
+    else {
+        return (u32::MAX, Vec::new());
+    };
+    let wav = std::fs::read(fixture("audio").join("0.wav")).expect("wav");
+    let clip = decode_wav(&wav, 30.0).expect("decode");
+    let ours: Vec<f32> = audio
+        .encode(&frames(&clip, audio.frame))
+        .expect("encode")
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let goldens = std::fs::read(dir.join("golden_tensors.safetensors")).expect("goldens");
+    let (shape, want) = tensor(&goldens, "audio_features.0");
+    assert_eq!(shape, [clip.samples.len().div_ceil(640), hidden]);
+    let diff = max_abs_diff(&ours, &want);
+    eprintln!("{variant} audio 0: soft tokens max |Δ| {diff:.2e}");
+    assert!(diff <= 1e-4, "{variant} audio: {diff}");
+    (audio.tokens.audio, vec![ours])
 }
 
 #[test]

@@ -19,7 +19,7 @@ use gemma4_text::{
 use crate::admission::{check_choice_count, max_tokens_for, submit_error};
 use crate::error::ApiError;
 use crate::grammar::{tool_call_grammar, CallMarkers, GrammarSpec, ThinkingGate};
-use crate::openai::request::ToolChoice;
+use crate::openai::request::{MediaKind, ToolChoice};
 use crate::openai::{ChatRequest, Prompt, Sampling};
 use crate::server::{AppState, ModelContext};
 
@@ -36,12 +36,12 @@ pub async fn blocking<T: Send + 'static>(
 #[derive(Debug, Clone, Default)]
 pub struct ChatPrompt {
     pub ids: Vec<u32>,
-    /// The images' soft tokens, when the messages hold images.
+    /// The media's soft tokens, when the messages hold images or audio.
     pub soft: Option<Arc<SoftPrompt>>,
 }
 
 /// Renders a chat request with the model's template and tokenizes it; the
-/// images' placeholders become their soft tokens.
+/// media placeholders become their soft tokens.
 pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt, ApiError> {
     let template = model.chat_template.as_ref().map_err(|why| {
         ApiError::bad_request(format!(
@@ -50,14 +50,17 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt
         .with_param("messages")
         .with_code("chat_template_missing")
     })?;
-    let images = if req.images.is_empty() {
-        Vec::new()
-    } else {
-        let vision = model.vision.as_ref().ok_or_else(|| {
-            ApiError::bad_request("this model has no vision tower; it cannot read image_url parts")
-                .with_param(req.images[0].param.clone())
-        })?;
-        vision.encode_all(&req.images, req.max_soft_tokens)?
+    let items = match (req.media.first(), model.media.as_ref()) {
+        (None, _) => Vec::new(),
+        (Some(first), None) => {
+            let what = match first.kind {
+                MediaKind::Image => "no vision tower; it cannot read image_url parts",
+                MediaKind::Audio => "no audio encoder; it cannot read input_audio parts",
+            };
+            return Err(ApiError::bad_request(format!("this model has {what}"))
+                .with_param(first.param.clone()));
+        }
+        (Some(_), Some(media)) => media.encode_all(&req.media, req.max_soft_tokens)?,
     };
     let text = template
         .render(
@@ -81,19 +84,20 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt
     let has_bos = tokenizer
         .bos_token()
         .is_some_and(|bos| text.starts_with(bos));
-    let Some(vision) = model.vision.as_ref().filter(|_| !images.is_empty()) else {
+    let Some(media) = model.media.as_ref().filter(|_| !items.is_empty()) else {
         return Ok(ChatPrompt {
             ids: encode(&text, !has_bos)?,
             soft: None,
         });
     };
-    let pieces: Vec<&str> = text.split(crate::media::IMAGE_PLACEHOLDER).collect();
-    if pieces.len() != images.len() + 1 {
+    let (pieces, kinds) = crate::media::split_placeholders(&text);
+    if !kinds.iter().eq(items.iter().map(|i| &i.kind)) {
         return Err(ApiError::bad_request(format!(
-            "the rendered prompt holds {} image placeholders for {} images (is {} written in the text?)",
-            pieces.len() - 1,
-            images.len(),
-            crate::media::IMAGE_PLACEHOLDER
+            "the rendered prompt holds {} media placeholders for {} media parts (is {} or {} written in the text?)",
+            kinds.len(),
+            items.len(),
+            crate::media::IMAGE_PLACEHOLDER,
+            crate::media::AUDIO_PLACEHOLDER,
         ))
         .with_param("messages"));
     }
@@ -102,7 +106,7 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt
         .enumerate()
         .map(|(i, piece)| encode(piece, i == 0 && !has_bos))
         .collect::<Result<Vec<_>, _>>()?;
-    let (ids, soft) = vision.splice(pieces, images);
+    let (ids, soft) = media.splice(pieces, items);
     Ok(ChatPrompt {
         ids,
         soft: Some(soft),

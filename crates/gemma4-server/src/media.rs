@@ -1,106 +1,152 @@
-//! Images in chat requests: `data:` URIs decoded with limits, processed as
-//! the reference processor does, and encoded by the model's vision tower (or
-//! the 12B's encoder-free embedder) into the soft tokens that replace each
-//! image's placeholders.
+//! Images and audio in chat requests: `data:` URIs and base64 WAV decoded
+//! with limits, processed as the reference processor does, and encoded by
+//! the checkpoint's encoders (the vision tower, or the 12B's encoder-free
+//! image and audio embedders) into the soft tokens that replace each
+//! placeholder of the rendered prompt.
 
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use base64::Engine as _;
 use gemma4_engine::SoftPrompt;
+use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor, RgbImage};
-use gemma4_model::{ImageEncoder, VisionInput};
+use gemma4_model::{ImageEncoder, UnifiedAudioEmbedder, VisionInput};
 
 use crate::error::ApiError;
-use crate::openai::request::ImagePart;
+use crate::openai::request::{MediaKind, MediaPart};
 
 /// What the template writes where an image goes.
 pub const IMAGE_PLACEHOLDER: &str = "<|image|>";
+/// What the template writes where an audio clip goes.
+pub const AUDIO_PLACEHOLDER: &str = "<|audio|>";
+/// Longest audio clip (750 soft tokens of 40 ms, as the reference caps them).
+pub const MAX_AUDIO_SECONDS: f64 = 30.0;
 
-/// The server's vision settings and the encoder that turns images into soft tokens.
-pub struct Vision {
-    pub encoder: ImageEncoder,
+/// The server's media settings and the checkpoint's encoders.
+pub struct Media {
+    pub images: Option<ImageEncoder>,
+    pub audio: Option<UnifiedAudioEmbedder>,
     /// Soft tokens per image unless a request asks otherwise (70 … 1120).
     pub default_soft_tokens: usize,
-    /// Most images one request may hold.
-    pub max_images: usize,
+    /// Most images and most audio clips one request may hold.
+    pub max_items: (usize, usize),
     pub limits: DecodeLimits,
     /// Keys the media digest (per process, so no client can aim at a collision).
     hash_keys: std::collections::hash_map::RandomState,
 }
 
-/// One image's soft tokens.
-pub struct EncodedImage {
+/// One item's soft tokens and where they go.
+pub struct Encoded {
+    pub kind: MediaKind,
     /// `[soft_tokens, hidden]`, row-major.
     pub embeds: Vec<f32>,
     pub soft_tokens: usize,
     digest: u64,
 }
 
-impl Vision {
-    pub fn new(encoder: ImageEncoder, default_soft_tokens: usize, max_images: usize) -> Self {
+impl Media {
+    pub fn new(
+        images: Option<ImageEncoder>,
+        audio: Option<UnifiedAudioEmbedder>,
+        default_soft_tokens: usize,
+        max_items: (usize, usize),
+    ) -> Self {
         Self {
-            encoder,
+            images,
+            audio,
             default_soft_tokens,
-            max_images,
+            max_items,
             limits: DecodeLimits::default(),
             hash_keys: Default::default(),
         }
     }
 
-    /// Decodes, processes and encodes a request's images, in order.
+    /// Decodes, processes and encodes a request's media, in order.
     pub fn encode_all(
         &self,
-        images: &[ImagePart],
+        parts: &[MediaPart],
         max_soft_tokens: Option<usize>,
-    ) -> Result<Vec<EncodedImage>, ApiError> {
-        if images.len() > self.max_images {
-            return Err(ApiError::bad_request(format!(
-                "the request holds {} images; this server takes at most {} per prompt (--limit-mm-per-prompt)",
-                images.len(),
-                self.max_images
-            ))
-            .with_param("messages"));
+    ) -> Result<Vec<Encoded>, ApiError> {
+        for (kind, name, max) in [
+            (MediaKind::Image, "images", self.max_items.0),
+            (MediaKind::Audio, "audio clips", self.max_items.1),
+        ] {
+            let n = parts.iter().filter(|p| p.kind == kind).count();
+            if n > max {
+                return Err(ApiError::bad_request(format!(
+                    "the request holds {n} {name}; this server takes at most {max} per prompt (--limit-mm-per-prompt)"
+                ))
+                .with_param("messages"));
+            }
         }
         let budget = max_soft_tokens.unwrap_or(self.default_soft_tokens);
         let processor = ImageProcessor::new(budget).map_err(|e| {
             ApiError::bad_request(format!("`mm_processor_kwargs.max_soft_tokens`: {e}"))
                 .with_param("mm_processor_kwargs.max_soft_tokens")
         })?;
-        images
+        parts
             .iter()
             .map(|part| {
-                let bad = |msg: String| ApiError::bad_request(msg).with_param(part.param.clone());
-                let img = self
-                    .load(&part.url)
-                    .map_err(|e| bad(format!("`{}`: {e}", part.param)))?;
-                let processed = if self.encoder.takes_merged_patches() {
-                    processor.process_merged(&img)
-                } else {
-                    processor.process(&img)
-                }
-                .map_err(|e| bad(format!("`{}`: {e}", part.param)))?;
-                let embeds = self
-                    .encoder
-                    .encode(VisionInput {
-                        patches: &processed.patches,
-                        positions: &processed.positions,
-                    })
-                    .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
-                    .map_err(|e| ApiError::internal(format!("the vision encoder failed: {e}")))?;
+                let bad = |e: String| {
+                    ApiError::bad_request(format!("`{}`: {e}", part.param))
+                        .with_param(part.param.clone())
+                };
+                let internal = |e: gemma4_model::ModelError| {
+                    ApiError::internal(format!("the media encoder failed: {e}"))
+                };
                 let mut h = self.hash_keys.build_hasher();
-                (img.width, img.height, budget).hash(&mut h);
-                img.pixels.hash(&mut h);
-                Ok(EncodedImage {
+                let (embeds, soft_tokens) = match part.kind {
+                    MediaKind::Image => {
+                        let encoder = self.images.as_ref().ok_or_else(|| {
+                            bad("this model has no vision tower; it cannot read image_url parts".into())
+                        })?;
+                        let img = self.load_image(&part.data).map_err(bad)?;
+                        let processed = if encoder.takes_merged_patches() {
+                            processor.process_merged(&img)
+                        } else {
+                            processor.process(&img)
+                        }
+                        .map_err(|e| bad(e.to_string()))?;
+                        (img.width, img.height, budget).hash(&mut h);
+                        img.pixels.hash(&mut h);
+                        let embeds = encoder
+                            .encode(VisionInput {
+                                patches: &processed.patches,
+                                positions: &processed.positions,
+                            })
+                            .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
+                            .map_err(internal)?;
+                        (embeds, processed.soft_tokens)
+                    }
+                    MediaKind::Audio => {
+                        let encoder = self.audio.as_ref().ok_or_else(|| {
+                            bad("this model has no audio encoder this server runs (the 12B's raw-frame path); it cannot read input_audio parts".into())
+                        })?;
+                        let bytes = base64::engine::general_purpose::STANDARD
+                            .decode(part.data.trim())
+                            .map_err(|e| bad(format!("the audio is not valid base64: {e}")))?;
+                        let audio = decode_wav(&bytes, MAX_AUDIO_SECONDS).map_err(|e| bad(e.to_string()))?;
+                        let frames = frames(&audio, encoder.frame);
+                        frames.iter().map(|x| x.to_bits()).collect::<Vec<_>>().hash(&mut h);
+                        let embeds = encoder
+                            .encode(&frames)
+                            .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
+                            .map_err(internal)?;
+                        (embeds, frames.len() / encoder.frame)
+                    }
+                };
+                Ok(Encoded {
+                    kind: part.kind,
                     embeds,
-                    soft_tokens: processed.soft_tokens,
+                    soft_tokens,
                     digest: h.finish(),
                 })
             })
             .collect()
     }
 
-    fn load(&self, url: &str) -> Result<RgbImage, String> {
+    fn load_image(&self, url: &str) -> Result<RgbImage, String> {
         let Some(rest) = url.strip_prefix("data:") else {
             return if url.starts_with("http://") || url.starts_with("https://") {
                 Err("fetching images over http(s) is off on this server; send the image as a data: URI".into())
@@ -120,28 +166,46 @@ impl Vision {
         decode_image(&bytes, self.limits).map_err(|e| e.to_string())
     }
 
-    /// Splices each image's soft tokens into the tokenized pieces of the
-    /// prompt around its placeholders: `<|image>`, N × `<|image|>`, `<image|>`.
+    /// Splices each item's soft tokens into the tokenized prompt: `pieces`
+    /// are the text between placeholders (one more than `items`). An image
+    /// becomes `<|image>`, N × `<|image|>`, `<image|>` (one attention block on
+    /// models with bidirectional image attention); a clip `<|audio>`,
+    /// N × `<|audio|>`, `<audio|>`.
     pub fn splice(
         &self,
         pieces: Vec<Vec<u32>>,
-        images: Vec<EncodedImage>,
+        items: Vec<Encoded>,
     ) -> (Vec<u32>, Arc<SoftPrompt>) {
-        let tokens = self.encoder.tokens();
         let mut ids = Vec::new();
         let mut rows = Vec::new();
         let mut embeds = Vec::new();
+        let mut blocks = Vec::new();
         let mut key = self.hash_keys.build_hasher();
-        let mut images = images.into_iter();
+        let mut items = items.into_iter();
         for (i, piece) in pieces.into_iter().enumerate() {
             if i > 0 {
-                if let Some(img) = images.next() {
-                    ids.push(tokens.begin);
-                    rows.extend(ids.len()..ids.len() + img.soft_tokens);
-                    ids.extend(std::iter::repeat_n(tokens.image, img.soft_tokens));
-                    ids.push(tokens.end);
-                    embeds.extend(img.embeds);
-                    img.digest.hash(&mut key);
+                if let Some(item) = items.next() {
+                    let (begin, soft, end) = match item.kind {
+                        MediaKind::Image => {
+                            let t = self.images.as_ref().map(|e| e.tokens());
+                            t.map(|t| (t.begin, t.image, t.end))
+                        }
+                        MediaKind::Audio => self
+                            .audio
+                            .as_ref()
+                            .map(|a| (a.tokens.begin, a.tokens.audio, a.tokens.end)),
+                    }
+                    .unwrap_or_default();
+                    ids.push(begin);
+                    let span = (ids.len(), ids.len() + item.soft_tokens);
+                    if item.kind == MediaKind::Image {
+                        blocks.push(span);
+                    }
+                    rows.extend(span.0..span.1);
+                    ids.extend(std::iter::repeat_n(soft, item.soft_tokens));
+                    ids.push(end);
+                    embeds.extend(item.embeds);
+                    item.digest.hash(&mut key);
                 }
             }
             ids.extend(piece);
@@ -149,8 +213,45 @@ impl Vision {
         let soft = SoftPrompt {
             rows,
             embeds,
+            blocks,
             content_key: key.finish(),
         };
         (ids, Arc::new(soft))
+    }
+}
+
+/// Splits a rendered prompt at its media placeholders: the text pieces, and
+/// the kinds of the placeholders between them, in order.
+pub fn split_placeholders(text: &str) -> (Vec<&str>, Vec<MediaKind>) {
+    let mut pieces = Vec::new();
+    let mut kinds = Vec::new();
+    let mut rest = text;
+    loop {
+        let next = [
+            (
+                rest.find(IMAGE_PLACEHOLDER),
+                IMAGE_PLACEHOLDER,
+                MediaKind::Image,
+            ),
+            (
+                rest.find(AUDIO_PLACEHOLDER),
+                AUDIO_PLACEHOLDER,
+                MediaKind::Audio,
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(at, p, k)| at.map(|at| (at, p, k)))
+        .min_by_key(|(at, _, _)| *at);
+        match next {
+            Some((at, placeholder, kind)) => {
+                pieces.push(&rest[..at]);
+                kinds.push(kind);
+                rest = &rest[at + placeholder.len()..];
+            }
+            None => {
+                pieces.push(rest);
+                return (pieces, kinds);
+            }
+        }
     }
 }

@@ -364,7 +364,7 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
 /// The parts of an OpenAI chat or completion request that drive generation.
 struct OpenAiJob {
     prompts: Vec<Vec<u32>>,
-    /// Per prompt, its images' soft tokens.
+    /// Per prompt, its media's soft tokens.
     soft_prompts: Vec<Option<Arc<gemma4_engine::SoftPrompt>>>,
     sampling: Sampling,
     logprobs: Option<usize>,

@@ -31,9 +31,9 @@ pub struct ModelContext {
     pub stop_token_ids: Vec<u32>,
     /// The grammar compiler, built on the first structured-output request.
     grammars: OnceLock<Result<Grammars, String>>,
-    /// The vision tower, when the checkpoint has one (image parts are
-    /// refused otherwise).
-    pub vision: Option<Arc<crate::media::Vision>>,
+    /// The checkpoint's media encoders, when it has any (image and audio
+    /// parts are refused otherwise).
+    pub media: Option<Arc<crate::media::Media>>,
 }
 
 impl ModelContext {
@@ -55,13 +55,13 @@ impl ModelContext {
             chat_template: chat_template.map_err(|e| e.to_string()),
             stop_token_ids,
             grammars: OnceLock::new(),
-            vision: None,
+            media: None,
         }
     }
 
-    /// Serves images with this tower and settings.
-    pub fn with_vision(mut self, vision: crate::media::Vision) -> Self {
-        self.vision = Some(Arc::new(vision));
+    /// Serves images and audio with these encoders and settings.
+    pub fn with_media(mut self, media: crate::media::Media) -> Self {
+        self.media = Some(Arc::new(media));
         self
     }
 

@@ -245,20 +245,29 @@ pub struct ChatRequest {
     /// `Some(k)`: return each token's log-probability and `k` alternatives.
     pub logprobs: Option<usize>,
     pub streaming: Streaming,
-    /// The `image_url` parts of the messages, in the order the template
-    /// renders them.
-    pub images: Vec<ImagePart>,
+    /// The `image_url` and `input_audio` parts of the messages, in the
+    /// order the template renders them.
+    pub media: Vec<MediaPart>,
     /// `mm_processor_kwargs.max_soft_tokens`: this request's soft-token
     /// budget per image (the server's default otherwise).
     pub max_soft_tokens: Option<usize>,
 }
 
-/// An image part of a message: where the image is, and the request field
+/// A media part of a message: what it is, its data, and the request field
 /// to blame when it is bad.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ImagePart {
-    pub url: String,
+pub struct MediaPart {
+    pub kind: MediaKind,
+    /// An image's URL (a `data:` URI), or an audio clip's base64 data.
+    pub data: String,
     pub param: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MediaKind {
+    Image,
+    /// `input_audio` with its `format` (only `wav` is decoded).
+    Audio,
 }
 
 /// Whether the model may, must, or must not call tools.
@@ -349,8 +358,8 @@ impl ChatRequest {
             )
             .with_param("modalities"));
         }
-        let mut images = Vec::new();
-        let messages = check_messages(f.get("messages"), &mut images)?;
+        let mut media = Vec::new();
+        let messages = check_messages(f.get("messages"), &mut media)?;
         let max_soft_tokens = match f.object("mm_processor_kwargs")? {
             None => None,
             Some(kw) => match kw.get("max_soft_tokens") {
@@ -402,7 +411,7 @@ impl ChatRequest {
             sampling: Sampling::parse(&f, &["max_completion_tokens", "max_tokens"])?,
             logprobs,
             streaming: Streaming::parse(&f)?,
-            images,
+            media,
             max_soft_tokens,
         })
     }
@@ -413,7 +422,7 @@ impl ChatRequest {
 /// of text parts is joined into one, as templates that take strings need);
 /// assistant `tool_calls` with `function.arguments` as an object (OpenAI
 /// clients send a JSON string, which templates would print verbatim).
-fn check_messages(v: Option<&Value>, images: &mut Vec<ImagePart>) -> Result<Value, ApiError> {
+fn check_messages(v: Option<&Value>, media: &mut Vec<MediaPart>) -> Result<Value, ApiError> {
     let bad = |msg: String, param: &str| ApiError::bad_request(msg).with_param(param);
     let Some(v) = v else {
         return Err(bad(
@@ -461,7 +470,7 @@ fn check_messages(v: Option<&Value>, images: &mut Vec<ImagePart>) -> Result<Valu
         let content = match obj.get("content") {
             Some(Value::String(_)) => None,
             None | Some(Value::Null) if role == "assistant" => None,
-            Some(Value::Array(parts)) => Some(content_parts(parts, &format!("{at}.content"), images)?),
+            Some(Value::Array(parts)) => Some(content_parts(parts, &format!("{at}.content"), media)?),
             _ => {
                 return Err(bad(
                     format!("`{at}.content` must be a string or an array of {{\"type\": \"text\", \"text\": ...}} parts"),
@@ -481,49 +490,76 @@ fn check_messages(v: Option<&Value>, images: &mut Vec<ImagePart>) -> Result<Valu
 }
 
 /// A content array as the template takes it: text parts only are joined
-/// into one string (templates that take strings need it); with images, the
-/// parts stay a list, each `image_url` part becoming `{"type": "image"}` (as
-/// the reference processor hands them to the template) and its URL recorded.
-fn content_parts(
-    parts: &[Value],
-    at: &str,
-    images: &mut Vec<ImagePart>,
-) -> Result<Value, ApiError> {
+/// into one string (templates that take strings need it); with media, the
+/// parts stay a list, each `image_url` part becoming `{"type": "image"}` and
+/// each `input_audio` part `{"type": "audio"}` (as the reference processor
+/// hands them to the template), their data recorded in order.
+fn content_parts(parts: &[Value], at: &str, media: &mut Vec<MediaPart>) -> Result<Value, ApiError> {
+    let kind = |p: &Value| p.get("type").and_then(Value::as_str).map(str::to_owned);
     if !parts
         .iter()
-        .any(|p| p.get("type").and_then(Value::as_str) == Some("image_url"))
+        .any(|p| matches!(kind(p).as_deref(), Some("image_url" | "input_audio")))
     {
         return join_text_parts(parts, at).map(Value::String);
     }
+    let bad = |msg: String, param: String| Err(ApiError::bad_request(msg).with_param(param));
     let mut out = Vec::with_capacity(parts.len());
     for (j, part) in parts.iter().enumerate() {
         let here = format!("{at}[{j}]");
-        if part.get("type").and_then(Value::as_str) == Some("image_url") {
-            let url = match part.get("image_url") {
-                Some(Value::String(u)) => u.clone(),
-                Some(Value::Object(o)) => match o.get("url") {
+        match kind(part).as_deref() {
+            Some("image_url") => {
+                let url = match part.get("image_url") {
                     Some(Value::String(u)) => u.clone(),
+                    Some(Value::Object(o)) => match o.get("url") {
+                        Some(Value::String(u)) => u.clone(),
+                        _ => {
+                            return bad(
+                                format!("`{here}.image_url.url` must be a string (a data: URI)"),
+                                format!("{here}.image_url.url"),
+                            )
+                        }
+                    },
                     _ => {
-                        return Err(ApiError::bad_request(format!(
-                            "`{here}.image_url.url` must be a string (a data: URI)"
-                        ))
-                        .with_param(format!("{here}.image_url.url")))
+                        return bad(
+                            format!("`{here}.image_url` must be an object with a \"url\""),
+                            format!("{here}.image_url"),
+                        )
                     }
-                },
-                _ => {
-                    return Err(ApiError::bad_request(format!(
-                        "`{here}.image_url` must be an object with a \"url\""
-                    ))
-                    .with_param(format!("{here}.image_url")))
+                };
+                media.push(MediaPart {
+                    kind: MediaKind::Image,
+                    data: url,
+                    param: format!("{here}.image_url.url"),
+                });
+                out.push(serde_json::json!({"type": "image"}));
+            }
+            Some("input_audio") => {
+                let audio = part.get("input_audio");
+                let data = audio.and_then(|a| a.get("data")).and_then(Value::as_str);
+                let format = audio.and_then(|a| a.get("format")).and_then(Value::as_str);
+                let Some(data) = data else {
+                    return bad(
+                        format!("`{here}.input_audio.data` must be a string (base64 audio)"),
+                        format!("{here}.input_audio.data"),
+                    );
+                };
+                if format.is_some_and(|f| f != "wav") {
+                    return bad(
+                        format!(
+                            "`{here}.input_audio.format` is {:?}; this server decodes \"wav\" only",
+                            format.unwrap_or_default()
+                        ),
+                        format!("{here}.input_audio.format"),
+                    );
                 }
-            };
-            images.push(ImagePart {
-                url,
-                param: format!("{here}.image_url.url"),
-            });
-            out.push(serde_json::json!({"type": "image"}));
-        } else {
-            out.push(serde_json::json!({"type": "text", "text": text_part(part, &here)?}));
+                media.push(MediaPart {
+                    kind: MediaKind::Audio,
+                    data: data.to_owned(),
+                    param: format!("{here}.input_audio.data"),
+                });
+                out.push(serde_json::json!({"type": "audio"}));
+            }
+            _ => out.push(serde_json::json!({"type": "text", "text": text_part(part, &here)?})),
         }
     }
     Ok(Value::Array(out))
@@ -549,7 +585,7 @@ fn text_part<'a>(part: &'a Value, here: &str) -> Result<&'a str, ApiError> {
             ),
         },
         Some(other) => Err(ApiError::bad_request(format!(
-            "`{here}` is a {other:?} part; this server accepts text and image_url parts"
+            "`{here}` is a {other:?} part; this server accepts text, image_url and input_audio parts"
         ))
         .with_param(here)),
         None => Err(ApiError::bad_request(format!(
@@ -812,7 +848,15 @@ mod tests {
             ),
             (
                 r#"{"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]}"#,
-                "is a \"input_audio\" part; this server accepts text and image_url parts",
+                "`messages[0].content[0].input_audio.data` must be a string",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "mp3"}}]}]}"#,
+                "decodes \"wav\" only",
+            ),
+            (
+                r#"{"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]}"#,
+                "is a \"video_url\" part; this server accepts text, image_url and input_audio parts",
             ),
             (
                 r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
@@ -845,12 +889,12 @@ mod tests {
             serde_json::json!([{"type": "text", "text": "compare"}, {"type": "image"}, {"type": "image"}])
         );
         assert_eq!(r.messages[1]["content"], "a\nb");
-        let urls: Vec<&str> = r.images.iter().map(|i| i.url.as_str()).collect();
+        let urls: Vec<&str> = r.media.iter().map(|i| i.data.as_str()).collect();
         assert_eq!(
             urls,
             ["data:image/png;base64,AAAA", "data:image/png;base64,BBBB"]
         );
-        assert_eq!(r.images[1].param, "messages[0].content[2].image_url.url");
+        assert_eq!(r.media[1].param, "messages[0].content[2].image_url.url");
     }
 
     #[test]
