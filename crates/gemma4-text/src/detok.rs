@@ -6,6 +6,11 @@
 //! keeps a short window of recent ids, decodes the window with and without the
 //! new ids, and emits the difference once it no longer ends in an incomplete
 //! character (U+FFFD, which is what a partial UTF-8 sequence decodes to).
+//!
+//! A run of byte-fallback tokens is held until it ends: the decoder turns every
+//! byte of a run that is not UTF-8 as a whole into U+FFFD, so bytes that look
+//! complete on their own may still be replaced by a later byte of the run.
+//! Held whole, the streamed text equals the decode of all the ids.
 
 use std::borrow::Borrow;
 use std::collections::HashSet;
@@ -26,6 +31,8 @@ const REPLACEMENT: char = '\u{FFFD}';
 pub struct IncrementalDecoder<T: Borrow<Tokenizer>> {
     tokenizer: T,
     hidden: HashSet<u32>,
+    /// `<0x00>` … `<0xFF>`: byte-fallback tokens.
+    byte_tokens: HashSet<u32>,
     ids: Vec<u32>,
     /// Start of the context window: ids before it are never decoded again.
     prefix_offset: usize,
@@ -37,9 +44,13 @@ impl<T: Borrow<Tokenizer>> IncrementalDecoder<T> {
     /// A decoder with no ids yet.
     pub fn new(tokenizer: T) -> Self {
         let hidden = tokenizer.borrow().hidden_token_ids();
+        let byte_tokens = (0..=255u8)
+            .filter_map(|b| tokenizer.borrow().token_to_id(&format!("<0x{b:02X}>")))
+            .collect();
         IncrementalDecoder {
             tokenizer,
             hidden,
+            byte_tokens,
             ids: Vec::new(),
             prefix_offset: 0,
             read_offset: 0,
@@ -55,6 +66,10 @@ impl<T: Borrow<Tokenizer>> IncrementalDecoder<T> {
             return Ok(None);
         }
         self.ids.push(id);
+        if self.byte_tokens.contains(&id) {
+            // The run may not have ended (see the module notes).
+            return Ok(None);
+        }
         let (emitted, text) = self.pending_text()?;
         if text.len() > emitted.len() && !text.ends_with(REPLACEMENT) {
             let delta = new_suffix(&emitted, &text);

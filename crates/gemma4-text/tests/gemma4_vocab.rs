@@ -209,8 +209,40 @@ fn byte_fallback_characters_arrive_whole() -> TestResult {
     }
     assert_eq!(decoder.finish()?, None);
     assert_eq!(pieces.concat(), text);
-    assert!(pieces.contains(&"\u{3400}".to_owned()), "{pieces:?}");
-    assert!(pieces.contains(&"\u{20000}".to_owned()), "{pieces:?}");
+    // The run of byte tokens arrives once it has ended, never a broken character.
+    assert!(pieces.iter().all(|p| !p.contains('\u{FFFD}')), "{pieces:?}");
+    assert_eq!(
+        pieces.last().map(String::as_str),
+        Some("\u{3400}\u{20000}b"),
+        "{pieces:?}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_byte_run_that_is_not_utf8_streams_as_the_whole_decode_shows_it() -> TestResult {
+    // `E`, `4`, then a byte that can never start a character: the decoder
+    // replaces every byte of such a run, so the stream must not show `E4`
+    // before the run has ended.
+    let tokenizer = gemma4_tokenizer()?;
+    let byte = |b: &str| tokenizer.token_to_id(b).ok_or(format!("no {b} token"));
+    let ids = [byte("<0x45>")?, byte("<0x34>")?, byte("<0xF6>")?];
+    let whole = tokenizer.decode(&ids, false)?;
+    assert_eq!(whole, "\u{FFFD}\u{FFFD}\u{FFFD}");
+    for tail in [None, tokenizer.encode("ok", false)?.first().copied()] {
+        let mut decoder = IncrementalDecoder::new(tokenizer);
+        let mut streamed = String::new();
+        for &id in ids.iter().chain(tail.as_ref()) {
+            if let Some(piece) = decoder.push(id)? {
+                streamed.push_str(&piece);
+            }
+        }
+        if let Some(rest) = decoder.finish()? {
+            streamed.push_str(&rest);
+        }
+        let all: Vec<u32> = ids.iter().copied().chain(tail).collect();
+        assert_eq!(streamed, tokenizer.decode(&all, false)?, "tail {tail:?}");
+    }
     Ok(())
 }
 
