@@ -9,10 +9,9 @@ use std::path::Path;
 use anyhow::{bail, Context, Result};
 use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::{decode_image, resize::resize_bicubic, DecodeLimits, ImageProcessor};
-use gemma4_model::golden::argmax;
+use gemma4_model::golden::greedy_with_soft_tokens;
 use gemma4_model::{
-    place_soft_tokens, read_config, Gemma4, ImageEncoder, KvCache, LogitsFor, UnifiedAudioEmbedder,
-    VisionInput,
+    place_soft_tokens, read_config, Gemma4, ImageEncoder, UnifiedAudioEmbedder, VisionInput,
 };
 use serde::Deserialize;
 
@@ -80,6 +79,19 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
+/// Soft tokens against the reference's: the largest difference, and whether
+/// it is within what f32 against f32 gives (the same operations summed in
+/// another order: 1e-4 of the largest value).
+fn close_to_reference(ours: &[f32], want: &[f32]) -> (f32, bool) {
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
+    let diff = if ours.len() == want.len() {
+        max_abs_diff(ours, want)
+    } else {
+        f32::INFINITY
+    };
+    (diff, diff <= 1e-4 * scale)
+}
+
 /// Checks every stage; returns whether everything matched.
 pub fn verify(
     model: &Gemma4,
@@ -128,15 +140,7 @@ pub fn verify(
             })?
             .flatten_all()?
             .to_vec1()?;
-        let want = tensors.f32s(&format!("features.{i}"))?;
-        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
-        let diff = if ours.len() == want.len() {
-            max_abs_diff(&ours, &want)
-        } else {
-            f32::INFINITY
-        };
-        // f32 against f32: the same operations summed in another order.
-        let ok = diff <= 1e-4 * scale;
+        let (diff, ok) = close_to_reference(&ours, &tensors.f32s(&format!("features.{i}"))?);
         all &= ok;
         println!(
             "{} image={i} resized={}x{} soft_tokens={} max_abs_diff={diff:.3e}{}",
@@ -168,14 +172,7 @@ pub fn verify(
             .encode(&frames(&clip, audio.frame))?
             .flatten_all()?
             .to_vec1()?;
-        let want = tensors.f32s(&format!("audio_features.{i}"))?;
-        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
-        let diff = if ours.len() == want.len() {
-            max_abs_diff(&ours, &want)
-        } else {
-            f32::INFINITY
-        };
-        let ok = diff <= 1e-4 * scale;
+        let (diff, ok) = close_to_reference(&ours, &tensors.f32s(&format!("audio_features.{i}"))?);
         all &= ok;
         println!(
             "{} audio={i} seconds={:.2} soft_tokens={} max_abs_diff={diff:.3e}{}",
@@ -190,8 +187,8 @@ pub fn verify(
         );
         clips.push(ours);
     }
-    let image_token = encoder.tokens().image;
-    let audio_token = audio.as_ref().map_or(u32::MAX, |a| a.tokens.audio);
+    let image_token = encoder.tokens().soft;
+    let audio_token = audio.as_ref().map_or(u32::MAX, |a| a.tokens.soft);
     for (n, p) in golden.prompts.iter().enumerate() {
         let images: Vec<&[f32]> = p.images.iter().map(|&i| features[i].as_slice()).collect();
         let audios: Vec<&[f32]> = p.audios.iter().map(|&i| clips[i].as_slice()).collect();
@@ -202,25 +199,9 @@ pub fn verify(
             (audio_token, &audios),
         )
         .with_context(|| format!("prompt {n}"))?;
-        let mut cache = KvCache::new(model.config().num_layers());
-        let logits: Vec<f32> = model
-            .forward_with_soft_tokens(
-                &p.ids,
-                Some(placed.as_soft_tokens()),
-                &mut cache,
-                LogitsFor::Last,
-                None,
-            )?
-            .flatten_all()?
-            .to_vec1()?;
+        let (logits, ids) =
+            greedy_with_soft_tokens(model, &p.ids, Some(placed.as_soft_tokens()), p.greedy.len())?;
         let diff = max_abs_diff(&logits, &tensors.f32s(&format!("logits.{n}"))?);
-        let mut next = argmax(&logits).0;
-        let mut ids = vec![next];
-        while ids.len() < p.greedy.len() {
-            let l = model.forward(&[next], &mut cache, LogitsFor::Last, None)?;
-            next = argmax(&l.flatten_all()?.to_vec1::<f32>()?).0;
-            ids.push(next);
-        }
         let same = ids
             .iter()
             .zip(&p.greedy)

@@ -61,7 +61,7 @@ fn image_features(variant: &str) -> (Vec<Vec<f32>>, u32) {
     let encoder = ImageEncoder::load_dir(&dir, hidden)
         .unwrap()
         .expect("an image encoder");
-    let image_token = encoder.tokens().image;
+    let image_token = encoder.tokens().soft;
     let features = (0..4)
         .map(|i| {
             let png = std::fs::read(dir.join(format!("../images/{i}.png"))).unwrap();
@@ -103,7 +103,7 @@ fn audio_clips(variant: &str) -> (u32, Vec<Vec<f32>>) {
     let clip = decode_wav(&wav, 30.0).unwrap();
     let soft = audio.encode(&frames(&clip, audio.frame)).unwrap();
     (
-        audio.tokens.audio,
+        audio.tokens.soft,
         vec![soft.flatten_all().unwrap().to_vec1().unwrap()],
     )
 }

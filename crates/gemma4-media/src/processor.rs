@@ -36,12 +36,6 @@ pub struct ProcessedImage {
     pub soft_tokens: usize,
 }
 
-impl ProcessedImage {
-    pub fn num_patches(&self) -> usize {
-        self.positions.len()
-    }
-}
-
 impl ImageProcessor {
     /// Gemma 4's defaults: 16-pixel patches, 3×3 pooling, 280 soft tokens.
     pub fn new(max_soft_tokens: usize) -> Result<Self> {

@@ -12,37 +12,13 @@ use crate::error::{ConfigError, ModelError, Result};
 use crate::layers::RmsNorm;
 use crate::loader::Weights;
 use crate::storage::Linear;
-
-/// The token ids of an audio clip in the prompt: `begin`, one `audio`
-/// placeholder per soft token, `end`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AudioTokens {
-    pub audio: u32,
-    pub begin: u32,
-    pub end: u32,
-}
-
-impl AudioTokens {
-    pub fn from_hf_json(json: &Value) -> Self {
-        let token = |keys: &[&str], default: u32| {
-            keys.iter()
-                .find_map(|k| json.get(*k).and_then(Value::as_u64))
-                .map_or(default, |x| x as u32)
-        };
-        Self {
-            audio: token(&["audio_token_id"], 258_881),
-            begin: token(&["boa_token_id"], 256_000),
-            // The published configs spell it `eoa_token_index`.
-            end: token(&["eoa_token_index", "eoa_token_id"], 258_883),
-        }
-    }
-}
+use crate::vision::MediaTokens;
 
 /// The audio embedder: a norm and a projection of raw frames.
 pub struct UnifiedAudioEmbedder {
     /// Samples per frame (`audio_embed_dim`).
     pub frame: usize,
-    pub tokens: AudioTokens,
+    pub tokens: MediaTokens,
     eps: f64,
     projection: Linear,
     device: Device,
@@ -78,7 +54,7 @@ impl UnifiedAudioEmbedder {
         .unwrap_or("embed_audio.embedding_projection.weight");
         Ok(Some(Self {
             frame,
-            tokens: AudioTokens::from_hf_json(json),
+            tokens: MediaTokens::audio(json),
             eps: a
                 .get("rms_norm_eps")
                 .and_then(Value::as_f64)

@@ -59,17 +59,35 @@ pub fn demo_gguf_for_tests() -> Option<std::path::PathBuf> {
 
 /// Greedy decoding of `prompt` for `steps` tokens (no early stop).
 pub fn greedy(model: &Gemma4, prompt: &[u32], steps: usize) -> Result<Vec<u32>> {
+    Ok(greedy_with_soft_tokens(model, prompt, None, steps)?.1)
+}
+
+/// [`greedy`] for a prompt some of whose rows come from an encoder; also
+/// returns the logits at the last prompt position.
+pub fn greedy_with_soft_tokens(
+    model: &Gemma4,
+    prompt: &[u32],
+    soft: Option<crate::SoftTokens<'_>>,
+    steps: usize,
+) -> Result<(Vec<f32>, Vec<u32>)> {
     let mut cache = model.new_cache();
-    let mut row = model.forward(prompt, &mut cache, LogitsFor::Last, None)?;
+    let first = model
+        .forward_with_soft_tokens(prompt, soft, &mut cache, LogitsFor::Last, None)?
+        .squeeze(0)?
+        .to_vec1::<f32>()?;
+    let mut row = first.clone();
     let mut out = Vec::with_capacity(steps);
     for step in 0..steps {
-        let (next, _) = argmax(&row.squeeze(0)?.to_vec1::<f32>()?);
+        let (next, _) = argmax(&row);
         out.push(next);
         if step + 1 < steps {
-            row = model.forward(&[next], &mut cache, LogitsFor::Last, None)?;
+            row = model
+                .forward(&[next], &mut cache, LogitsFor::Last, None)?
+                .squeeze(0)?
+                .to_vec1::<f32>()?;
         }
     }
-    Ok(out)
+    Ok((first, out))
 }
 
 #[derive(Debug, Clone, Deserialize)]

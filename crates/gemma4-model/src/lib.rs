@@ -23,7 +23,7 @@ pub mod storage;
 pub mod vision;
 pub mod vision_unified;
 
-pub use audio_unified::{AudioTokens, UnifiedAudioEmbedder};
+pub use audio_unified::UnifiedAudioEmbedder;
 pub use cache::{KvCache, KvStore};
 pub use config::{ImageAttention, TextConfig};
 pub use error::{ConfigError, ModelError, Result, WeightError};
@@ -34,7 +34,7 @@ pub use gguf_source::GgufSource;
 pub use loader::{LoadPolicy, LoadReport, Progress, Quant, Weights};
 pub use source::{HfSafetensors, RandomWeights, TowerSource, WeightSource};
 pub use storage::{Embedding, Linear};
-pub use vision::{read_config, ImageEncoder, ImageTokens, VisionConfig, VisionInput, VisionTower};
+pub use vision::{read_config, ImageEncoder, MediaTokens, VisionConfig, VisionInput, VisionTower};
 
 use std::path::Path;
 

@@ -40,34 +40,60 @@ pub struct VisionConfig {
     pub rope_theta: f64,
     pub clipped_linears: bool,
     pub standardize: bool,
-    pub tokens: ImageTokens,
+    pub tokens: MediaTokens,
 }
 
-/// The token ids of an image in the prompt: `begin`, one `image`
-/// placeholder per soft token, `end`.
+/// The token ids of one media item in the prompt: `begin`, one `soft`
+/// placeholder per soft token, `end` (`<|image>`, `<|image|>`, `<image|>`
+/// for images; `<|audio>`, `<|audio|>`, `<audio|>` for audio).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ImageTokens {
-    /// `<|image|>`: the soft-token placeholder.
-    pub image: u32,
-    /// `<|image>`
+pub struct MediaTokens {
+    pub soft: u32,
     pub begin: u32,
-    /// `<image|>`
     pub end: u32,
 }
 
-impl ImageTokens {
-    /// From the multimodal config's `image_token_id`, `boi_token_id`,
-    /// `eoi_token_id` (Gemma 4's ids where absent).
-    pub fn from_hf_json(json: &Value) -> Self {
-        let token = |key: &str, default: u32| {
-            json.get(key)
-                .and_then(Value::as_u64)
+impl MediaTokens {
+    /// An image's ids from the multimodal config (`image_token_id`,
+    /// `boi_token_id`, `eoi_token_id`; Gemma 4's ids where absent).
+    pub fn image(json: &Value) -> Self {
+        Self::read(
+            json,
+            &["image_token_id"],
+            &["boi_token_id"],
+            &["eoi_token_id"],
+            (258_880, 255_999, 258_882),
+        )
+    }
+
+    /// An audio clip's ids (`audio_token_id`, `boa_token_id`, and the end as
+    /// the published configs spell it, `eoa_token_index`).
+    pub fn audio(json: &Value) -> Self {
+        Self::read(
+            json,
+            &["audio_token_id"],
+            &["boa_token_id"],
+            &["eoa_token_index", "eoa_token_id"],
+            (258_881, 256_000, 258_883),
+        )
+    }
+
+    fn read(
+        json: &Value,
+        soft: &[&str],
+        begin: &[&str],
+        end: &[&str],
+        defaults: (u32, u32, u32),
+    ) -> Self {
+        let token = |keys: &[&str], default: u32| {
+            keys.iter()
+                .find_map(|k| json.get(*k).and_then(Value::as_u64))
                 .map_or(default, |x| x as u32)
         };
         Self {
-            image: token("image_token_id", 258_880),
-            begin: token("boi_token_id", 255_999),
-            end: token("eoi_token_id", 258_882),
+            soft: token(soft, defaults.0),
+            begin: token(begin, defaults.1),
+            end: token(end, defaults.2),
         }
     }
 }
@@ -107,7 +133,7 @@ impl ImageEncoder {
         Ok(Some(if unified {
             let cfg = crate::vision_unified::UnifiedVisionConfig::from_hf_json(
                 v,
-                ImageTokens::from_hf_json(&json),
+                MediaTokens::image(&json),
             )?;
             Self::Unified(crate::vision_unified::UnifiedVisionEmbedder::load(
                 cfg,
@@ -121,7 +147,7 @@ impl ImageEncoder {
         }))
     }
 
-    pub fn tokens(&self) -> ImageTokens {
+    pub fn tokens(&self) -> MediaTokens {
         match self {
             Self::Tower(t) => t.config().tokens,
             Self::Unified(u) => u.config().tokens,
@@ -160,12 +186,6 @@ impl ImageEncoder {
 }
 
 impl VisionConfig {
-    /// The vision settings of a checkpoint directory's `config.json`;
-    /// `None` when the checkpoint has no vision tower.
-    pub fn from_dir(dir: &Path) -> Result<Option<Self>> {
-        Ok(Self::from_hf_json(&read_config(dir)?)?)
-    }
-
     pub fn from_hf_json(json: &Value) -> std::result::Result<Option<Self>, ConfigError> {
         let Some(v) = json.get("vision_config").filter(|v| !v.is_null()) else {
             return Ok(None);
@@ -229,7 +249,7 @@ impl VisionConfig {
                 .unwrap_or(100.0),
             clipped_linears: flag("use_clipped_linears"),
             standardize: flag("standardize"),
-            tokens: ImageTokens::from_hf_json(json),
+            tokens: MediaTokens::image(json),
         };
         if !cfg.head_dim.is_multiple_of(4)
             || cfg.num_kv_heads == 0
@@ -402,11 +422,6 @@ impl VisionTower {
 
     pub fn config(&self) -> &VisionConfig {
         &self.cfg
-    }
-
-    /// How many soft tokens an image of these patch positions becomes.
-    pub fn soft_tokens(&self, positions: &[(u32, u32)]) -> usize {
-        positions.len() / (self.cfg.pooling * self.cfg.pooling)
     }
 
     /// The image's soft tokens in the text model's space, `[tokens, hidden]`.

@@ -16,7 +16,7 @@ use crate::error::{ConfigError, ModelError, Result};
 use crate::layers::RmsNorm;
 use crate::loader::Weights;
 use crate::storage::Linear;
-use crate::vision::{ImageTokens, VisionInput};
+use crate::vision::{MediaTokens, VisionInput};
 
 /// `vision_config` of a `gemma4_unified` checkpoint.
 #[derive(Debug, Clone, PartialEq)]
@@ -26,11 +26,11 @@ pub struct UnifiedVisionConfig {
     pub embed_dim: usize,
     pub position_table_size: usize,
     pub rms_norm_eps: f64,
-    pub tokens: ImageTokens,
+    pub tokens: MediaTokens,
 }
 
 impl UnifiedVisionConfig {
-    pub fn from_hf_json(v: &Value, tokens: ImageTokens) -> std::result::Result<Self, ConfigError> {
+    pub fn from_hf_json(v: &Value, tokens: MediaTokens) -> std::result::Result<Self, ConfigError> {
         let num = |key: &str, default: usize| -> std::result::Result<usize, ConfigError> {
             match v.get(key) {
                 None => Ok(default),

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 
 use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
-use gemma4_model::golden::{argmax, DEFAULT_TOLERANCE};
+use gemma4_model::golden::{greedy_with_soft_tokens, DEFAULT_TOLERANCE};
 use gemma4_model::{
     place_soft_tokens, read_config, ImageEncoder, KvCache, LoadPolicy, LogitsFor,
     UnifiedAudioEmbedder, VisionInput,
@@ -126,7 +126,7 @@ fn prompts_with_images_match_the_reference_logits_and_greedy_tokens() {
 fn prompts_match(variant: &str) {
     let f = load(variant);
     let hidden = f.model.config().hidden_size;
-    let image_token = f.encoder.tokens().image;
+    let image_token = f.encoder.tokens().soft;
     let features: Vec<Vec<f32>> = (0..4).map(|i| encode(&f, i)).collect();
     let (audio_token, clips) = audio_clips(variant, hidden);
     let prompts = f.golden["prompts"].as_array().expect("prompts");
@@ -154,18 +154,15 @@ fn prompts_match(variant: &str) {
         let placed =
             place_soft_tokens(&ids, hidden, (image_token, &images), (audio_token, &audios))
                 .unwrap_or_else(|e| panic!("{variant} prompt {n}: {e}"));
-        let mut cache = KvCache::new(f.model.config().num_layers());
-        let logits = f
-            .model
-            .forward_with_soft_tokens(
-                &ids,
-                Some(placed.as_soft_tokens()),
-                &mut cache,
-                LogitsFor::Last,
-                None,
-            )
-            .expect("prefill");
-        let logits: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+        let greedy: Vec<u32> = p["greedy"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let (logits, ours) =
+            greedy_with_soft_tokens(&f.model, &ids, Some(placed.as_soft_tokens()), greedy.len())
+                .expect("greedy");
         let (_, want) = tensor(&f.goldens, &format!("logits.{n}"));
         let diff = max_abs_diff(&logits, &want);
         eprintln!("{variant} prompt {n}: logits max |Δ| {diff:.2e}");
@@ -173,23 +170,6 @@ fn prompts_match(variant: &str) {
             diff <= DEFAULT_TOLERANCE,
             "{variant} prompt {n}: logits max |Δ| {diff}"
         );
-
-        let greedy: Vec<u32> = p["greedy"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        let mut next = argmax(&logits).0;
-        let mut ours = vec![next];
-        while ours.len() < greedy.len() {
-            let l = f
-                .model
-                .forward(&[next], &mut cache, LogitsFor::Last, None)
-                .expect("decode");
-            next = argmax(&l.flatten_all().unwrap().to_vec1::<f32>().unwrap()).0;
-            ours.push(next);
-        }
         assert_eq!(ours, greedy, "{variant} prompt {n}");
     }
 }
@@ -218,7 +198,7 @@ fn audio_clips(variant: &str, hidden: usize) -> (u32, Vec<Vec<f32>>) {
     let diff = max_abs_diff(&ours, &want);
     eprintln!("{variant} audio 0: soft tokens max |Δ| {diff:.2e}");
     assert!(diff <= 1e-4, "{variant} audio: {diff}");
-    (audio.tokens.audio, vec![ours])
+    (audio.tokens.soft, vec![ours])
 }
 
 #[test]
@@ -235,7 +215,7 @@ fn without_the_image_the_logits_differ() {
         .collect();
     let pad_ids: Vec<u32> = ids
         .iter()
-        .map(|&t| if t == f.encoder.tokens().image { 0 } else { t })
+        .map(|&t| if t == f.encoder.tokens().soft { 0 } else { t })
         .collect();
     let mut cache = KvCache::new(f.model.config().num_layers());
     let l = f

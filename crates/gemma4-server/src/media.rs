@@ -11,7 +11,7 @@ use base64::Engine as _;
 use gemma4_engine::SoftPrompt;
 use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor, RgbImage};
-use gemma4_model::{ImageEncoder, UnifiedAudioEmbedder, VisionInput};
+use gemma4_model::{ImageEncoder, MediaTokens, UnifiedAudioEmbedder, VisionInput};
 
 use crate::error::ApiError;
 use crate::openai::request::{MediaKind, MediaPart};
@@ -39,6 +39,8 @@ pub struct Media {
 /// One item's soft tokens and where they go.
 pub struct Encoded {
     pub kind: MediaKind,
+    /// The ids around and in place of its soft tokens.
+    pub tokens: MediaTokens,
     /// `[soft_tokens, hidden]`, row-major.
     pub embeds: Vec<f32>,
     pub soft_tokens: usize,
@@ -96,7 +98,7 @@ impl Media {
                     ApiError::internal(format!("the media encoder failed: {e}"))
                 };
                 let mut h = self.hash_keys.build_hasher();
-                let (embeds, soft_tokens) = match part.kind {
+                let (tokens, embeds, soft_tokens) = match part.kind {
                     MediaKind::Image => {
                         let encoder = self.images.as_ref().ok_or_else(|| {
                             bad("this model has no vision tower; it cannot read image_url parts".into())
@@ -117,7 +119,7 @@ impl Media {
                             })
                             .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
                             .map_err(internal)?;
-                        (embeds, processed.soft_tokens)
+                        (encoder.tokens(), embeds, processed.soft_tokens)
                     }
                     MediaKind::Audio => {
                         let encoder = self.audio.as_ref().ok_or_else(|| {
@@ -128,16 +130,19 @@ impl Media {
                             .map_err(|e| bad(format!("the audio is not valid base64: {e}")))?;
                         let audio = decode_wav(&bytes, MAX_AUDIO_SECONDS).map_err(|e| bad(e.to_string()))?;
                         let frames = frames(&audio, encoder.frame);
-                        frames.iter().map(|x| x.to_bits()).collect::<Vec<_>>().hash(&mut h);
+                        for x in &frames {
+                            x.to_bits().hash(&mut h);
+                        }
                         let embeds = encoder
                             .encode(&frames)
                             .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
                             .map_err(internal)?;
-                        (embeds, frames.len() / encoder.frame)
+                        (encoder.tokens, embeds, frames.len() / encoder.frame)
                     }
                 };
                 Ok(Encoded {
                     kind: part.kind,
+                    tokens,
                     embeds,
                     soft_tokens,
                     digest: h.finish(),
@@ -185,17 +190,7 @@ impl Media {
         for (i, piece) in pieces.into_iter().enumerate() {
             if i > 0 {
                 if let Some(item) = items.next() {
-                    let (begin, soft, end) = match item.kind {
-                        MediaKind::Image => {
-                            let t = self.images.as_ref().map(|e| e.tokens());
-                            t.map(|t| (t.begin, t.image, t.end))
-                        }
-                        MediaKind::Audio => self
-                            .audio
-                            .as_ref()
-                            .map(|a| (a.tokens.begin, a.tokens.audio, a.tokens.end)),
-                    }
-                    .unwrap_or_default();
+                    let MediaTokens { soft, begin, end } = item.tokens;
                     ids.push(begin);
                     let span = (ids.len(), ids.len() + item.soft_tokens);
                     if item.kind == MediaKind::Image {
