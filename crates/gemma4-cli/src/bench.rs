@@ -1,4 +1,5 @@
-//! `gemma4 bench`: measure an OpenAI-compatible server, or compare two reports.
+//! `gemma4 bench`: measure an OpenAI-compatible server, compare two reports,
+//! or measure a model on this machine (`bench local`, in `bench_local.rs`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -17,6 +18,8 @@ pub enum Command {
     Serve(Box<ServeArgs>),
     /// Compare two reports side by side, with B/A ratios.
     Compare(CompareArgs),
+    /// Prompt and generation speed of a model on this machine, and peak RSS (like llama-bench).
+    Local(Box<crate::bench_local::LocalArgs>),
 }
 
 /// Concurrency levels as parsed from `--concurrency`.
@@ -113,6 +116,7 @@ pub fn run(c: Command) -> Result<ExitCode> {
     match c {
         Command::Serve(args) => serve(*args),
         Command::Compare(args) => compare_reports(&args),
+        Command::Local(args) => crate::bench_local::run(*args),
     }
 }
 

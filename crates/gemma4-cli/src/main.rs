@@ -4,6 +4,7 @@
 //! each subcommand lives in its own module.
 
 mod bench;
+mod bench_local;
 mod chat;
 mod demo;
 mod doctor;
@@ -51,7 +52,7 @@ enum Command {
     Plan(plan::Args),
     /// Print where the demo model is (or would be) installed.
     DemoPath,
-    /// Benchmark an OpenAI-compatible server, or compare two reports.
+    /// Benchmark an OpenAI-compatible server or a model on this machine, or compare two reports.
     #[command(subcommand)]
     Bench(bench::Command),
 }

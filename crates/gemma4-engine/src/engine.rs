@@ -1,8 +1,12 @@
-//! The engine loop: one thread owns the model and the KV cache; callers
-//! talk to it through channels ([`EngineHandle`]) and receive their tokens
-//! as a stream ([`RequestStream`]). Each iteration: take new requests and
-//! cancellations, let the scheduler pick the step, run one batched model
-//! step, sample, detokenize, check stops, and send events.
+//! The engine loop: one thread owns the scheduler, the KV-cache manager and
+//! the model runner; callers talk to it through channels ([`EngineHandle`])
+//! and receive their tokens as a stream ([`RequestStream`]). Each iteration:
+//! take new requests and cancellations, let the scheduler describe the step
+//! ([`ScheduledChunk`](crate::scheduler::ScheduledChunk)s keyed by sequence
+//! id), have the runner execute it (one batched model step and the
+//! sampling), give the results back to the scheduler, and pass the sampled
+//! ids to the output processor, whose own thread detokenizes, checks stop
+//! strings and sends the events.
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
@@ -10,22 +14,22 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use gemma4_model::config::AttentionKind;
-use gemma4_model::paged::{kv_groups, KvDtype, PagedKvPool, SeqBlocks};
+use gemma4_model::paged::{kv_groups, KvDtype, PagedKvPool};
 use gemma4_model::plan::kv_pool_blocks;
-use gemma4_model::{BatchSeq, Gemma4, LogitsFor, SoftTokens};
+use gemma4_model::Gemma4;
 use gemma4_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::api::{
-    EngineEvent, EngineStats, FinishReason, GenerationRequest, SoftPrompt, SubmitError,
-    TokenConstraint, TokenLogprob, Usage,
-};
+use crate::api::{EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, Usage};
 use crate::kv_manager::KvManager;
-use crate::output::OutputState;
+use crate::output_processor::{self, OutputMsg, StopNotice};
+use crate::runner::{panic_message, ModelRunner, NewRequest, RunnerOutput, StepPlan};
 use crate::sampler::Sampler;
-use crate::scheduler::{Chunk, Scheduler, SchedulerLimits, SeqState};
+#[cfg(feature = "fault-injection")]
+use crate::scheduler::ScheduledChunk;
+use crate::scheduler::{Scheduler, SchedulerLimits, SeqState};
 
 /// Engine settings.
 #[derive(Debug, Clone)]
@@ -414,17 +418,28 @@ fn start_worker(
         max_num_seqs: config.max_num_seqs.max(1),
         max_batch_tokens: config.max_batch_tokens.max(1),
     };
+    let (stops_tx, output_stops) = mpsc::channel();
+    let output = output_processor::spawn(tokenizer.clone(), stops_tx).map_err(|e| {
+        gemma4_model::ModelError::Input(format!("cannot start the output thread: {e}"))
+    })?;
+    let bidirectional_vision = cfg.image_attention.is_bidirectional();
     let mut worker = Worker {
-        model,
-        tokenizer: tokenizer.clone(),
-        pool,
+        runner: ModelRunner::new(
+            model,
+            pool,
+            #[cfg(feature = "fault-injection")]
+            fault,
+        ),
         kv,
         scheduler: Scheduler::new(limits),
         live: HashMap::new(),
         shared: shared.clone(),
         max_model_len: config.max_model_len,
-        step_retries: 0,
-        token_texts: HashMap::new(),
+        bidirectional_vision,
+        new_requests: Vec::new(),
+        ended: Vec::new(),
+        output,
+        output_stops,
         #[cfg(feature = "fault-injection")]
         fault,
     };
@@ -441,74 +456,41 @@ fn start_worker(
         tokenizer,
         token_id_limit,
         hidden_size: cfg.hidden_size,
-        bidirectional_vision: cfg.image_attention.is_bidirectional(),
+        bidirectional_vision,
         kv_plan: Arc::new(kv_plan),
     })
 }
 
-/// Per-request state the scheduler does not need.
+/// Per-request state the scheduler and the runner do not need.
 struct Live {
-    sampler: Sampler,
-    output: OutputState,
+    max_tokens: usize,
+    stop_token_ids: Vec<u32>,
+    /// The caller's end of the stream (only to see whether it went away:
+    /// events go through the output processor).
     events: UnboundedSender<EngineEvent>,
     deadline: Option<Instant>,
     prompt_len: usize,
     generated: usize,
     /// Left the wait queue for the first time (later re-queues are preemptions).
     admitted: bool,
-    /// Encoder rows of the prompt (images), if any.
-    soft_prompt: Option<Arc<SoftPrompt>>,
 }
 
 struct Worker {
-    model: Gemma4,
-    tokenizer: Arc<Tokenizer>,
-    pool: PagedKvPool,
+    runner: ModelRunner,
     kv: KvManager,
     scheduler: Scheduler,
     live: HashMap<u64, Live>,
     shared: Arc<Shared>,
     max_model_len: usize,
-    /// Steps whose batch failed and were run again sequence by sequence.
-    step_retries: u64,
-    /// Each token's own text, decoded the first time a log-prob needs it.
-    token_texts: HashMap<u32, String>,
+    bidirectional_vision: bool,
+    /// Requests submitted, and ended, since the last step the runner ran.
+    new_requests: Vec<NewRequest>,
+    ended: Vec<u64>,
+    output: mpsc::Sender<OutputMsg>,
+    /// Requests the output processor ended (stop strings).
+    output_stops: mpsc::Receiver<StopNotice>,
     #[cfg(feature = "fault-injection")]
     fault: Option<crate::fault::FaultPlan>,
-}
-
-/// A token's text on its own (for log-probs), decoded once per engine.
-fn token_text(cache: &mut HashMap<u32, String>, tokenizer: &Tokenizer, id: u32) -> String {
-    cache
-        .entry(id)
-        .or_insert_with(|| tokenizer.decode(&[id], false).unwrap_or_default())
-        .clone()
-}
-
-/// Constraints back from [`prepare_constraints`], each with its panic, if any.
-type PreparedConstraints =
-    std::thread::Result<Vec<(u64, Box<dyn TokenConstraint>, Option<String>)>>;
-
-/// Prepares each lent constraint's next mask; a panic is kept with its sequence.
-fn prepare_constraints(
-    lent: Vec<(u64, Box<dyn TokenConstraint>)>,
-) -> Vec<(u64, Box<dyn TokenConstraint>, Option<String>)> {
-    lent.into_iter()
-        .map(|(id, mut c)| {
-            let outcome = panic::catch_unwind(AssertUnwindSafe(|| c.prepare()));
-            let panicked = outcome.err().map(|p| panic_message(p.as_ref()));
-            (id, c, panicked)
-        })
-        .collect()
-}
-
-/// The text of a panic's payload.
-fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 impl Worker {
@@ -531,9 +513,8 @@ impl Worker {
 
     /// One iteration; false when the engine should stop.
     fn iterate(&mut self, rx: &mpsc::Receiver<Command>) -> bool {
-        let idle = self.scheduler.running.is_empty() && self.scheduler.waiting.is_empty();
         // Block only when there is nothing to do.
-        if idle {
+        if self.scheduler.is_idle() {
             match rx.recv() {
                 Ok(c) => self.command(c),
                 Err(_) => return false,
@@ -544,12 +525,15 @@ impl Worker {
                 Ok(c) => self.command(c),
                 Err(mpsc::TryRecvError::Empty) => break,
                 Err(mpsc::TryRecvError::Disconnected) => {
-                    if self.scheduler.running.is_empty() && self.scheduler.waiting.is_empty() {
+                    if self.scheduler.is_idle() {
                         return false;
                     }
                     break;
                 }
             }
+        }
+        while let Ok((id, reason)) = self.output_stops.try_recv() {
+            self.end(id, reason);
         }
         self.expire();
         self.step();
@@ -561,22 +545,30 @@ impl Worker {
     fn fail(&mut self, panic: &str) {
         let reason = format!("the engine failed and must be restarted: {panic}");
         tracing::error!(
-            running = self.scheduler.running.len(),
-            waiting = self.scheduler.waiting.len(),
+            running = self.scheduler.running_len(),
+            waiting = self.scheduler.waiting_len(),
             "{reason}"
         );
         if let Ok(mut failure) = self.shared.failure.lock() {
             *failure = Some(reason.clone());
         }
-        for (_, live) in self.live.drain() {
-            let _ = live.events.send(EngineEvent::Finished {
+        for (id, live) in self.live.drain() {
+            let usage = Usage {
+                prompt_tokens: live.prompt_len,
+                completion_tokens: live.generated,
+            };
+            let finished = OutputMsg::Finished {
+                id,
                 reason: FinishReason::Error(reason.clone()),
-                text: String::new(),
-                usage: Usage {
-                    prompt_tokens: live.prompt_len,
-                    completion_tokens: live.generated,
-                },
-            });
+                usage,
+            };
+            if self.output.send(finished).is_err() {
+                let _ = live.events.send(EngineEvent::Finished {
+                    reason: FinishReason::Error(reason.clone()),
+                    text: String::new(),
+                    usage,
+                });
+            }
         }
     }
 
@@ -588,28 +580,36 @@ impl Worker {
                     request,
                     events,
                 } = *p;
-                let prompt_len = request.prompt_ids.len();
+                let params = &request.params;
                 self.live.insert(
                     id,
                     Live {
-                        sampler: Sampler::new(request.params.clone(), &request.prompt_ids),
-                        output: OutputState::new(self.tokenizer.clone(), &request.params),
-                        events,
+                        max_tokens: params.max_tokens,
+                        stop_token_ids: params.stop_token_ids.clone(),
+                        events: events.clone(),
                         deadline: request.deadline,
-                        prompt_len,
+                        prompt_len: request.prompt_ids.len(),
                         generated: 0,
                         admitted: false,
-                        soft_prompt: request.soft_prompt.clone(),
                     },
                 );
-                let content_key = request.soft_prompt.as_ref().map_or(0, |s| s.content_key);
-                let whole_spans = match &request.soft_prompt {
-                    Some(soft) if self.model.config().image_attention.is_bidirectional() => {
-                        soft.blocks.clone()
-                    }
+                let _ = self.output.send(OutputMsg::Start {
+                    id,
+                    params: params.clone(),
+                    events,
+                });
+                let soft = request.soft_prompt.as_deref();
+                let content_key = soft.map_or(0, |s| s.content_key);
+                let whole_spans = match soft {
+                    Some(soft) if self.bidirectional_vision => soft.blocks.clone(),
                     _ => Vec::new(),
                 };
-                self.scheduler.waiting.push_back(SeqState {
+                self.new_requests.push(NewRequest {
+                    seq_id: id,
+                    sampler: Sampler::new(request.params.clone(), &request.prompt_ids),
+                    soft_prompt: request.soft_prompt.clone(),
+                });
+                self.scheduler.add(SeqState {
                     id,
                     tokens: request.prompt_ids,
                     computed: 0,
@@ -649,37 +649,29 @@ impl Worker {
         }
     }
 
-    /// Removes a request wherever it is, frees its blocks and sends `Finished`.
+    /// Removes a request wherever it is, frees its blocks and has `Finished` sent.
     fn end(&mut self, id: u64, reason: FinishReason) {
-        if let Some(i) = self.scheduler.running.iter().position(|s| s.id == id) {
-            self.scheduler.finish(i, &mut self.kv);
-        } else {
-            self.scheduler.remove_waiting(id, &mut self.kv);
-        }
-        if let Some(mut l) = self.live.remove(&id) {
+        self.scheduler.remove(id, &mut self.kv);
+        if let Some(l) = self.live.remove(&id) {
+            self.ended.push(id);
             if !l.admitted {
                 self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
             }
             // Callers that read the stats after `Finished` see the blocks freed.
             self.publish_stats();
-            let text = l.output.flush();
             let usage = Usage {
                 prompt_tokens: l.prompt_len,
                 completion_tokens: l.generated,
             };
-            let _ = l.events.send(EngineEvent::Finished {
-                reason,
-                text,
-                usage,
-            });
+            let _ = self.output.send(OutputMsg::Finished { id, reason, usage });
         }
     }
 
     fn step(&mut self) {
         let chunks = self.scheduler.schedule(&mut self.kv);
         // Requests admitted from the queue for the first time no longer count as waiting.
-        for seq in &self.scheduler.running {
-            if let Some(l) = self.live.get_mut(&seq.id) {
+        for id in self.scheduler.running_ids() {
+            if let Some(l) = self.live.get_mut(&id) {
                 if !l.admitted {
                     l.admitted = true;
                     self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -687,9 +679,9 @@ impl Worker {
             }
         }
         if chunks.is_empty() {
-            if self.scheduler.running.is_empty() {
+            if self.scheduler.running_len() == 0 {
                 // Nothing runs, yet the head of the queue cannot be placed: it can never fit.
-                if let Some(id) = self.scheduler.waiting.front().map(|s| s.id) {
+                if let Some(id) = self.scheduler.first_waiting() {
                     self.end(
                         id,
                         FinishReason::Error(
@@ -702,38 +694,16 @@ impl Worker {
         }
         #[cfg(feature = "fault-injection")]
         self.inject_engine_fault(&chunks);
-        // Grammar masks for this step's samples are worked out on another
-        // thread while the model computes the logits they will mask.
-        let lent = self.lend_constraints(&chunks);
-        let lent_ids: Vec<u64> = lent.iter().map(|(id, _)| *id).collect();
-        let (rows, prepared) = std::thread::scope(|s| {
-            let preparing = (!lent.is_empty()).then(|| s.spawn(|| prepare_constraints(lent)));
-            let rows = self.forward(&chunks);
-            (rows, preparing.map(|h| h.join()))
-        });
-        let mut finished = self.restore_constraints(&lent_ids, prepared);
-        for (c, row) in chunks.iter().zip(rows) {
-            let id = self.scheduler.running[c.index].id;
-            if finished.iter().any(|(failed, _)| *failed == id) {
-                continue;
-            }
-            let row = match row {
-                Ok(row) => row,
-                Err(e) => {
-                    finished.push((id, FinishReason::Error(e)));
-                    continue;
-                }
-            };
-            // One sequence's sampling and detokenizing: a panic there ends that request only.
-            let outcome = panic::catch_unwind(AssertUnwindSafe(|| self.advance(*c, row)));
-            match outcome {
-                Ok(Some(reason)) => finished.push((id, reason)),
-                Ok(None) => {}
-                Err(payload) => {
-                    let msg = panic_message(payload.as_ref());
-                    tracing::error!(request = id, "sampling panicked: {msg}");
-                    finished.push((id, FinishReason::Error(format!("sampling failed: {msg}"))));
-                }
+        let plan = StepPlan {
+            new_requests: std::mem::take(&mut self.new_requests),
+            finished: std::mem::take(&mut self.ended),
+            chunks,
+        };
+        let outputs = self.runner.execute(plan);
+        let mut finished = Vec::new();
+        for out in outputs {
+            if let Some(reason) = self.take_back(out) {
+                finished.push(reason);
             }
         }
         for (id, reason) in finished {
@@ -741,228 +711,68 @@ impl Worker {
         }
     }
 
-    /// The constraints of the sequences that sample this step, taken out of
-    /// their samplers.
-    fn lend_constraints(&mut self, chunks: &[Chunk]) -> Vec<(u64, Box<dyn TokenConstraint>)> {
-        chunks
-            .iter()
-            .filter(|c| c.samples)
-            .filter_map(|c| {
-                let id = self.scheduler.running[c.index].id;
-                let constraint = self.live.get_mut(&id)?.sampler.take_constraint()?;
-                Some((id, constraint))
-            })
-            .collect()
-    }
-
-    /// Gives prepared constraints back. A sequence whose constraint panicked
-    /// (or was lost with its thread) must not sample unconstrained: it ends.
-    fn restore_constraints(
-        &mut self,
-        lent: &[u64],
-        prepared: Option<PreparedConstraints>,
-    ) -> Vec<(u64, FinishReason)> {
-        let returned = match prepared {
-            None => return Vec::new(),
-            Some(Ok(returned)) => returned,
-            Some(Err(payload)) => {
-                let msg = panic_message(payload.as_ref());
-                tracing::error!(requests = ?lent, "preparing grammar masks failed: {msg}");
-                let reason = || FinishReason::Error(format!("the grammar failed: {msg}"));
-                return lent.iter().map(|&id| (id, reason())).collect();
-            }
+    /// Takes one chunk's result back into the scheduler and, when it
+    /// sampled, sends the token on; `Some` when the request ends.
+    fn take_back(&mut self, out: RunnerOutput) -> Option<(u64, FinishReason)> {
+        let id = out.seq_id;
+        let sampled = match out.result {
+            Ok(sampled) => sampled,
+            Err(e) => return Some((id, FinishReason::Error(e))),
         };
-        let mut failed = Vec::new();
-        for (id, constraint, panicked) in returned {
-            match panicked {
-                Some(msg) => {
-                    tracing::error!(request = id, "the grammar mask panicked: {msg}");
-                    failed.push((
-                        id,
-                        FinishReason::Error(format!("the grammar failed: {msg}")),
-                    ));
-                }
-                None => {
-                    if let Some(live) = self.live.get_mut(&id) {
-                        live.sampler.restore_constraint(constraint);
-                    }
-                }
-            }
+        let live = self.live.get_mut(&id)?;
+        let stop_token = sampled
+            .as_ref()
+            .is_some_and(|s| live.stop_token_ids.contains(&s.token));
+        let kept = sampled.as_ref().filter(|_| !stop_token).map(|s| s.token);
+        let len = self
+            .scheduler
+            .commit(id, out.computed, kept, &mut self.kv)?;
+        if stop_token {
+            return Some((id, FinishReason::Stop));
         }
-        failed
+        let sampled = sampled?;
+        live.generated += 1;
+        let _ = self.output.send(OutputMsg::Token {
+            id,
+            token: sampled.token,
+            logprobs: sampled.logprobs,
+        });
+        (live.generated >= live.max_tokens || len >= self.max_model_len)
+            .then_some((id, FinishReason::Length))
     }
 
     /// A fault planned for a batch that holds the trigger token, outside the model.
     #[cfg(feature = "fault-injection")]
-    fn inject_engine_fault(&self, chunks: &[Chunk]) {
+    fn inject_engine_fault(&self, chunks: &[ScheduledChunk]) {
         if let Some(fault) = &self.fault {
             let seqs: Vec<&[u32]> = chunks
                 .iter()
-                .map(|c| self.scheduler.running[c.index].tokens.as_slice())
+                .filter_map(|c| self.scheduler.tokens(c.seq_id))
                 .collect();
             fault.in_bookkeeping(&seqs);
-        }
-    }
-
-    /// Runs the step's chunks as one batch. If the batch fails (an error or a
-    /// panic in the model), each chunk is run again alone, so only the chunks
-    /// that fail by themselves get the error and the rest go on.
-    fn forward(&mut self, chunks: &[Chunk]) -> Vec<Result<Option<Tensor>, String>> {
-        match self.forward_chunks(chunks) {
-            Ok(rows) => rows.into_iter().map(Ok).collect(),
-            Err(e) if chunks.len() == 1 => vec![Err(e)],
-            Err(e) => {
-                self.step_retries += 1;
-                tracing::warn!(
-                    sequences = chunks.len(),
-                    "a batched model step failed ({e}); running each sequence alone"
-                );
-                chunks
-                    .iter()
-                    .map(|c| {
-                        self.forward_chunks(std::slice::from_ref(c))
-                            .map(|mut rows| rows.pop().flatten())
-                    })
-                    .collect()
-            }
-        }
-    }
-
-    fn forward_chunks(&mut self, chunks: &[Chunk]) -> Result<Vec<Option<Tensor>>, String> {
-        let running = &self.scheduler.running;
-        let tables: Vec<SeqBlocks> = chunks
-            .iter()
-            .map(|c| SeqBlocks {
-                groups: running[c.index].kv.tables.clone(),
-                len_after_step: c.start + c.len,
-            })
-            .collect();
-        // Each chunk's share of its prompt's encoder rows.
-        let soft: Vec<Option<crate::api::SoftWindow<'_>>> = chunks
-            .iter()
-            .map(|c| {
-                let live = self.live.get(&running[c.index].id)?;
-                let window = live.soft_prompt.as_ref()?.window(c.start, c.len);
-                (!window.rows.is_empty()).then_some(window)
-            })
-            .collect();
-        let batch: Vec<BatchSeq<'_>> = chunks
-            .iter()
-            .zip(&soft)
-            .map(|(c, soft)| BatchSeq {
-                ids: &running[c.index].tokens[c.start..c.start + c.len],
-                start: c.start,
-                logits: c.samples.then_some(LogitsFor::Last),
-                soft: soft.as_ref().map(|w| SoftTokens {
-                    rows: &w.rows,
-                    embeds: w.embeds,
-                    blocks: &w.blocks,
-                }),
-            })
-            .collect();
-        let (model, pool) = (&self.model, &mut self.pool);
-        #[cfg(feature = "fault-injection")]
-        let fault = self.fault.as_ref();
-        // The model only writes the chunks' own KV positions, which a retry writes again.
-        let result = panic::catch_unwind(AssertUnwindSafe(|| {
-            #[cfg(feature = "fault-injection")]
-            if let Some(fault) = fault {
-                fault.in_model_step(&batch)?;
-            }
-            let mut view = pool.view(&tables);
-            model.forward_batch(&batch, &mut view, None)
-        }));
-        match result {
-            Ok(Ok(rows)) => Ok(rows),
-            Ok(Err(e)) => Err(format!("model step failed: {e}")),
-            Err(payload) => {
-                let msg = panic_message(payload.as_ref());
-                let ids: Vec<u64> = chunks.iter().map(|c| running[c.index].id).collect();
-                let tokens: usize = chunks.iter().map(|c| c.len).sum();
-                tracing::error!(requests = ?ids, tokens, "the model step panicked: {msg}");
-                Err(format!("model step panicked: {msg}"))
-            }
-        }
-    }
-
-    /// Takes a chunk's computed tokens into account and, when it has logits,
-    /// samples the next token and sends it; `Some` when the request ends.
-    fn advance(&mut self, c: Chunk, row: Option<Tensor>) -> Option<FinishReason> {
-        let seq = &mut self.scheduler.running[c.index];
-        seq.computed = c.start + c.len;
-        self.kv
-            .register_full_blocks(&mut seq.kv, &seq.tokens, seq.computed);
-        let row = row?;
-        let live = self.live.get_mut(&seq.id)?;
-        let values = match row.squeeze(0).and_then(|r| r.to_vec1::<f32>()) {
-            Ok(v) => v,
-            Err(e) => return Some(FinishReason::Error(format!("reading logits failed: {e}"))),
-        };
-        let sampled = live.sampler.sample(&values);
-        let token = sampled.token;
-        if live.sampler.params().stop_token_ids.contains(&token) {
-            return Some(FinishReason::Stop);
-        }
-        live.generated += 1;
-        seq.tokens.push(token);
-        let texts = &mut self.token_texts;
-        let tokenizer = &self.tokenizer;
-        let logprob = sampled.logprobs.map(|(lp, top)| TokenLogprob {
-            token_id: token,
-            text: token_text(texts, tokenizer, token),
-            logprob: lp,
-            top: top
-                .into_iter()
-                .map(|(t, l)| (t, token_text(texts, tokenizer, t), l))
-                .collect(),
-        });
-        let (text, stopped) = live.output.push(token);
-        let _ = live.events.send(EngineEvent::Token {
-            id: token,
-            text,
-            logprob,
-        });
-        if stopped {
-            Some(FinishReason::Stop)
-        } else if live.generated >= live.sampler.params().max_tokens
-            || seq.tokens.len() >= self.max_model_len
-        {
-            Some(FinishReason::Length)
-        } else {
-            None
         }
     }
 
     fn publish_stats(&self) {
         if let Ok(mut s) = self.shared.stats.lock() {
             let usage = self.kv.usage();
-            for (g, u) in self.pool.groups().iter().zip(&usage) {
+            let groups = self.runner.pool().groups();
+            for (g, u) in groups.iter().zip(&usage) {
                 match g.kind {
                     AttentionKind::Sliding => s.kv_sliding_blocks_used = u.used,
                     AttentionKind::Full => s.kv_full_blocks_used = u.used,
                 }
             }
-            if let Some(g) = self
-                .pool
-                .groups()
-                .iter()
-                .position(|g| g.kind == AttentionKind::Sliding)
-            {
-                let peak = self
-                    .scheduler
-                    .running
-                    .iter()
-                    .map(|r| r.kv.tables[g].blocks.len())
-                    .max()
-                    .unwrap_or(0);
+            if let Some(g) = groups.iter().position(|g| g.kind == AttentionKind::Sliding) {
+                let peak = self.scheduler.peak_blocks(g);
                 s.kv_sliding_blocks_per_seq_peak = s.kv_sliding_blocks_per_seq_peak.max(peak);
             }
-            s.running = self.scheduler.running.len();
+            s.running = self.scheduler.running_len();
             s.kv_blocks_total = usage.iter().map(|u| u.total).sum();
             s.kv_blocks_used = usage.iter().map(|u| u.used).sum();
-            s.prefix_cache_hits = self.scheduler.prefix_hits;
-            s.preemptions = self.scheduler.preemptions;
-            s.step_retries = self.step_retries;
+            s.prefix_cache_hits = self.scheduler.prefix_hits();
+            s.preemptions = self.scheduler.preemptions();
+            s.step_retries = self.runner.step_retries();
         }
     }
 }

@@ -1,8 +1,9 @@
 //! The serving engine: a KV-cache manager that knows the architecture
 //! (shared-KV layers own no cache, sliding layers keep only their window),
-//! a continuous-batching scheduler with chunked prefill and preemption,
-//! the sampler, and the loop that runs batched model steps and streams
-//! tokens back to callers. The loop survives a panic or an error in a model
+//! a continuous-batching scheduler with chunked prefill and preemption that
+//! describes each step by sequence id, the model runner that executes a
+//! step and samples, the output processor (its own thread: detokenizing,
+//! stop strings, events), and the loop that ties them together. The loop survives a panic or an error in a model
 //! step (only the requests that fail alone get the error) and reports a
 //! panic it cannot recover from through [`EngineHandle::health`].
 
@@ -12,6 +13,8 @@ pub mod engine;
 pub mod fault;
 pub mod kv_manager;
 pub mod output;
+mod output_processor;
+pub mod runner;
 pub mod sampler;
 pub mod scheduler;
 

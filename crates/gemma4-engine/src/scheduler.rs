@@ -6,9 +6,13 @@
 //! is budget, a free sequence slot and KV memory. When memory runs out, the
 //! most recently admitted sequence is preempted: its blocks are freed and it
 //! goes back to the front of the queue, to be recomputed later. The
-//! scheduler never sees tensors.
+//! scheduler never sees tensors: [`Scheduler::schedule`] describes the step
+//! by sequence id ([`ScheduledChunk`]), the model runner executes it, and
+//! [`Scheduler::commit`] takes each result back.
 
 use std::collections::VecDeque;
+
+use gemma4_model::paged::SeqBlocks;
 
 use crate::kv_manager::{KvManager, SeqKv};
 
@@ -64,13 +68,25 @@ impl SeqState {
     }
 }
 
-/// One sequence's part of a step.
+/// One sequence's part of a step, by index into the running list (internal).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Chunk {
-    /// Index into [`Scheduler::running`].
-    pub index: usize,
+struct Chunk {
+    index: usize,
+    start: usize,
+    len: usize,
+    samples: bool,
+}
+
+/// One sequence's part of a step, as the model runner receives it.
+#[derive(Debug, Clone)]
+pub struct ScheduledChunk {
+    pub seq_id: u64,
+    /// Position of the first token.
     pub start: usize,
-    pub len: usize,
+    /// The tokens to run, at positions `start..start + tokens.len()`.
+    pub tokens: Vec<u32>,
+    /// The sequence's KV blocks per cache group, allocated for this step.
+    pub blocks: SeqBlocks,
     /// The chunk ends at the last known token, so the step yields a next-token distribution.
     pub samples: bool,
 }
@@ -78,11 +94,11 @@ pub struct Chunk {
 /// Waiting and running sequences.
 #[derive(Debug)]
 pub struct Scheduler {
-    pub limits: SchedulerLimits,
-    pub waiting: VecDeque<SeqState>,
-    pub running: Vec<SeqState>,
-    pub preemptions: u64,
-    pub prefix_hits: u64,
+    limits: SchedulerLimits,
+    waiting: VecDeque<SeqState>,
+    running: Vec<SeqState>,
+    preemptions: u64,
+    prefix_hits: u64,
 }
 
 impl Scheduler {
@@ -96,8 +112,99 @@ impl Scheduler {
         }
     }
 
-    /// Chooses the next step's work and allocates its KV blocks.
-    pub fn schedule(&mut self, kv: &mut KvManager) -> Vec<Chunk> {
+    /// Queues a new sequence.
+    pub fn add(&mut self, seq: SeqState) {
+        self.waiting.push_back(seq);
+    }
+
+    pub fn running_len(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn waiting_len(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    pub fn running_ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.running.iter().map(|s| s.id)
+    }
+
+    /// The sequence at the head of the queue.
+    pub fn first_waiting(&self) -> Option<u64> {
+        self.waiting.front().map(|s| s.id)
+    }
+
+    /// A running sequence's tokens (prompt and generated).
+    pub fn tokens(&self, id: u64) -> Option<&[u32]> {
+        let seq = self.running.iter().find(|s| s.id == id)?;
+        Some(&seq.tokens)
+    }
+
+    /// Sequences preempted so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// Admissions that reused a cached prefix.
+    pub fn prefix_hits(&self) -> u64 {
+        self.prefix_hits
+    }
+
+    /// The most blocks any running sequence holds in cache group `group`.
+    pub fn peak_blocks(&self, group: usize) -> usize {
+        self.running
+            .iter()
+            .map(|r| r.kv.tables[group].blocks.len())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Chooses the next step's work, allocates its KV blocks and describes
+    /// it by sequence id.
+    pub fn schedule(&mut self, kv: &mut KvManager) -> Vec<ScheduledChunk> {
+        let chunks = self.pick(kv);
+        chunks
+            .into_iter()
+            .map(|c| {
+                let seq = &self.running[c.index];
+                ScheduledChunk {
+                    seq_id: seq.id,
+                    start: c.start,
+                    tokens: seq.tokens[c.start..c.start + c.len].to_vec(),
+                    blocks: SeqBlocks {
+                        groups: seq.kv.tables.clone(),
+                        len_after_step: c.start + c.len,
+                    },
+                    samples: c.samples,
+                }
+            })
+            .collect()
+    }
+
+    /// Takes a step's result back: the first `computed` tokens are in the cache (their
+    /// full blocks become reusable prefixes) and, when it sampled, the new
+    /// token joins the sequence. Returns the sequence's length.
+    pub fn commit(
+        &mut self,
+        seq_id: u64,
+        computed: usize,
+        token: Option<u32>,
+        kv: &mut KvManager,
+    ) -> Option<usize> {
+        let seq = self.running.iter_mut().find(|s| s.id == seq_id)?;
+        seq.computed = computed;
+        kv.register_full_blocks(&mut seq.kv, &seq.tokens, seq.computed);
+        if let Some(token) = token {
+            seq.tokens.push(token);
+        }
+        Some(seq.tokens.len())
+    }
+
+    fn pick(&mut self, kv: &mut KvManager) -> Vec<Chunk> {
         let mut budget = self.limits.max_batch_tokens.max(1);
         let mut chunks = Vec::new();
         let mut i = 0;
@@ -174,18 +281,89 @@ impl Scheduler {
         self.waiting.push_front(seq);
     }
 
-    /// Removes a running sequence (finished or cancelled) and frees its blocks.
-    pub fn finish(&mut self, index: usize, kv: &mut KvManager) -> SeqState {
-        let mut seq = self.running.remove(index);
-        kv.release(&mut seq.kv);
-        seq
-    }
-
-    /// Removes a waiting sequence by id.
-    pub fn remove_waiting(&mut self, id: u64, kv: &mut KvManager) -> Option<SeqState> {
-        let pos = self.waiting.iter().position(|s| s.id == id)?;
-        let mut seq = self.waiting.remove(pos)?;
+    /// Removes a sequence, running or waiting (finished or cancelled), and
+    /// frees its blocks.
+    pub fn remove(&mut self, id: u64, kv: &mut KvManager) -> Option<SeqState> {
+        let mut seq = match self.running.iter().position(|s| s.id == id) {
+            Some(i) => self.running.remove(i),
+            None => {
+                let pos = self.waiting.iter().position(|s| s.id == id)?;
+                self.waiting.remove(pos)?
+            }
+        };
         kv.release(&mut seq.kv);
         Some(seq)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use gemma4_model::config::AttentionKind;
+    use gemma4_model::paged::KvGroup;
+
+    use super::*;
+
+    fn kv() -> KvManager {
+        let groups = vec![KvGroup {
+            kind: AttentionKind::Full,
+            layers: vec![0],
+            heads: vec![(1, 2)],
+        }];
+        KvManager::new(&groups, &[64], 4, 8, false)
+    }
+
+    fn seq(kv: &KvManager, id: u64, len: u32) -> SeqState {
+        SeqState {
+            id,
+            tokens: (0..len).collect(),
+            computed: 0,
+            kv: kv.empty(),
+            prefix_hit: 0,
+            whole_spans: Vec::new(),
+        }
+    }
+
+    /// A step is described by sequence id with its tokens, positions and
+    /// blocks; committing the results moves each sequence on.
+    #[test]
+    fn steps_are_described_by_id_and_committed_back() {
+        let mut kv = kv();
+        let mut s = Scheduler::new(SchedulerLimits {
+            max_num_seqs: 4,
+            max_batch_tokens: 8,
+        });
+        s.add(seq(&kv, 7, 6));
+        s.add(seq(&kv, 9, 5));
+        let step = s.schedule(&mut kv);
+        // Sequence 7 fits whole and samples; 9 gets the 2 tokens left of the budget.
+        assert_eq!(step.len(), 2);
+        assert_eq!(
+            (step[0].seq_id, step[0].start, step[0].samples),
+            (7, 0, true)
+        );
+        assert_eq!(step[0].tokens, vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(step[0].blocks.len_after_step, 6);
+        assert_eq!(step[0].blocks.groups[0].blocks.len(), 2);
+        assert_eq!(
+            (step[1].seq_id, step[1].tokens.len(), step[1].samples),
+            (9, 2, false)
+        );
+        assert_eq!(s.commit(7, 6, Some(42), &mut kv), Some(7));
+        assert_eq!(s.commit(9, 2, None, &mut kv), Some(5));
+        assert_eq!(s.tokens(7).and_then(|t| t.last()), Some(&42));
+        let step = s.schedule(&mut kv);
+        // 7 decodes its new token at position 6; 9 finishes its prompt.
+        assert_eq!(
+            (step[0].seq_id, step[0].start, step[0].tokens.clone()),
+            (7, 6, vec![42])
+        );
+        assert_eq!(
+            (step[1].seq_id, step[1].start, step[1].samples),
+            (9, 2, true)
+        );
+        assert!(s.remove(7, &mut kv).is_some());
+        assert!(s.remove(9, &mut kv).is_some());
+        assert!(s.is_idle());
+        assert_eq!(kv.usage()[0].used, 0);
     }
 }

@@ -327,20 +327,23 @@ fn stop_strings_cut_the_text() {
     let engine = start(model(v), tokenizer(v), config(64)).expect("engine");
     let golden = Golden::read(&fixture(v).join("golden.json")).expect("golden");
     let p = &golden.prompts[2];
-    // Find the full text first, then stop on a piece of it.
-    let full = {
+    // Find the full text first (and each token's share), then stop on a piece of it.
+    let (full, pieces) = {
         let mut s = engine.submit(request(&p.input_ids)).expect("submit");
-        let mut text = String::new();
+        let (mut text, mut pieces) = (String::new(), Vec::new());
         while let Some(e) = s.blocking_next() {
             match e {
-                EngineEvent::Token { text: t, .. } => text.push_str(&t),
+                EngineEvent::Token { text: t, .. } => {
+                    text.push_str(&t);
+                    pieces.push(t);
+                }
                 EngineEvent::Finished { text: t, .. } => {
                     text.push_str(&t);
                     break;
                 }
             }
         }
-        text
+        (text, pieces)
     };
     let visible: Vec<(usize, char)> = full
         .char_indices()
@@ -363,20 +366,38 @@ fn stop_strings_cut_the_text() {
             soft_prompt: None,
         })
         .expect("submit");
-    let mut text = String::new();
-    loop {
+    let (mut text, mut tokens) = (String::new(), 0);
+    let usage = loop {
         match s.blocking_next().expect("event") {
-            EngineEvent::Token { text: t, .. } => text.push_str(&t),
+            EngineEvent::Token { text: t, .. } => {
+                text.push_str(&t);
+                tokens += 1;
+            }
             EngineEvent::Finished {
-                text: t, reason, ..
+                text: t,
+                reason,
+                usage,
             } => {
                 text.push_str(&t);
                 assert_eq!(reason, FinishReason::Stop);
-                break;
+                break usage;
             }
         }
-    }
+    };
     assert_eq!(text, full[..cut], "stop {stop:?}");
+    // The match is found off the model's thread, a step or more after the
+    // token that completed it; nothing past that token is sent or counted.
+    let mut seen = String::new();
+    let completing = pieces
+        .iter()
+        .position(|t| {
+            seen.push_str(t);
+            seen.contains(&stop)
+        })
+        .expect("the stop string completes at some token");
+    assert_eq!(tokens, completing + 1, "tokens sent after the stop");
+    assert_eq!(usage.completion_tokens, completing + 1);
+    assert_eq!(usage.prompt_tokens, p.input_ids.len());
 }
 
 /// Deadlines and dropped streams end requests and free their blocks at once.

@@ -89,6 +89,18 @@ pub enum Precision {
     Int8Activations,
 }
 
+/// The instruction sets the kernels run with on this CPU (for reports):
+/// the float kernels' level and the integer dot products'.
+pub fn describe() -> String {
+    let float = format!("{:?}", dispatch::level()).to_lowercase();
+    let integer = if intdot::has_vnni() {
+        "avx512 vnni".to_string()
+    } else {
+        float.clone()
+    };
+    format!("float {float}, integer {integer}")
+}
+
 /// IEEE half → f32, exact, branch-light (inlined into kernels, unlike a
 /// library call per block scale).
 #[inline(always)]

@@ -1,0 +1,264 @@
+//! `gemma4 bench local`: prompt-processing and generation speed of a model
+//! on this machine, and the process's peak resident memory, as llama-bench
+//! reports them.
+//!
+//! Each repetition is one request through the serving engine (the same
+//! scheduler, runner and paged KV cache `serve` uses, prefix caching off):
+//! a prompt of `-p` random token ids run in one step, then `-n` greedy
+//! tokens. Prompt speed is `p` over the time to the first token; generation
+//! speed is `n - 1` over the time from the first token to the last.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use gemma4_engine::{EngineConfig, EngineEvent, FinishReason, GenerationRequest, SamplingParams};
+use serde::Serialize;
+
+use crate::model_io::{load_model, load_tokenizer, release_freed_memory, ModelArgs};
+
+#[derive(clap::Args)]
+pub struct LocalArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt tokens per repetition (0 skips the prompt test; one token still starts generation).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    n_prompt: usize,
+    /// Generated tokens per repetition (0 skips the generation test).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    n_gen: usize,
+    /// Repetitions (after one untimed warm-up run).
+    #[arg(short = 'r', long = "repetitions", default_value_t = 3)]
+    repetitions: usize,
+    /// Seed of the random prompt ids.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// One test's figures over the repetitions.
+#[derive(Serialize)]
+struct Figure {
+    test: String,
+    tokens: usize,
+    /// Tokens per second, one value per repetition.
+    samples: Vec<f64>,
+    mean: f64,
+    stddev: f64,
+}
+
+#[derive(Serialize)]
+struct LocalReport {
+    model: String,
+    storage: String,
+    threads: usize,
+    kernels: String,
+    tests: Vec<Figure>,
+    peak_rss_mib: f64,
+}
+
+pub fn run(args: LocalArgs) -> Result<ExitCode> {
+    if args.repetitions == 0 {
+        bail!("-r must be at least 1");
+    }
+    if args.n_prompt == 0 && args.n_gen == 0 {
+        bail!("nothing to measure: -p and -n are both 0");
+    }
+    let path = args.model.path()?;
+    let tokenizer = Arc::new(load_tokenizer(&path)?);
+    release_freed_memory();
+    let (model, report) = load_model(&path, args.model.policy())?;
+    release_freed_memory();
+    let vocab = model.config().vocab_size.min(tokenizer.vocab_size());
+    let prompt_len = args.n_prompt.max(1);
+    let config = EngineConfig {
+        max_num_seqs: 1,
+        max_model_len: prompt_len + args.n_gen + 1,
+        max_batch_tokens: prompt_len,
+        prefix_caching: false,
+        ..EngineConfig::default()
+    };
+    let engine =
+        gemma4_engine::start(model, tokenizer, config).context("cannot start the engine")?;
+    let prompt = random_ids(args.seed, prompt_len, vocab);
+    let mut prompt_rates = Vec::new();
+    let mut gen_rates = Vec::new();
+    for rep in 0..=args.repetitions {
+        let run = one_run(&engine, &prompt, args.n_gen.max(1))?;
+        if rep == 0 {
+            continue; // warm-up: pages the weights in, sizes the buffers
+        }
+        prompt_rates.push(prompt_len as f64 / run.first_token_s);
+        if args.n_gen >= 2 {
+            gen_rates.push((args.n_gen - 1) as f64 / run.decode_s);
+        }
+    }
+    let mut tests = Vec::new();
+    if args.n_prompt > 0 {
+        tests.push(figure(
+            format!("pp{}", args.n_prompt),
+            args.n_prompt,
+            prompt_rates,
+        ));
+    }
+    if args.n_gen >= 2 {
+        tests.push(figure(format!("tg{}", args.n_gen), args.n_gen, gen_rates));
+    }
+    let out = LocalReport {
+        model: path.display().to_string(),
+        storage: report
+            .by_storage
+            .iter()
+            .map(|(name, (n, bytes))| format!("{name} {n} ({:.0} MiB)", *bytes as f64 / MIB))
+            .collect::<Vec<_>>()
+            .join(", "),
+        threads: gemma4_kernels::pool::global().threads(),
+        kernels: gemma4_kernels::describe(),
+        tests,
+        peak_rss_mib: peak_rss_bytes() as f64 / MIB,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print_table(&out);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+const MIB: f64 = 1024.0 * 1024.0;
+
+struct Run {
+    first_token_s: f64,
+    decode_s: f64,
+}
+
+/// One request: the prompt, then `n` greedy tokens (end-of-sequence ignored).
+fn one_run(engine: &gemma4_engine::EngineHandle, prompt: &[u32], n: usize) -> Result<Run> {
+    let request = GenerationRequest {
+        prompt_ids: prompt.to_vec(),
+        params: SamplingParams {
+            temperature: 0.0,
+            max_tokens: n,
+            ..SamplingParams::default()
+        },
+        deadline: None,
+        soft_prompt: None,
+    };
+    let t0 = Instant::now();
+    let mut stream = engine
+        .submit(request)
+        .context("the engine refused the request")?;
+    let (mut first, mut last, mut count) = (None, t0, 0usize);
+    while let Some(event) = stream.blocking_next() {
+        match event {
+            EngineEvent::Token { .. } => {
+                let now = Instant::now();
+                first.get_or_insert(now);
+                last = now;
+                count += 1;
+            }
+            EngineEvent::Finished { reason, .. } => {
+                if let FinishReason::Error(e) = reason {
+                    bail!("the request failed: {e}");
+                }
+                break;
+            }
+        }
+    }
+    let Some(first) = first else {
+        bail!("the request produced no token");
+    };
+    if count != n {
+        bail!("the request produced {count} of {n} tokens");
+    }
+    Ok(Run {
+        first_token_s: (first - t0).as_secs_f64(),
+        decode_s: (last - first).as_secs_f64().max(f64::MIN_POSITIVE),
+    })
+}
+
+/// `n` token ids drawn uniformly from `0..vocab` (a fixed generator, so runs
+/// and engines see the same prompt for a seed).
+fn random_ids(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            // xorshift64*
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            let x = state.wrapping_mul(0x2545_F491_4F6C_DD1D);
+            (x % vocab.max(1) as u64) as u32
+        })
+        .collect()
+}
+
+fn figure(test: String, tokens: usize, samples: Vec<f64>) -> Figure {
+    let n = samples.len().max(1) as f64;
+    let mean = samples.iter().sum::<f64>() / n;
+    let var = samples.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    Figure {
+        test,
+        tokens,
+        samples,
+        mean,
+        stddev: var.sqrt(),
+    }
+}
+
+fn print_table(r: &LocalReport) {
+    println!("model: {}", r.model);
+    println!("storage: {}", r.storage);
+    println!("kernels: {}", r.kernels);
+    println!("| threads | test | t/s |");
+    println!("|---:|---:|---:|");
+    for t in &r.tests {
+        println!(
+            "| {} | {} | {:.2} ± {:.2} |",
+            r.threads, t.test, t.mean, t.stddev
+        );
+    }
+    println!("peak RSS: {:.0} MiB", r.peak_rss_mib);
+}
+
+/// The process's peak resident set so far.
+fn peak_rss_bytes() -> u64 {
+    // SAFETY: getrusage only writes the struct it is given.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: RUSAGE_SELF with a valid pointer.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) } != 0 {
+        return 0;
+    }
+    // Linux reports kibibytes; macOS bytes.
+    let raw = usage.ru_maxrss.max(0) as u64;
+    if cfg!(target_os = "macos") {
+        raw
+    } else {
+        raw * 1024
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_ids_stay_in_the_vocabulary_and_repeat_per_seed() {
+        let a = random_ids(1, 1000, 262_144);
+        assert!(a.iter().all(|&t| (t as usize) < 262_144));
+        assert_eq!(a, random_ids(1, 1000, 262_144));
+        assert_ne!(a, random_ids(2, 1000, 262_144));
+        // Spread over the range, not stuck in a corner.
+        assert!(a.iter().any(|&t| t > 200_000) && a.iter().any(|&t| t < 60_000));
+    }
+
+    #[test]
+    fn figures_are_mean_and_sample_deviation() {
+        let f = figure("tg4".into(), 4, vec![10.0, 12.0, 14.0]);
+        assert!((f.mean - 12.0).abs() < 1e-12);
+        assert!((f.stddev - 2.0).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,305 @@
+//! The model runner: executes the step the scheduler describes and returns
+//! what each sequence sampled. It owns the model, the KV pools and each
+//! request's sampler; it knows nothing of queues, deadlines or text.
+//!
+//! A step goes in as [`StepPlan`] (new requests, finished ones, the chunks
+//! to run, all keyed by sequence id) and comes out as one [`RunnerOutput`]
+//! per chunk. A failed batch is run again sequence by sequence, so only the
+//! sequences that fail alone get the error; grammar masks are prepared on
+//! another thread while the model computes the logits they will mask.
+
+use std::collections::HashMap;
+use std::panic::{self, AssertUnwindSafe};
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use gemma4_model::paged::PagedKvPool;
+use gemma4_model::{BatchSeq, Gemma4, LogitsFor, SoftTokens};
+
+use crate::api::{SoftPrompt, TokenConstraint};
+use crate::sampler::{Sampled, Sampler};
+use crate::scheduler::ScheduledChunk;
+
+/// A request the runner has not seen before.
+pub struct NewRequest {
+    pub seq_id: u64,
+    pub sampler: Sampler,
+    /// Encoder rows of the prompt (images, audio), if any.
+    pub soft_prompt: Option<Arc<SoftPrompt>>,
+}
+
+/// One step, as the engine hands it to the runner.
+#[derive(Default)]
+pub struct StepPlan {
+    pub new_requests: Vec<NewRequest>,
+    /// Requests that ended since the last step: their state is dropped.
+    pub finished: Vec<u64>,
+    pub chunks: Vec<ScheduledChunk>,
+}
+
+/// One chunk's result: `Ok(None)` when the chunk does not sample (a prompt
+/// chunk before the last), the sampled token otherwise.
+pub struct RunnerOutput {
+    pub seq_id: u64,
+    /// The sequence's tokens in the cache after this step.
+    pub computed: usize,
+    pub result: Result<Option<Sampled>, String>,
+}
+
+struct RequestState {
+    sampler: Sampler,
+    soft_prompt: Option<Arc<SoftPrompt>>,
+}
+
+pub struct ModelRunner {
+    model: Gemma4,
+    pool: PagedKvPool,
+    requests: HashMap<u64, RequestState>,
+    /// Steps whose batch failed and were run again sequence by sequence.
+    step_retries: u64,
+    #[cfg(feature = "fault-injection")]
+    fault: Option<crate::fault::FaultPlan>,
+}
+
+/// Constraints back from [`prepare_constraints`], each with its panic, if any.
+type PreparedConstraints =
+    std::thread::Result<Vec<(u64, Box<dyn TokenConstraint>, Option<String>)>>;
+
+impl ModelRunner {
+    pub fn new(
+        model: Gemma4,
+        pool: PagedKvPool,
+        #[cfg(feature = "fault-injection")] fault: Option<crate::fault::FaultPlan>,
+    ) -> Self {
+        Self {
+            model,
+            pool,
+            requests: HashMap::new(),
+            step_retries: 0,
+            #[cfg(feature = "fault-injection")]
+            fault,
+        }
+    }
+
+    pub fn pool(&self) -> &PagedKvPool {
+        &self.pool
+    }
+
+    pub fn step_retries(&self) -> u64 {
+        self.step_retries
+    }
+
+    /// Runs one step: one output per chunk, in the plan's order.
+    pub fn execute(&mut self, plan: StepPlan) -> Vec<RunnerOutput> {
+        for id in &plan.finished {
+            self.requests.remove(id);
+        }
+        for r in plan.new_requests {
+            self.requests.insert(
+                r.seq_id,
+                RequestState {
+                    sampler: r.sampler,
+                    soft_prompt: r.soft_prompt,
+                },
+            );
+        }
+        let chunks = &plan.chunks;
+        let lent = self.lend_constraints(chunks);
+        let lent_ids: Vec<u64> = lent.iter().map(|(id, _)| *id).collect();
+        let (rows, prepared) = std::thread::scope(|s| {
+            let preparing = (!lent.is_empty()).then(|| s.spawn(|| prepare_constraints(lent)));
+            let rows = self.forward(chunks);
+            (rows, preparing.map(|h| h.join()))
+        });
+        let failed = self.restore_constraints(&lent_ids, prepared);
+        chunks
+            .iter()
+            .zip(rows)
+            .map(|(c, row)| {
+                let result = match failed.iter().find(|(id, _)| *id == c.seq_id) {
+                    Some((_, e)) => Err(e.clone()),
+                    None => row.and_then(|row| self.sample(c.seq_id, row)),
+                };
+                RunnerOutput {
+                    seq_id: c.seq_id,
+                    computed: c.start + c.tokens.len(),
+                    result,
+                }
+            })
+            .collect()
+    }
+
+    /// Samples a chunk's logits row. A panic here ends that request only.
+    fn sample(&mut self, id: u64, row: Option<Tensor>) -> Result<Option<Sampled>, String> {
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let state = self
+            .requests
+            .get_mut(&id)
+            .ok_or_else(|| format!("the runner has no state for request {id}"))?;
+        let values = row
+            .squeeze(0)
+            .and_then(|r| r.to_vec1::<f32>())
+            .map_err(|e| format!("reading logits failed: {e}"))?;
+        panic::catch_unwind(AssertUnwindSafe(|| state.sampler.sample(&values)))
+            .map(Some)
+            .map_err(|payload| {
+                let msg = panic_message(payload.as_ref());
+                tracing::error!(request = id, "sampling panicked: {msg}");
+                format!("sampling failed: {msg}")
+            })
+    }
+
+    /// The constraints of the sequences that sample this step, taken out of
+    /// their samplers.
+    fn lend_constraints(
+        &mut self,
+        chunks: &[ScheduledChunk],
+    ) -> Vec<(u64, Box<dyn TokenConstraint>)> {
+        chunks
+            .iter()
+            .filter(|c| c.samples)
+            .filter_map(|c| {
+                let constraint = self
+                    .requests
+                    .get_mut(&c.seq_id)?
+                    .sampler
+                    .take_constraint()?;
+                Some((c.seq_id, constraint))
+            })
+            .collect()
+    }
+
+    /// Gives prepared constraints back. A sequence whose constraint panicked
+    /// (or was lost with its thread) must not sample unconstrained: it fails.
+    fn restore_constraints(
+        &mut self,
+        lent: &[u64],
+        prepared: Option<PreparedConstraints>,
+    ) -> Vec<(u64, String)> {
+        let returned = match prepared {
+            None => return Vec::new(),
+            Some(Ok(returned)) => returned,
+            Some(Err(payload)) => {
+                let msg = panic_message(payload.as_ref());
+                tracing::error!(requests = ?lent, "preparing grammar masks failed: {msg}");
+                return lent
+                    .iter()
+                    .map(|&id| (id, format!("the grammar failed: {msg}")))
+                    .collect();
+            }
+        };
+        let mut failed = Vec::new();
+        for (id, constraint, panicked) in returned {
+            match panicked {
+                Some(msg) => {
+                    tracing::error!(request = id, "the grammar mask panicked: {msg}");
+                    failed.push((id, format!("the grammar failed: {msg}")));
+                }
+                None => {
+                    if let Some(state) = self.requests.get_mut(&id) {
+                        state.sampler.restore_constraint(constraint);
+                    }
+                }
+            }
+        }
+        failed
+    }
+
+    /// Runs the step's chunks as one batch. If the batch fails (an error or a
+    /// panic in the model), each chunk is run again alone, so only the chunks
+    /// that fail by themselves get the error and the rest go on.
+    fn forward(&mut self, chunks: &[ScheduledChunk]) -> Vec<Result<Option<Tensor>, String>> {
+        match self.forward_chunks(chunks) {
+            Ok(rows) => rows.into_iter().map(Ok).collect(),
+            Err(e) if chunks.len() == 1 => vec![Err(e)],
+            Err(e) => {
+                self.step_retries += 1;
+                tracing::warn!(
+                    sequences = chunks.len(),
+                    "a batched model step failed ({e}); running each sequence alone"
+                );
+                chunks
+                    .iter()
+                    .map(|c| {
+                        self.forward_chunks(std::slice::from_ref(c))
+                            .map(|mut rows| rows.pop().flatten())
+                    })
+                    .collect()
+            }
+        }
+    }
+
+    fn forward_chunks(&mut self, chunks: &[ScheduledChunk]) -> Result<Vec<Option<Tensor>>, String> {
+        let tables: Vec<_> = chunks.iter().map(|c| c.blocks.clone()).collect();
+        // Each chunk's share of its prompt's encoder rows.
+        let soft: Vec<Option<crate::api::SoftWindow<'_>>> = chunks
+            .iter()
+            .map(|c| {
+                let state = self.requests.get(&c.seq_id)?;
+                let window = state.soft_prompt.as_ref()?.window(c.start, c.tokens.len());
+                (!window.rows.is_empty()).then_some(window)
+            })
+            .collect();
+        let batch: Vec<BatchSeq<'_>> = chunks
+            .iter()
+            .zip(&soft)
+            .map(|(c, soft)| BatchSeq {
+                ids: &c.tokens,
+                start: c.start,
+                logits: c.samples.then_some(LogitsFor::Last),
+                soft: soft.as_ref().map(|w| SoftTokens {
+                    rows: &w.rows,
+                    embeds: w.embeds,
+                    blocks: &w.blocks,
+                }),
+            })
+            .collect();
+        let (model, pool) = (&self.model, &mut self.pool);
+        #[cfg(feature = "fault-injection")]
+        let fault = self.fault.as_ref();
+        // The model only writes the chunks' own KV positions, which a retry writes again.
+        let result = panic::catch_unwind(AssertUnwindSafe(|| {
+            #[cfg(feature = "fault-injection")]
+            if let Some(fault) = fault {
+                fault.in_model_step(&batch)?;
+            }
+            let mut view = pool.view(&tables);
+            model.forward_batch(&batch, &mut view, None)
+        }));
+        match result {
+            Ok(Ok(rows)) => Ok(rows),
+            Ok(Err(e)) => Err(format!("model step failed: {e}")),
+            Err(payload) => {
+                let msg = panic_message(payload.as_ref());
+                let ids: Vec<u64> = chunks.iter().map(|c| c.seq_id).collect();
+                let tokens: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+                tracing::error!(requests = ?ids, tokens, "the model step panicked: {msg}");
+                Err(format!("model step panicked: {msg}"))
+            }
+        }
+    }
+}
+
+/// Prepares each lent constraint's next mask; a panic is kept with its sequence.
+fn prepare_constraints(
+    lent: Vec<(u64, Box<dyn TokenConstraint>)>,
+) -> Vec<(u64, Box<dyn TokenConstraint>, Option<String>)> {
+    lent.into_iter()
+        .map(|(id, mut c)| {
+            let outcome = panic::catch_unwind(AssertUnwindSafe(|| c.prepare()));
+            let panicked = outcome.err().map(|p| panic_message(p.as_ref()));
+            (id, c, panicked)
+        })
+        .collect()
+}
+
+/// The text of a panic's payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}
