@@ -23,6 +23,7 @@ pub mod acts;
 mod bytes;
 mod dispatch;
 pub mod float;
+pub mod gelu;
 pub mod int8;
 pub mod intdot;
 pub mod kquant;

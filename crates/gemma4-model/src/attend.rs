@@ -3,6 +3,8 @@
 //! the path of decode steps, whose few queries make batched matrix products
 //! mostly overhead.
 
+use std::ops::Range;
+
 use crate::cache::Queries;
 use crate::paged::int8_block;
 
@@ -150,39 +152,9 @@ pub(crate) struct InPlace<'a> {
 
 impl InPlace<'_> {
     /// Attention read straight from the pools `k` and `v` (`[slot, kv_heads,
-    /// head_dim]`), without gathering the context.
-    pub fn run<K: KvRows, V: KvRows>(
-        &self,
-        k: &K,
-        v: &V,
-        q: &[f32],
-        heads: usize,
-        queries: &Queries<'_>,
-    ) -> Vec<f32> {
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the features were detected on this CPU.
-            return unsafe { self.run_avx2(k, v, q, heads, queries) };
-        }
-        self.run_body(k, v, q, heads, queries)
-    }
-
-    /// [`Self::run`] compiled for AVX2 (eight lanes for the products and sums).
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2<K: KvRows, V: KvRows>(
-        &self,
-        k: &K,
-        v: &V,
-        q: &[f32],
-        heads: usize,
-        queries: &Queries<'_>,
-    ) -> Vec<f32> {
-        self.run_body(k, v, q, heads, queries)
-    }
-
-    #[inline(always)]
-    fn run_body<K: KvRows, V: KvRows>(
+    /// head_dim]`), without gathering the context. Query rows are split over
+    /// the kernels' thread pool when there is enough work to pay for it.
+    pub fn run<K: KvRows + Sync, V: KvRows + Sync>(
         &self,
         k: &K,
         v: &V,
@@ -192,11 +164,84 @@ impl InPlace<'_> {
     ) -> Vec<f32> {
         let hd = self.head_dim;
         let n = q.len() / (heads * hd);
+        let width = heads * hd;
+        let mut out = vec![0f32; n * width];
+        let pool = gemma4_kernels::pool::global();
+        // Multiply-adds of the whole attention (both products), roughly.
+        let work = n * width * self.slots.len() * 2;
+        if pool.threads() == 1 || n < 2 || work < PARALLEL_MIN_WORK {
+            self.rows(k, v, q, heads, queries, 0..n, &mut out);
+            return out;
+        }
+        let chunk = n.div_ceil(pool.threads() * 4).max(1);
+        let parts: Vec<std::sync::Mutex<&mut [f32]>> = out
+            .chunks_mut(chunk * width)
+            .map(std::sync::Mutex::new)
+            .collect();
+        pool.run(parts.len(), &|ci| {
+            let rows = ci * chunk..((ci + 1) * chunk).min(n);
+            let mut part = parts[ci].lock().unwrap_or_else(|e| e.into_inner());
+            self.rows(k, v, q, heads, queries, rows, &mut part);
+        });
+        drop(parts);
+        out
+    }
+
+    /// Query rows `rows` into `out` (their `[rows, heads · head_dim]` part).
+    #[allow(clippy::too_many_arguments)]
+    fn rows<K: KvRows, V: KvRows>(
+        &self,
+        k: &K,
+        v: &V,
+        q: &[f32],
+        heads: usize,
+        queries: &Queries<'_>,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            // SAFETY: the features were detected on this CPU.
+            return unsafe { self.rows_avx2(k, v, q, heads, queries, rows, out) };
+        }
+        self.rows_body(k, v, q, heads, queries, rows, out)
+    }
+
+    /// [`Self::rows`] compiled for AVX2 (eight lanes for the products and sums).
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn rows_avx2<K: KvRows, V: KvRows>(
+        &self,
+        k: &K,
+        v: &V,
+        q: &[f32],
+        heads: usize,
+        queries: &Queries<'_>,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) {
+        self.rows_body(k, v, q, heads, queries, rows, out)
+    }
+
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn rows_body<K: KvRows, V: KvRows>(
+        &self,
+        k: &K,
+        v: &V,
+        q: &[f32],
+        heads: usize,
+        queries: &Queries<'_>,
+        rows: Range<usize>,
+        out: &mut [f32],
+    ) {
+        let hd = self.head_dim;
         let group = heads / self.kv_heads;
         let end = self.first + self.slots.len();
-        let mut out = vec![0f32; n * heads * hd];
+        let first_row = rows.start;
         let mut probs = Vec::with_capacity(self.slots.len());
-        for i in 0..n {
+        for i in rows {
             let p = queries.start + i;
             let lo = queries.visibility.first_seen(p).max(self.first);
             let hi = (queries.visibility.last_seen(p) + 1).min(end);
@@ -216,12 +261,15 @@ impl InPlace<'_> {
                     *x = (*x - max).exp();
                     sum += *x;
                 }
-                let o = &mut out[(i * heads + h) * hd..][..hd];
+                let o = &mut out[((i - first_row) * heads + h) * hd..][..hd];
                 for (j, &e) in (lo..hi).zip(&probs) {
                     v.add_scaled(row(self.slots[j - self.first]), e / sum, o);
                 }
             }
         }
-        out
     }
 }
+
+/// Below this many multiply-adds an attention runs on the calling thread
+/// (waking the pool costs more than it saves).
+const PARALLEL_MIN_WORK: usize = 1 << 18;

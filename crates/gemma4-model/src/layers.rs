@@ -98,8 +98,28 @@ impl Rotary {
     }
 }
 
-/// `gelu_pytorch_tanh(gate) · up`.
+/// `gelu_pytorch_tanh(gate) · up`, in one pass of the kernels' vectorized
+/// activation over f32 CPU tensors (the tensor library's otherwise).
 pub fn gated_gelu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.dtype() == DType::F32 && up.dtype() == DType::F32 && gate.shape() == up.shape() {
+        if let (Device::Cpu, Device::Cpu) = (gate.device(), up.device()) {
+            let (g, u) = (gate.contiguous()?, up.contiguous()?);
+            let (gs, gl) = g.storage_and_layout();
+            let (us, ul) = u.storage_and_layout();
+            if let (
+                candle_core::Storage::Cpu(candle_core::CpuStorage::F32(gd)),
+                candle_core::Storage::Cpu(candle_core::CpuStorage::F32(ud)),
+            ) = (&*gs, &*us)
+            {
+                let n = gate.elem_count();
+                let gd = &gd[gl.start_offset()..gl.start_offset() + n];
+                let ud = &ud[ul.start_offset()..ul.start_offset() + n];
+                let mut out = vec![0f32; n];
+                gemma4_kernels::gelu::gelu_tanh_mul(gd, ud, &mut out);
+                return Ok(Tensor::from_vec(out, gate.shape(), gate.device())?);
+            }
+        }
+    }
     Ok((gate.gelu()? * up)?)
 }
 

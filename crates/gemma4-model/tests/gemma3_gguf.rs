@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use gemma4_model::golden::{
     demo_gguf_for_tests as demo_gguf, greedy, verify_prompt, Golden, DEFAULT_TOLERANCE,
 };
-use gemma4_model::{load, Gemma4, LoadPolicy};
+use gemma4_model::{load, Gemma4, LoadPolicy, LogitsFor};
 
 fn golden() -> Golden {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -54,6 +54,35 @@ fn exact_mode_matches_the_reference_exactly() {
     }
 }
 
+/// The top-1 − top-2 logit margin at each step of generating `ids` after
+/// `prompt` (teacher-forced).
+fn margins(model: &Gemma4, prompt: &[u32], ids: &[u32]) -> Vec<f32> {
+    let margin = |row: Vec<f32>| {
+        let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+        for x in row {
+            if x > a {
+                (a, b) = (x, a);
+            } else if x > b {
+                b = x;
+            }
+        }
+        a - b
+    };
+    let row = |t: candle_core::Tensor| t.squeeze(0).and_then(|r| r.to_vec1::<f32>()).expect("row");
+    let mut cache = model.new_cache();
+    let logits = model
+        .forward(prompt, &mut cache, LogitsFor::Last, None)
+        .expect("prompt");
+    let mut out = vec![margin(row(logits))];
+    for &id in &ids[..ids.len() - 1] {
+        let logits = model
+            .forward(&[id], &mut cache, LogitsFor::Last, None)
+            .expect("step");
+        out.push(margin(row(logits)));
+    }
+    out
+}
+
 /// Leading tokens of `ids` equal to the reference's `want`.
 fn leading(ids: &[u32], want: &[u32]) -> usize {
     ids.iter().zip(want).take_while(|(a, b)| a == b).count()
@@ -63,24 +92,43 @@ fn leading(ids: &[u32], want: &[u32]) -> usize {
 /// integer kernels (activations rounded to 8 bits per block, as llama.cpp
 /// does): not exact, so greedy output follows the reference for a while and
 /// the real weights still answer the question. Floors: what this mode
-/// measured (docs/quantization.md).
+/// measured (docs/quantization.md). Rounding activations to 8 bits turns
+/// ulp-sized changes anywhere (a different summation order) into logit
+/// changes of a few tenths, so a departure before the floor is accepted
+/// only at a near tie of the reference: a top-2 margin under
+/// [`NEAR_TIE`] logits there (measured with the exact mode, which the test
+/// above holds to the reference).
 #[test]
 fn default_mode_follows_the_reference_and_says_paris() {
-    let Some(model) = model(LoadPolicy::default()) else {
+    let Some(default) = model(LoadPolicy::default()) else {
         return;
     };
+    let exact = model(LoadPolicy {
+        exact: true,
+        ..LoadPolicy::default()
+    })
+    .expect("the same file");
     const FLOORS: [usize; 3] = [11, 24, 24];
+    const NEAR_TIE: f32 = 0.25;
     let mut shown = Vec::new();
     for (p, floor) in golden().prompts.iter().zip(FLOORS) {
-        let r = verify_prompt(&model, p, DEFAULT_TOLERANCE).expect("verify");
+        let r = verify_prompt(&default, p, DEFAULT_TOLERANCE).expect("verify");
         let n = leading(&r.generated_ids, &p.greedy.generated_ids);
         shown.push(format!("{}: {n}/{}", p.name, p.greedy.generated_ids.len()));
-        assert!(n >= floor, "{}", shown.join(", "));
+        if n < floor {
+            let m = margins(&exact, &p.input_ids, &p.greedy.generated_ids);
+            assert!(
+                m[n] < NEAR_TIE,
+                "departed at step {n}, where the reference's margin is {:.3}: {}",
+                m[n],
+                shown.join(", ")
+            );
+        }
     }
     // The 7th reference token is " Paris"; this mode measured all 24.
     let (paris, coherent) = (7, 24);
     for c in &golden().coherence.expect("coherence prompts").prompts {
-        let ids = greedy(&model, &c.input_ids, c.generated_ids.len()).expect("greedy");
+        let ids = greedy(&default, &c.input_ids, c.generated_ids.len()).expect("greedy");
         let n = leading(&ids, &c.generated_ids);
         shown.push(format!("{:?}: {n}/{}", c.text, c.generated_ids.len()));
         assert!(
