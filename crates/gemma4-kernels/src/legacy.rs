@@ -180,7 +180,13 @@ impl<F: BlockFormat> IntegerDots for BlockMatrix<F> {
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         // The matrix's bytes once, not through the owner at every row.
         let (all, w) = (self.bytes.as_slice(), self.cols / BLOCK * F::BYTES);
-        matrix32(F::KIND, rows, &|r| Row::blocks(&all[r * w..(r + 1) * w]), acts, out);
+        matrix32(
+            F::KIND,
+            rows,
+            &|r| Row::blocks(&all[r * w..(r + 1) * w]),
+            acts,
+            out,
+        );
     }
 }
 

@@ -84,7 +84,13 @@ impl IntegerDots for Q8_0Matrix {
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         // The matrix's bytes once, not through the owner at every row.
         let (all, w) = (self.bytes.as_slice(), self.cols / BLOCK * BLOCK_BYTES);
-        matrix32(Kind32::Q8_0, rows, &|r| Row::blocks(&all[r * w..(r + 1) * w]), acts, out);
+        matrix32(
+            Kind32::Q8_0,
+            rows,
+            &|r| Row::blocks(&all[r * w..(r + 1) * w]),
+            acts,
+            out,
+        );
     }
 }
 

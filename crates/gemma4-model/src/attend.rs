@@ -164,107 +164,109 @@ impl InPlace<'_> {
     ) -> Vec<f32> {
         let hd = self.head_dim;
         let n = q.len() / (heads * hd);
-        let width = heads * hd;
-        let mut out = vec![0f32; n * width];
+        let mut out = vec![0f32; n * heads * hd];
+        // One unit is one query row of one head; units are laid out in
+        // `out` in order, so a range of them is a contiguous part of it.
+        let units = n * heads;
         let pool = gemma4_kernels::pool::global();
         // Multiply-adds of the whole attention (both products), roughly.
-        let work = n * width * self.slots.len() * 2;
-        if pool.threads() == 1 || n < 2 || work < PARALLEL_MIN_WORK {
-            self.rows(k, v, q, heads, queries, 0..n, &mut out);
+        let work = units * hd * self.slots.len() * 2;
+        if pool.threads() == 1 || units < 2 || work < PARALLEL_MIN_WORK {
+            self.units(k, v, q, heads, queries, 0..units, &mut out);
             return out;
         }
-        let chunk = n.div_ceil(pool.threads() * 4).max(1);
+        let chunk = units.div_ceil(pool.threads() * 2).max(1);
         let parts: Vec<std::sync::Mutex<&mut [f32]>> = out
-            .chunks_mut(chunk * width)
+            .chunks_mut(chunk * hd)
             .map(std::sync::Mutex::new)
             .collect();
         pool.run(parts.len(), &|ci| {
-            let rows = ci * chunk..((ci + 1) * chunk).min(n);
+            let range = ci * chunk..((ci + 1) * chunk).min(units);
             let mut part = parts[ci].lock().unwrap_or_else(|e| e.into_inner());
-            self.rows(k, v, q, heads, queries, rows, &mut part);
+            self.units(k, v, q, heads, queries, range, &mut part);
         });
         drop(parts);
         out
     }
 
-    /// Query rows `rows` into `out` (their `[rows, heads · head_dim]` part).
+    /// Units (query row `u / heads`, head `u % heads`) `units` into `out`
+    /// (their `[units, head_dim]` part).
     #[allow(clippy::too_many_arguments)]
-    fn rows<K: KvRows, V: KvRows>(
+    fn units<K: KvRows, V: KvRows>(
         &self,
         k: &K,
         v: &V,
         q: &[f32],
         heads: usize,
         queries: &Queries<'_>,
-        rows: Range<usize>,
+        units: Range<usize>,
         out: &mut [f32],
     ) {
         #[cfg(target_arch = "x86_64")]
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
             // SAFETY: the features were detected on this CPU.
-            return unsafe { self.rows_avx2(k, v, q, heads, queries, rows, out) };
+            return unsafe { self.units_avx2(k, v, q, heads, queries, units, out) };
         }
-        self.rows_body(k, v, q, heads, queries, rows, out)
+        self.units_body(k, v, q, heads, queries, units, out)
     }
 
-    /// [`Self::rows`] compiled for AVX2 (eight lanes for the products and sums).
+    /// [`Self::units`] compiled for AVX2 (eight lanes for the products and sums).
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn rows_avx2<K: KvRows, V: KvRows>(
+    unsafe fn units_avx2<K: KvRows, V: KvRows>(
         &self,
         k: &K,
         v: &V,
         q: &[f32],
         heads: usize,
         queries: &Queries<'_>,
-        rows: Range<usize>,
+        units: Range<usize>,
         out: &mut [f32],
     ) {
-        self.rows_body(k, v, q, heads, queries, rows, out)
+        self.units_body(k, v, q, heads, queries, units, out)
     }
 
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    fn rows_body<K: KvRows, V: KvRows>(
+    fn units_body<K: KvRows, V: KvRows>(
         &self,
         k: &K,
         v: &V,
         q: &[f32],
         heads: usize,
         queries: &Queries<'_>,
-        rows: Range<usize>,
+        units: Range<usize>,
         out: &mut [f32],
     ) {
         let hd = self.head_dim;
         let group = heads / self.kv_heads;
         let end = self.first + self.slots.len();
-        let first_row = rows.start;
+        let first = units.start;
         let mut probs = Vec::with_capacity(self.slots.len());
-        for i in rows {
+        for u in units {
+            let (i, h) = (u / heads, u % heads);
             let p = queries.start + i;
             let lo = queries.visibility.first_seen(p).max(self.first);
             let hi = (queries.visibility.last_seen(p) + 1).min(end);
-            for h in 0..heads {
-                let kh = h / group;
-                let qv = &q[(i * heads + h) * hd..][..hd];
-                let row = |slot: usize| slot * self.kv_heads + kh;
-                probs.clear();
-                probs.extend((lo..hi).map(|j| {
-                    let s = self.slots[j - self.first];
-                    // Scaled after the product, as the batched path does.
-                    (k.dot(row(s), qv) as f64 * queries.scale) as f32
-                }));
-                let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for x in probs.iter_mut() {
-                    *x = (*x - max).exp();
-                    sum += *x;
-                }
-                let o = &mut out[((i - first_row) * heads + h) * hd..][..hd];
-                for (j, &e) in (lo..hi).zip(&probs) {
-                    v.add_scaled(row(self.slots[j - self.first]), e / sum, o);
-                }
+            let kh = h / group;
+            let qv = &q[u * hd..][..hd];
+            let row = |slot: usize| slot * self.kv_heads + kh;
+            probs.clear();
+            probs.extend((lo..hi).map(|j| {
+                let s = self.slots[j - self.first];
+                // Scaled after the product, as the batched path does.
+                (k.dot(row(s), qv) as f64 * queries.scale) as f32
+            }));
+            let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0f32;
+            for x in probs.iter_mut() {
+                *x = (*x - max).exp();
+                sum += *x;
+            }
+            let o = &mut out[(u - first) * hd..][..hd];
+            for (j, &e) in (lo..hi).zip(&probs) {
+                v.add_scaled(row(self.slots[j - self.first]), e / sum, o);
             }
         }
     }
@@ -273,3 +275,57 @@ impl InPlace<'_> {
 /// Below this many multiply-adds an attention runs on the calling thread
 /// (waking the pool costs more than it saves).
 const PARALLEL_MIN_WORK: usize = 1 << 18;
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{Device, Tensor};
+
+    use super::*;
+    use crate::cache::Visibility;
+
+    fn noise(len: usize, seed: u32) -> Vec<f32> {
+        (0..len)
+            .map(|i| {
+                let x = (i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed);
+                (x >> 8) as f32 / 16_777_216.0 - 0.5
+            })
+            .collect()
+    }
+
+    /// Split over the pool, every (query, head) unit gives what the whole
+    /// attention run on one thread gives, bit for bit.
+    #[test]
+    fn split_attention_equals_one_thread() {
+        let (kv_heads, heads, hd, len) = (2, 8, 64, 600);
+        let k = noise(len * kv_heads * hd, 1);
+        let v = noise(len * kv_heads * hd, 2);
+        // Slots out of order, as a block table leaves them.
+        let slots: Vec<usize> = (0..len).map(|p| (p * 7) % len).collect();
+        let shape = InPlace {
+            slots: &slots,
+            first: 0,
+            kv_heads,
+            head_dim: hd,
+        };
+        let (k, v) = (Plain::new(&k, hd), Plain::new(&v, hd));
+        for (n, window) in [(1, None), (4, Some(100)), (8, None)] {
+            let q = noise(n * heads * hd, 3 + n as u32);
+            let qt = Tensor::from_vec(q.clone(), (n, heads, hd), &Device::Cpu).expect("q");
+            let queries = Queries {
+                q: &qt,
+                start: len - n,
+                scale: 0.125,
+                visibility: Visibility::causal(window),
+            };
+            assert!(
+                n * heads * hd * len * 2 >= PARALLEL_MIN_WORK,
+                "big enough to split"
+            );
+            let split = shape.run(&k, &v, &q, heads, &queries);
+            let mut whole = vec![0f32; n * heads * hd];
+            shape.units(&k, &v, &q, heads, &queries, 0..n * heads, &mut whole);
+            assert_eq!(split, whole, "n {n} window {window:?}");
+            assert!(whole.iter().any(|&x| x != 0.0));
+        }
+    }
+}
