@@ -872,6 +872,18 @@ mod vnni {
                     _mm_set1_epi16(sc[2 * c] as i16),
                 )
             });
+            // Per 16-value group, what its activation sum is weighted by:
+            // Q6_K's offset of 32 times the group's scale, the others' min.
+            let group_weights: [i32; 16] = std::array::from_fn(|g| {
+                if kind == KindK::Q6K {
+                    32 * sc[g]
+                } else {
+                    mn[g / 2]
+                }
+            });
+            // SAFETY: 16 i32s.
+            let group_weights = unsafe { _mm512_loadu_si512(group_weights.as_ptr().cast()) };
+            let groups = acts.cols / 16;
             for k in 0..T {
                 let q = &rows[k][256 * s..256 * s + 256];
                 let mut isum = _mm256_setzero_si256();
@@ -882,16 +894,15 @@ mod vnni {
                     isum = _mm256_dpwssd_epi32(isum, p, scales[c]);
                 }
                 let t = t0 + k;
-                let mut fix = 0i32;
-                let mut msum = 0i32;
-                for g in 0..16 {
-                    let gsum = acts.sum16(t, 16 * s + g);
-                    if kind == KindK::Q6K {
-                        fix += 32 * sc[g] * gsum;
-                    } else {
-                        msum += mn[g / 2] * gsum;
-                    }
-                }
+                let sums = &acts.sums[t * groups + 16 * s..t * groups + 16 * s + 16];
+                // SAFETY: 16 i32s.
+                let sums = unsafe { _mm512_loadu_si512(sums.as_ptr().cast()) };
+                let weighted = _mm512_reduce_add_epi32(_mm512_mullo_epi32(sums, group_weights));
+                let (fix, msum) = if kind == KindK::Q6K {
+                    (weighted, 0)
+                } else {
+                    (0, weighted)
+                };
                 let da = acts.scale(t, s);
                 let isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(fix, 0, 0, 0, 0, 0, 0, 0));
                 acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * da), acc[k]);
