@@ -679,6 +679,15 @@ impl Worker {
             }
         }
         if chunks.is_empty() {
+            // Requests that came and went with no step between: their state
+            // leaves the runner now, not at some later step.
+            if !self.ended.is_empty() {
+                self.runner.execute(StepPlan {
+                    new_requests: std::mem::take(&mut self.new_requests),
+                    finished: std::mem::take(&mut self.ended),
+                    chunks: Vec::new(),
+                });
+            }
             if self.scheduler.running_len() == 0 {
                 // Nothing runs, yet the head of the queue cannot be placed: it can never fit.
                 if let Some(id) = self.scheduler.first_waiting() {
@@ -773,6 +782,7 @@ impl Worker {
             s.prefix_cache_hits = self.scheduler.prefix_hits();
             s.preemptions = self.scheduler.preemptions();
             s.step_retries = self.runner.step_retries();
+            s.runner_requests = self.runner.requests();
         }
     }
 }

@@ -28,7 +28,8 @@ pub struct NewRequest {
     pub soft_prompt: Option<Arc<SoftPrompt>>,
 }
 
-/// One step, as the engine hands it to the runner.
+/// One step, as the engine hands it to the runner (without chunks it only
+/// takes the requests in and out).
 #[derive(Default)]
 pub struct StepPlan {
     pub new_requests: Vec<NewRequest>,
@@ -89,11 +90,15 @@ impl ModelRunner {
         self.step_retries
     }
 
+    /// Requests whose state the runner holds.
+    pub fn requests(&self) -> usize {
+        self.requests.len()
+    }
+
     /// Runs one step: one output per chunk, in the plan's order.
     pub fn execute(&mut self, plan: StepPlan) -> Vec<RunnerOutput> {
-        for id in &plan.finished {
-            self.requests.remove(id);
-        }
+        // New requests first: one submitted and ended between two steps is
+        // in both lists, and must not stay behind.
         for r in plan.new_requests {
             self.requests.insert(
                 r.seq_id,
@@ -103,7 +108,13 @@ impl ModelRunner {
                 },
             );
         }
+        for id in &plan.finished {
+            self.requests.remove(id);
+        }
         let chunks = &plan.chunks;
+        if chunks.is_empty() {
+            return Vec::new();
+        }
         let lent = self.lend_constraints(chunks);
         let lent_ids: Vec<u64> = lent.iter().map(|(id, _)| *id).collect();
         let (rows, prepared) = std::thread::scope(|s| {
