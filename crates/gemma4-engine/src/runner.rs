@@ -13,7 +13,7 @@ use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use gemma4_model::paged::PagedKvPool;
+use gemma4_model::paged::{PagedKvPool, SeqBlocks};
 use gemma4_model::{BatchSeq, Gemma4, LogitsFor, SoftTokens};
 
 use crate::api::{SoftPrompt, TokenConstraint};
@@ -111,15 +111,22 @@ impl ModelRunner {
         for id in &plan.finished {
             self.requests.remove(id);
         }
-        let chunks = &plan.chunks;
+        let mut chunks = plan.chunks;
         if chunks.is_empty() {
             return Vec::new();
         }
+        // The step's view reads the block tables the scheduler copied for
+        // it; they move out of the chunks rather than being copied again.
+        let tables: Vec<SeqBlocks> = chunks
+            .iter_mut()
+            .map(|c| std::mem::take(&mut c.blocks))
+            .collect();
+        let chunks = &chunks;
         let lent = self.lend_constraints(chunks);
         let lent_ids: Vec<u64> = lent.iter().map(|(id, _)| *id).collect();
         let (rows, prepared) = std::thread::scope(|s| {
             let preparing = (!lent.is_empty()).then(|| s.spawn(|| prepare_constraints(lent)));
-            let rows = self.forward(chunks);
+            let rows = self.forward(chunks, &tables);
             (rows, preparing.map(|h| h.join()))
         });
         let failed = self.restore_constraints(&lent_ids, prepared);
@@ -221,8 +228,12 @@ impl ModelRunner {
     /// Runs the step's chunks as one batch. If the batch fails (an error or a
     /// panic in the model), each chunk is run again alone, so only the chunks
     /// that fail by themselves get the error and the rest go on.
-    fn forward(&mut self, chunks: &[ScheduledChunk]) -> Vec<Result<Option<Tensor>, String>> {
-        match self.forward_chunks(chunks) {
+    fn forward(
+        &mut self,
+        chunks: &[ScheduledChunk],
+        tables: &[SeqBlocks],
+    ) -> Vec<Result<Option<Tensor>, String>> {
+        match self.forward_chunks(chunks, tables) {
             Ok(rows) => rows.into_iter().map(Ok).collect(),
             Err(e) if chunks.len() == 1 => vec![Err(e)],
             Err(e) => {
@@ -233,8 +244,9 @@ impl ModelRunner {
                 );
                 chunks
                     .iter()
-                    .map(|c| {
-                        self.forward_chunks(std::slice::from_ref(c))
+                    .zip(tables)
+                    .map(|(c, t)| {
+                        self.forward_chunks(std::slice::from_ref(c), std::slice::from_ref(t))
                             .map(|mut rows| rows.pop().flatten())
                     })
                     .collect()
@@ -242,8 +254,12 @@ impl ModelRunner {
         }
     }
 
-    fn forward_chunks(&mut self, chunks: &[ScheduledChunk]) -> Result<Vec<Option<Tensor>>, String> {
-        let tables: Vec<_> = chunks.iter().map(|c| c.blocks.clone()).collect();
+    /// `tables[i]`: the block tables of `chunks[i]`.
+    fn forward_chunks(
+        &mut self,
+        chunks: &[ScheduledChunk],
+        tables: &[SeqBlocks],
+    ) -> Result<Vec<Option<Tensor>>, String> {
         // Each chunk's share of its prompt's encoder rows.
         let soft: Vec<Option<crate::api::SoftWindow<'_>>> = chunks
             .iter()
@@ -276,7 +292,7 @@ impl ModelRunner {
             if let Some(fault) = fault {
                 fault.in_model_step(&batch)?;
             }
-            let mut view = pool.view(&tables);
+            let mut view = pool.view(tables);
             model.forward_batch(&batch, &mut view, None)
         }));
         match result {

@@ -3,18 +3,11 @@
 //! the tensor library computes, with libm's `tanhf`), in the same process.
 //! Prints milliseconds per call and the ratio.
 
-use std::time::Instant;
+mod common;
+
+use common::time;
 
 use gemma4_kernels::gelu::gelu_tanh_mul;
-
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let t = Instant::now();
-    for _ in 0..reps {
-        f();
-    }
-    t.elapsed().as_secs_f64() * 1e3 / reps as f64
-}
 
 fn main() {
     let n = 512 * 2048;

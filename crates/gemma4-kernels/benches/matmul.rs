@@ -4,7 +4,9 @@
 //! f32 activations (`exact`) and with their integer kernel (`int8 act`).
 //! Prints milliseconds per call and the ratio to gemm.
 
-use std::time::Instant;
+mod common;
+
+use common::time;
 
 use gemma4_kernels::float::{FloatMatrix, FloatType};
 use gemma4_kernels::int8::Int8Matrix;
@@ -33,15 +35,6 @@ fn blocks(rows: usize, cols: usize, per: usize, bytes: usize, halves: &[usize]) 
         }
     }
     Bytes::from_vec(out)
-}
-
-fn time(reps: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let t = Instant::now();
-    for _ in 0..reps {
-        f();
-    }
-    t.elapsed().as_secs_f64() * 1e3 / reps as f64
 }
 
 fn gemm_f32(w: &[f32], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
