@@ -43,6 +43,14 @@ model, one soft token per patch; its config already asks for bidirectional image
 It also gets the 12B's audio path: a 16 kHz test clip (`../audio/0.wav`, 16-bit) cut into
 640-sample frames, each projected into one soft token (`audio_features.0`), and a prompt
 and the chat turn hold it beside images.
+
+With `--audio` a non-unified checkpoint also gets the E2B/E4B audio tower (a two-layer
+conformer, clipped linears on) and the same clip: its log-mel features as the reference
+feature extractor computes them (`mel.0`, the valid frames only), its soft tokens after
+`embed_audio` (`audio_features.0`, padding dropped as the model drops it), an audio prompt
+and the chat turn with the clip; and `audio_processor.json`, for clips of several lengths,
+the reference's valid mel frames and soft-token count:
+  python tools/make_vision_fixture.py tests/fixtures/oracle/e-style tests/fixtures/vision/e-audio --audio
 """
 
 import hashlib
@@ -61,6 +69,7 @@ from transformers import (
     Gemma4UnifiedConfig,
     Gemma4UnifiedForConditionalGeneration,
 )
+from transformers.models.gemma4.feature_extraction_gemma4 import Gemma4AudioFeatureExtractor
 from transformers.models.gemma4.image_processing_gemma4 import Gemma4ImageProcessor
 from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
 from transformers.models.gemma4_unified.feature_extraction_gemma4_unified import Gemma4UnifiedAudioFeatureExtractor
@@ -79,6 +88,9 @@ OTHER_SHAPES = [
     (3000, 100), (100, 3000), (5000, 5000),
 ]
 BUDGETS = [70, 280, 1120]
+# Clip lengths (samples at 16 kHz) whose frame and soft-token counts are recorded: too
+# short for a window, one window, odd and even frame counts, 1 s, the test clip, 30 s.
+AUDIO_LENGTHS = [100, 161, 320, 481, 1000, 3333, 16_000, 20_800, 77_777, 480_000]
 
 
 def test_image(index: int, width: int, height: int) -> Image.Image:
@@ -147,6 +159,27 @@ def unified_vision_config() -> dict:
     }
 
 
+def audio_config() -> dict:
+    """A two-layer conformer with the published tower's stages (E2B/E4B)."""
+    return {
+        "model_type": "gemma4_audio",
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "hidden_act": "silu",
+        "subsampling_conv_channels": [128, 8],
+        "conv_kernel_size": 5,
+        "residual_weight": 0.5,
+        "attention_chunk_size": 12,
+        "attention_context_left": 13,
+        "attention_context_right": 0,
+        "attention_logit_cap": 50.0,
+        "use_clipped_linears": True,
+        "rms_norm_eps": 1e-6,
+        "output_proj_dims": 48,
+    }
+
+
 def randomize(model: torch.nn.Module) -> None:
     """Every parameter and buffer drawn at random (clip ranges finite), rounded to bf16."""
     gen = torch.Generator().manual_seed(SEED)
@@ -172,6 +205,16 @@ def randomize(model: torch.nn.Module) -> None:
                 b.copy_((0.5 + torch.rand(b.shape, generator=gen)).to(torch.bfloat16).float())
 
 
+def processor_tokens(mask: np.ndarray) -> int:
+    """The processor's count for one clip: its frame mask through two stride-2 halvings."""
+    t = len(mask)
+    for _ in range(2):
+        t_out = (t + 2 - 3) // 2 + 1
+        mask = mask[::2][:t_out]
+        t = len(mask)
+    return int(mask.sum())
+
+
 def resized_bytes(pixel_values: torch.Tensor, positions: torch.Tensor, patch: int) -> np.ndarray:
     """The resized image as [h, w, 3] bytes, rebuilt from the processor's patches."""
     valid = (positions != -1).all(dim=-1)
@@ -184,7 +227,7 @@ def resized_bytes(pixel_values: torch.Tensor, positions: torch.Tensor, patch: in
     return out
 
 
-def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> None:
+def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool, with_audio: bool) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     image_dir = dst.parent / "images"
     image_dir.mkdir(exist_ok=True)
@@ -199,6 +242,12 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
         cfg["audio_token_id"] = AUDIO_TOKEN
         cfg["boa_token_id"] = BOA_TOKEN
         cfg["eoa_token_index"] = EOA_TOKEN
+    elif with_audio:
+        cfg["audio_config"] = audio_config()
+        cfg["audio_token_id"] = AUDIO_TOKEN
+        cfg["boa_token_id"] = BOA_TOKEN
+        cfg["eoa_token_index"] = EOA_TOKEN
+    has_audio = unified or with_audio
     cfg["image_token_id"] = IMAGE_TOKEN
     cfg["boi_token_id"] = BOI_TOKEN
     cfg["eoi_token_id"] = EOI_TOKEN
@@ -208,6 +257,8 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
     config.text_config._attn_implementation = "eager"
     if not unified:
         config.vision_config._attn_implementation = "eager"
+    if with_audio:
+        config.audio_config._attn_implementation = "eager"
     config._attn_implementation = "eager"
 
     torch.manual_seed(SEED)
@@ -284,18 +335,39 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
         (dst / "processor.json").write_text(json.dumps(processor_cases, indent=1) + "\n")
 
     audio = None
-    if unified:
+    if has_audio:
         audio_dir = dst.parent / "audio"
         audio_dir.mkdir(exist_ok=True)
         samples = test_waveform()
         write_wav(audio_dir / "0.wav", samples)
         waveform = samples.astype(np.float32) / 32768.0
-        feats = Gemma4UnifiedAudioFeatureExtractor()(waveform, return_tensors="pt")
+        extractor = Gemma4UnifiedAudioFeatureExtractor() if unified else Gemma4AudioFeatureExtractor()
+        feats = extractor([waveform], return_tensors="pt")
         with torch.no_grad():
-            audio_features = model.model.get_audio_features(
+            out = model.model.get_audio_features(
                 feats["input_features"], feats["input_features_mask"], return_dict=True
-            ).pooler_output[0]
+            )
+        audio_features = out.pooler_output[0]
+        if getattr(out, "attention_mask", None) is not None:
+            # The model keeps only the soft tokens of real (not padding) frames.
+            audio_features = audio_features[out.attention_mask[0]]
         tensors["audio_features.0"] = audio_features.float().contiguous()
+        if not unified:
+            mask = feats["input_features_mask"][0].bool()
+            tensors["mel.0"] = feats["input_features"][0][mask].float().contiguous()
+            cases = []
+            rng = np.random.default_rng(SEED + 99)
+            for n in AUDIO_LENGTHS:
+                clip = (0.1 * rng.normal(size=n)).astype(np.float32)
+                f = extractor([clip], return_tensors="np")
+                m = f["input_features_mask"][0]
+                cases.append({
+                    "samples": n,
+                    "mel_frames": int(m.sum()),
+                    # As the processor counts a clip's placeholders: the mask through two halvings.
+                    "soft_tokens": int(processor_tokens(m)),
+                })
+            (dst / "audio_processor.json").write_text(json.dumps(cases, indent=1) + "\n")
         audio = (feats, audio_features.shape[0])
 
     # Prompts: text ids from the tiny vocabulary around one or two images.
@@ -304,8 +376,10 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
         {"text_before": [2, 9, 81], "images": [1, 3], "text_after": [64, 12]},
         {"text_before": [2, 200], "images": [2], "text_after": [300, 301, 7]},
     ]
-    if unified:
+    if has_audio:
         prompts.append({"text_before": [2, 9], "images": [1], "audios": [0], "text_after": [64, 12]})
+    if with_audio:
+        prompts.append({"text_before": [2, 33], "images": [], "audios": [0], "text_after": [45, 106]})
     golden_prompts = []
     for n, p in enumerate(prompts):
         ids = list(p["text_before"])
@@ -317,19 +391,19 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
         for _ in p.get("audios", []):
             ids += [19, BOA_TOKEN] + [AUDIO_TOKEN] * audio[1] + [EOA_TOKEN]
         ids += p["text_after"]
-        pv = torch.cat([images[i][0]["pixel_values"] for i in p["images"]])
-        pos = torch.cat([images[i][0]["image_position_ids"] for i in p["images"]])
+        extra = {}
+        if p["images"]:
+            extra["pixel_values"] = torch.cat([images[i][0]["pixel_values"] for i in p["images"]])
+            extra["image_position_ids"] = torch.cat([images[i][0]["image_position_ids"] for i in p["images"]])
         input_ids = torch.tensor([ids])
         mm = (input_ids == IMAGE_TOKEN).long() + 3 * (input_ids == AUDIO_TOKEN).long()
-        extra = {}
         if p.get("audios"):
-            extra = {"input_features": audio[0]["input_features"],
-                     "input_features_mask": audio[0]["input_features_mask"]}
+            extra.update({"input_features": audio[0]["input_features"],
+                          "input_features_mask": audio[0]["input_features_mask"]})
         with torch.no_grad():
-            logits = model(input_ids=input_ids, pixel_values=pv, image_position_ids=pos,
-                           mm_token_type_ids=mm, **extra).logits[0, -1]
+            logits = model(input_ids=input_ids, mm_token_type_ids=mm, **extra).logits[0, -1]
             gen = model.generate(
-                input_ids=input_ids, pixel_values=pv, image_position_ids=pos, mm_token_type_ids=mm,
+                input_ids=input_ids, mm_token_type_ids=mm,
                 **extra, attention_mask=torch.ones_like(input_ids),
                 max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
                 min_new_tokens=12,
@@ -345,7 +419,7 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
     import re
 
     chat_images = [1, 3]
-    chat_audios = [0] if unified else []
+    chat_audios = [0] if has_audio else []
     content = [{"type": "text", "text": "Compare these two."}, {"type": "image"}, {"type": "image"}]
     content += [{"type": "audio"} for _ in chat_audios]
     messages = [{"role": "user", "content": content}]
@@ -387,7 +461,7 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
         "transformers": __import__("transformers").__version__,
         "max_soft_tokens": MAX_SOFT_TOKENS,
         "images": [f"../images/{i}.png" for i in range(len(TEST_IMAGES))],
-        "audios": ["../audio/0.wav"] if unified else [],
+        "audios": ["../audio/0.wav"] if has_audio else [],
         "prompts": golden_prompts,
         "chat": chat_golden,
     }, indent=1) + "\n")
@@ -395,4 +469,6 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool) -> Non
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]), "--bidirectional" in sys.argv[3:], "--processor" in sys.argv[3:])
+    flags = sys.argv[3:]
+    main(Path(sys.argv[1]), Path(sys.argv[2]), "--bidirectional" in flags, "--processor" in flags,
+         "--audio" in flags)

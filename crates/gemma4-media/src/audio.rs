@@ -23,7 +23,7 @@ impl Audio {
 /// rates resampled linearly to 16 kHz. 16-bit samples become `s / 32768`,
 /// as `soundfile` and `librosa` read them.
 pub fn decode_wav(bytes: &[u8], max_seconds: f64) -> Result<Audio> {
-    let bad = |why: &str| MediaError::Decode(format!("not a readable WAV file: {why}"));
+    let bad = |why: &str| MediaError::AudioDecode(format!("not a readable WAV file: {why}"));
     if bytes.len() < 12 || &bytes[0..4] != b"RIFF" || &bytes[8..12] != b"WAVE" {
         return Err(MediaError::UnsupportedAudio);
     }
@@ -181,7 +181,10 @@ mod tests {
         ));
         let mut cut = wav(1, 16_000, &[1; 100]);
         cut.truncate(60);
-        assert!(matches!(decode_wav(&cut, 30.0), Err(MediaError::Decode(_))));
+        assert!(matches!(
+            decode_wav(&cut, 30.0),
+            Err(MediaError::AudioDecode(_))
+        ));
         let long = wav(1, 16_000, &vec![0; 32_000]);
         assert!(matches!(
             decode_wav(&long, 1.5),

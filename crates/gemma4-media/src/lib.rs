@@ -10,9 +10,12 @@
 //! - [`processor`]: the aspect-preserving target size, rescaling to `[0, 1]`,
 //!   16-pixel patches with their `(x, y)` positions, and the soft-token count.
 //! - [`audio`]: WAV → 16 kHz mono samples, and the 12B's 640-sample frames.
+//! - [`mel`]: the log-mel features the E2B/E4B audio tower reads, value for
+//!   value as the reference feature extractor computes them.
 
 pub mod audio;
 pub mod decode;
+pub mod mel;
 pub mod processor;
 pub mod resize;
 
@@ -40,6 +43,10 @@ pub enum MediaError {
     SoftTokenBudget(usize),
     #[error("the audio format is not supported (send WAV: PCM or float samples)")]
     UnsupportedAudio,
+    #[error("the audio could not be decoded: {0}")]
+    AudioDecode(String),
+    #[error("the audio clip is {samples} samples long; at least {min} (about 10 ms at 16 kHz) are needed")]
+    TooShort { samples: usize, min: usize },
     #[error("the audio is {seconds:.1} s long; at most {max_seconds} s are accepted")]
     TooLong { seconds: f64, max_seconds: f64 },
     #[error("an image of {width}×{height} cannot be resized into whole {side}-pixel blocks")]

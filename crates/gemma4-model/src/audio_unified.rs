@@ -25,15 +25,14 @@ pub struct UnifiedAudioEmbedder {
 }
 
 impl UnifiedAudioEmbedder {
-    /// The checkpoint's audio embedder; `None` when it has none. A checkpoint
-    /// with the E2B/E4B conformer tower is refused by name (not implemented).
+    /// The checkpoint's encoder-free audio embedder; `None` when it has none
+    /// (the E2B/E4B conformer tower is [`crate::audio::AudioTower`]).
     pub fn load_dir(dir: &Path, json: &Value, text_hidden: usize) -> Result<Option<Self>> {
         let Some(a) = json.get("audio_config").filter(|v| !v.is_null()) else {
             return Ok(None);
         };
         match a.get("model_type").and_then(Value::as_str) {
             Some("gemma4_unified_audio") => {}
-            // The conformer tower: its weights are ignored; audio parts get a 400.
             _ => return Ok(None),
         }
         let frame = match a.get("audio_embed_dim") {

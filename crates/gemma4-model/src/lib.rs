@@ -4,6 +4,7 @@
 //! plus reading and checking against reference ("golden") outputs.
 
 mod attend;
+pub mod audio;
 pub mod audio_unified;
 pub mod cache;
 pub mod compressed;
@@ -23,6 +24,7 @@ pub mod storage;
 pub mod vision;
 pub mod vision_unified;
 
+pub use audio::{AudioConfig, AudioEncoder, AudioFeatures, AudioTower};
 pub use audio_unified::UnifiedAudioEmbedder;
 pub use cache::{KvCache, KvStore};
 pub use config::{ImageAttention, TextConfig};

@@ -273,14 +273,20 @@ pub struct VisionInput<'a> {
 }
 
 /// A linear layer whose input and output may be clamped to stored ranges.
-struct ClippedLinear {
+pub(crate) struct ClippedLinear {
     linear: Linear,
     input: Option<(f32, f32)>,
     output: Option<(f32, f32)>,
 }
 
 impl ClippedLinear {
-    fn load(src: &Weights<'_>, name: &str, out: usize, inp: usize, clipped: bool) -> Result<Self> {
+    pub(crate) fn load(
+        src: &Weights<'_>,
+        name: &str,
+        out: usize,
+        inp: usize,
+        clipped: bool,
+    ) -> Result<Self> {
         let linear = src.linear(&format!("{name}.linear.weight"), out, inp)?;
         let range = |lo: &str, hi: &str| -> Result<Option<(f32, f32)>> {
             if !clipped {
@@ -301,7 +307,7 @@ impl ClippedLinear {
         })
     }
 
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let x = match self.input {
             Some((lo, hi)) => x.clamp(lo, hi)?,
             None => x.clone(),

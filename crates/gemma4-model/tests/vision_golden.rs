@@ -3,23 +3,26 @@
 //! `tools/make_vision_fixture.py`): E-style (causal), and the dense (k = v)
 //! and MoE variants with bidirectional image attention on sliding layers, and
 //! the 12B's encoder-free path (`unified`, with its raw-frame audio beside
-//! an image in one prompt).
+//! an image in one prompt), and E-style with both towers (`e-audio`: the
+//! conformer audio tower, its log-mel features and soft tokens, a clip alone
+//! and beside an image).
 //! Each image's soft tokens after `embed_vision`, then prompts holding one
 //! or two images — the logits at the last prompt position and 12 greedy
 //! tokens.
 
 use std::path::PathBuf;
 
-use gemma4_media::audio::{decode_wav, frames};
+use gemma4_media::audio::{decode_wav, frames, Audio};
+use gemma4_media::mel::{audio_soft_tokens, log_mel, mel_frames, MEL_BINS};
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
 use gemma4_model::golden::{greedy_with_soft_tokens, DEFAULT_TOLERANCE};
 use gemma4_model::{
-    place_soft_tokens, read_config, ImageEncoder, KvCache, LoadPolicy, LogitsFor,
-    UnifiedAudioEmbedder, VisionInput,
+    place_soft_tokens, AudioEncoder, AudioFeatures, ImageEncoder, KvCache, LoadPolicy, LogitsFor,
+    VisionInput,
 };
 use serde_json::Value;
 
-const VARIANTS: [&str; 4] = ["e-style", "dense", "moe", "unified"];
+const VARIANTS: [&str; 5] = ["e-style", "dense", "moe", "unified", "e-audio"];
 
 fn fixture(variant: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -130,12 +133,17 @@ fn prompts_match(variant: &str) {
     let features: Vec<Vec<f32>> = (0..4).map(|i| encode(&f, i)).collect();
     let (audio_token, clips) = audio_clips(variant, hidden);
     let prompts = f.golden["prompts"].as_array().expect("prompts");
-    assert_eq!(prompts.len(), if clips.is_empty() { 3 } else { 4 });
     let indices = |v: &Value| -> Vec<usize> {
         v.as_array()
             .map(|a| a.iter().map(|x| x.as_u64().unwrap() as usize).collect())
             .unwrap_or_default()
     };
+    let with_audio = prompts
+        .iter()
+        .filter(|p| !indices(&p["audios"]).is_empty())
+        .count();
+    assert!(prompts.len() >= 3, "{variant}");
+    assert_eq!(with_audio > 0, !clips.is_empty(), "{variant}");
     for (n, p) in prompts.iter().enumerate() {
         let ids: Vec<u32> = p["ids"]
             .as_array()
@@ -174,19 +182,26 @@ fn prompts_match(variant: &str) {
     }
 }
 
-/// The 12B fixture's audio clips as soft tokens (none elsewhere), checked
-/// against the reference's `embed_audio` output; with the audio token id.
+/// The test clip's features as the checkpoint's audio encoder reads them.
+fn audio_input(encoder: &AudioEncoder, clip: &Audio) -> Vec<f32> {
+    match encoder.features() {
+        AudioFeatures::LogMel => log_mel(clip).expect("log-mel").values,
+        AudioFeatures::Frames(n) => frames(clip, n),
+    }
+}
+
+/// The fixture's audio clips as soft tokens (none where the checkpoint has
+/// no audio encoder), checked against the reference's `embed_audio` output;
+/// with the audio token id.
 fn audio_clips(variant: &str, hidden: usize) -> (u32, Vec<Vec<f32>>) {
     let dir = fixture(variant);
-    let json = read_config(&dir).expect("config");
-    let Some(audio) = UnifiedAudioEmbedder::load_dir(&dir, &json, hidden).expect("audio embedder")
-    else {
+    let Some(audio) = AudioEncoder::load_dir(&dir, hidden).expect("audio encoder") else {
         return (u32::MAX, Vec::new());
     };
     let wav = std::fs::read(fixture("audio").join("0.wav")).expect("wav");
     let clip = decode_wav(&wav, 30.0).expect("decode");
     let ours: Vec<f32> = audio
-        .encode(&frames(&clip, audio.frame))
+        .encode(&audio_input(&audio, &clip))
         .expect("encode")
         .flatten_all()
         .unwrap()
@@ -194,11 +209,63 @@ fn audio_clips(variant: &str, hidden: usize) -> (u32, Vec<Vec<f32>>) {
         .unwrap();
     let goldens = std::fs::read(dir.join("golden_tensors.safetensors")).expect("goldens");
     let (shape, want) = tensor(&goldens, "audio_features.0");
-    assert_eq!(shape, [clip.samples.len().div_ceil(640), hidden]);
+    let tokens = match audio.features() {
+        AudioFeatures::Frames(n) => clip.samples.len().div_ceil(n),
+        AudioFeatures::LogMel => audio_soft_tokens(clip.samples.len()),
+    };
+    assert_eq!(shape, [tokens, hidden], "{variant}");
+    let scale = want.iter().map(|x| x.abs()).fold(0.0, f32::max);
     let diff = max_abs_diff(&ours, &want);
-    eprintln!("{variant} audio 0: soft tokens max |Δ| {diff:.2e}");
-    assert!(diff <= 1e-4, "{variant} audio: {diff}");
-    (audio.tokens.soft, vec![ours])
+    eprintln!("{variant} audio 0: soft tokens max |Δ| {diff:.2e} (largest value {scale:.2})");
+    assert!(diff <= 1e-4 * scale.max(1.0), "{variant} audio: {diff}");
+    (audio.tokens().soft, vec![ours])
+}
+
+#[test]
+fn log_mel_features_match_the_reference() {
+    let wav = std::fs::read(fixture("audio").join("0.wav")).expect("wav");
+    let clip = decode_wav(&wav, 30.0).expect("decode");
+    let ours = log_mel(&clip).expect("log-mel");
+    let goldens = std::fs::read(fixture("e-audio").join("golden_tensors.safetensors")).unwrap();
+    let (shape, want) = tensor(&goldens, "mel.0");
+    assert_eq!(shape, [ours.frames, MEL_BINS]);
+    let diff = max_abs_diff(&ours.values, &want);
+    eprintln!(
+        "log-mel of the test clip: max |Δ| {diff:.2e} over {} frames",
+        ours.frames
+    );
+    // Single-precision FFT and window in the reference, double here.
+    assert!(diff <= 1e-4, "log-mel max |Δ| {diff}");
+}
+
+#[test]
+fn audio_frame_and_token_counts_match_the_reference_processor() {
+    let cases: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("e-audio").join("audio_processor.json")).unwrap(),
+    )
+    .unwrap();
+    let cases = cases.as_array().expect("cases");
+    assert!(cases.len() >= 5);
+    for c in cases {
+        let n = c["samples"].as_u64().unwrap() as usize;
+        assert_eq!(
+            mel_frames(n) as u64,
+            c["mel_frames"].as_u64().unwrap(),
+            "{n} samples"
+        );
+        assert_eq!(
+            audio_soft_tokens(n) as u64,
+            c["soft_tokens"].as_u64().unwrap(),
+            "{n} samples"
+        );
+        let clip = Audio {
+            samples: vec![0.01; n],
+        };
+        match log_mel(&clip) {
+            Ok(m) => assert_eq!(m.frames, mel_frames(n)),
+            Err(_) => assert_eq!(mel_frames(n), 0, "{n} samples"),
+        }
+    }
 }
 
 #[test]
