@@ -35,8 +35,8 @@ pub struct ModelArgs {
 }
 
 /// The checkpoint's media encoders: the image encoder (vision tower, or the
-/// 12B's encoder-free embedder) and the 12B's audio embedder, where it has
-/// them; loaded as stored (their matrices are small beside the text model's,
+/// 12B's encoder-free embedder) and the audio encoder (the E2B/E4B conformer
+/// tower, or the 12B's frame embedder), where it has them; loaded as stored (their matrices are small beside the text model's,
 /// and quantizing them is not measured). GGUF files carry none (llama.cpp
 /// keeps them in a separate `mmproj` file, which is not read).
 pub fn load_media_encoders(
@@ -44,16 +44,14 @@ pub fn load_media_encoders(
     text_hidden: usize,
 ) -> Result<(
     Option<gemma4_model::ImageEncoder>,
-    Option<gemma4_model::UnifiedAudioEmbedder>,
+    Option<gemma4_model::AudioEncoder>,
 )> {
     if !path.is_dir() {
         return Ok((None, None));
     }
     let context = || format!("cannot load the media encoders of {}", path.display());
     let images = gemma4_model::ImageEncoder::load_dir(path, text_hidden).with_context(context)?;
-    let json = gemma4_model::read_config(path).with_context(context)?;
-    let audio = gemma4_model::UnifiedAudioEmbedder::load_dir(path, &json, text_hidden)
-        .with_context(context)?;
+    let audio = gemma4_model::AudioEncoder::load_dir(path, text_hidden).with_context(context)?;
     Ok((images, audio))
 }
 

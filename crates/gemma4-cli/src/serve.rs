@@ -310,7 +310,7 @@ fn load(
     }
     let mut loaded_encoders: Vec<String> = images.iter().map(|e| e.describe()).collect();
     if let Some(a) = &audio {
-        loaded_encoders.push(format!("audio embedder: {}-sample frames", a.frame));
+        loaded_encoders.push(a.describe());
     }
     eprintln!(
         "{}; {} soft tokens per image; at most {} images and {} audio clips per prompt",

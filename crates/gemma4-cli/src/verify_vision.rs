@@ -7,11 +7,11 @@
 use std::path::Path;
 
 use anyhow::{bail, Context, Result};
-use gemma4_media::audio::{decode_wav, frames};
+use gemma4_media::audio::decode_wav;
 use gemma4_media::{decode_image, resize::resize_bicubic, DecodeLimits, ImageProcessor};
 use gemma4_model::golden::greedy_with_soft_tokens;
 use gemma4_model::{
-    place_soft_tokens, read_config, Gemma4, ImageEncoder, UnifiedAudioEmbedder, VisionInput,
+    place_soft_tokens, AudioEncoder, AudioFeatures, Gemma4, ImageEncoder, VisionInput,
 };
 use serde::Deserialize;
 
@@ -157,21 +157,36 @@ pub fn verify(
         return Ok(false);
     }
     let hidden = model.config().hidden_size;
-    let json = read_config(checkpoint)?;
-    let audio = UnifiedAudioEmbedder::load_dir(checkpoint, &json, hidden)?;
+    let audio = AudioEncoder::load_dir(checkpoint, hidden)?;
     let mut clips = Vec::with_capacity(golden.audios.len());
     for (i, rel) in golden.audios.iter().enumerate() {
         let audio = audio
             .as_ref()
-            .context("the golden file holds audio, but the checkpoint has no audio embedder")?;
+            .context("the golden file holds audio, but the checkpoint has no audio encoder")?;
         let path = dir.join(rel);
         let bytes =
             std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
         let clip = decode_wav(&bytes, 30.0).with_context(|| format!("{}", path.display()))?;
-        let ours: Vec<f32> = audio
-            .encode(&frames(&clip, audio.frame))?
-            .flatten_all()?
-            .to_vec1()?;
+        let input = gemma4_server::media::audio_input(audio, &clip)
+            .with_context(|| format!("{}", path.display()))?;
+        if audio.features() == AudioFeatures::LogMel {
+            // The processor stage: the log-mel features, where the golden has them.
+            if let Ok(want) = tensors.f32s(&format!("mel.{i}")) {
+                let (diff, ok) = close_to_reference(&input, &want);
+                all &= ok;
+                println!(
+                    "{} audio={i} mel_frames={} max_abs_diff={diff:.3e}{}",
+                    if ok { "MATCH" } else { "DIFF " },
+                    input.len() / gemma4_media::mel::MEL_BINS,
+                    if ok { "" } else { " stage=processor output" }
+                );
+                if !ok {
+                    println!("SEQ_MATCH false (the audio processor departs; prompts not run)");
+                    return Ok(false);
+                }
+            }
+        }
+        let ours: Vec<f32> = audio.encode(&input)?.flatten_all()?.to_vec1()?;
         let (diff, ok) = close_to_reference(&ours, &tensors.f32s(&format!("audio_features.{i}"))?);
         all &= ok;
         println!(
@@ -182,13 +197,13 @@ pub fn verify(
             if ok {
                 ""
             } else {
-                " stage=audio embedder output"
+                " stage=audio encoder output"
             }
         );
         clips.push(ours);
     }
     let image_token = encoder.tokens().soft;
-    let audio_token = audio.as_ref().map_or(u32::MAX, |a| a.tokens.soft);
+    let audio_token = audio.as_ref().map_or(u32::MAX, |a| a.tokens().soft);
     for (n, p) in golden.prompts.iter().enumerate() {
         let images: Vec<&[f32]> = p.images.iter().map(|&i| features[i].as_slice()).collect();
         let audios: Vec<&[f32]> = p.audios.iter().map(|&i| clips[i].as_slice()).collect();

@@ -70,7 +70,7 @@ fn verify_passes_on_every_fixture() {
 #[test]
 fn verify_checks_images_stage_by_stage() {
     let vision = root().join("tests/fixtures/vision");
-    for v in ["e-style", "dense", "moe", "unified"] {
+    for v in ["e-style", "dense", "moe", "unified", "e-audio"] {
         let dir = vision.join(v);
         let (out, text) = run(bin()
             .args(["verify", "--model"])
@@ -80,8 +80,13 @@ fn verify_checks_images_stage_by_stage() {
         assert!(out.status.success(), "{v}: {text}");
         assert!(text.lines().any(|l| l == "SEQ_MATCH true"), "{v}: {text}");
         // Four images and three prompts; the 12B's also an audio clip and a
-        // prompt holding it.
-        let expected = if v == "unified" { 9 } else { 7 };
+        // prompt holding it; the conformer tower's also the clip's log-mel
+        // features and a prompt with the clip alone.
+        let expected = match v {
+            "unified" => 9,
+            "e-audio" => 11,
+            _ => 7,
+        };
         assert_eq!(
             text.lines().filter(|l| l.starts_with("MATCH")).count(),
             expected,
@@ -116,6 +121,40 @@ fn verify_checks_images_stage_by_stage() {
         text.contains("DIFF  image=0 stage=processor output"),
         "{text}"
     );
+    assert!(
+        text.lines().any(|l| l.starts_with("SEQ_MATCH false")),
+        "{text}"
+    );
+    // The clip at half its loudness: its log-mel features depart first.
+    let copy = tmp.join("e-audio");
+    std::fs::create_dir_all(&copy).expect("mkdir");
+    std::fs::create_dir_all(tmp.join("audio")).expect("mkdir");
+    for e in std::fs::read_dir(vision.join("e-audio")).expect("read_dir") {
+        let e = e.expect("entry");
+        std::fs::copy(e.path(), copy.join(e.file_name())).expect("copy");
+    }
+    for i in 0..4 {
+        std::fs::copy(
+            vision.join(format!("images/{i}.png")),
+            tmp.join(format!("images/{i}.png")),
+        )
+        .expect("copy image");
+    }
+    let mut wav = std::fs::read(vision.join("audio/0.wav")).expect("wav");
+    // 16-bit PCM after a 44-byte header.
+    for s in wav[44..].chunks_exact_mut(2) {
+        let v = i16::from_le_bytes([s[0], s[1]]) / 2;
+        s.copy_from_slice(&v.to_le_bytes());
+    }
+    std::fs::write(tmp.join("audio/0.wav"), wav).expect("write wav");
+    let (out, text) = run(bin()
+        .args(["verify", "--model"])
+        .arg(&copy)
+        .arg("--golden")
+        .arg(copy.join("golden.json")));
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("stage=processor output"), "{text}");
+    assert!(text.contains("DIFF  audio=0 mel_frames=129"), "{text}");
     assert!(
         text.lines().any(|l| l.starts_with("SEQ_MATCH false")),
         "{text}"

@@ -9,14 +9,15 @@ use std::sync::Arc;
 
 use gemma4_engine::{start, EngineConfig, GenerationRequest, SamplingParams, SoftPrompt};
 use gemma4_media::audio::{decode_wav, frames};
+use gemma4_media::mel::log_mel;
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
 use gemma4_model::{
-    load_hf_dir, place_soft_tokens, ImageEncoder, UnifiedAudioEmbedder, VisionInput,
+    load_hf_dir, place_soft_tokens, AudioEncoder, AudioFeatures, ImageEncoder, VisionInput,
 };
 use gemma4_text::Tokenizer;
 use serde_json::Value;
 
-const VARIANTS: [&str; 4] = ["e-style", "dense", "moe", "unified"];
+const VARIANTS: [&str; 5] = ["e-style", "dense", "moe", "unified", "e-audio"];
 
 fn fixture(variant: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -88,22 +89,25 @@ fn image_features(variant: &str) -> (Vec<Vec<f32>>, u32) {
     (features, image_token)
 }
 
-/// The 12B fixture's audio clip as soft tokens, with the audio token id
-/// (none elsewhere).
+/// The fixture's audio clip as soft tokens (the 12B's frame embedder or the
+/// E-style conformer tower), with the audio token id (none elsewhere).
 fn audio_clips(variant: &str) -> (u32, Vec<Vec<f32>>) {
     let dir = fixture(variant);
     let hidden = gemma4_model::TextConfig::from_dir(&dir)
         .unwrap()
         .hidden_size;
-    let json = gemma4_model::read_config(&dir).unwrap();
-    let Some(audio) = UnifiedAudioEmbedder::load_dir(&dir, &json, hidden).unwrap() else {
+    let Some(audio) = AudioEncoder::load_dir(&dir, hidden).unwrap() else {
         return (u32::MAX, Vec::new());
     };
     let wav = std::fs::read(dir.join("../audio/0.wav")).unwrap();
     let clip = decode_wav(&wav, 30.0).unwrap();
-    let soft = audio.encode(&frames(&clip, audio.frame)).unwrap();
+    let input = match audio.features() {
+        AudioFeatures::LogMel => log_mel(&clip).unwrap().values,
+        AudioFeatures::Frames(n) => frames(&clip, n),
+    };
+    let soft = audio.encode(&input).unwrap();
     (
-        audio.tokens.soft,
+        audio.tokens().soft,
         vec![soft.flatten_all().unwrap().to_vec1().unwrap()],
     )
 }
@@ -125,8 +129,11 @@ fn media_request(
     let images_v: Vec<&[f32]> = images.iter().map(|&i| features[i].as_slice()).collect();
     let audios_v: Vec<&[f32]> = audios.iter().map(|&i| clips[i].as_slice()).collect();
     // Every fixture's soft tokens are one row of the model's width per token.
-    let tokens = ids.iter().filter(|&&t| t == image_token).count();
-    let values: usize = images_v.iter().map(|f| f.len()).sum();
+    let tokens = ids
+        .iter()
+        .filter(|&&t| t == image_token || t == audio_token)
+        .count();
+    let values: usize = images_v.iter().chain(&audios_v).map(|f| f.len()).sum();
     let hidden = values / tokens.max(1);
     let placed = place_soft_tokens(
         ids,

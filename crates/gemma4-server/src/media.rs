@@ -1,17 +1,17 @@
 //! Images and audio in chat requests: `data:` URIs and base64 WAV decoded
 //! with limits, processed as the reference processor does, and encoded by
-//! the checkpoint's encoders (the vision tower, or the 12B's encoder-free
-//! image and audio embedders) into the soft tokens that replace each
-//! placeholder of the rendered prompt.
+//! the checkpoint's encoders (the vision and audio towers, or the 12B's
+//! encoder-free image and audio embedders) into the soft tokens that replace
+//! each placeholder of the rendered prompt.
 
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
 
 use base64::Engine as _;
 use gemma4_engine::SoftPrompt;
-use gemma4_media::audio::{decode_wav, frames};
-use gemma4_media::{decode_image, DecodeLimits, ImageProcessor, RgbImage};
-use gemma4_model::{ImageEncoder, MediaTokens, UnifiedAudioEmbedder, VisionInput};
+use gemma4_media::audio::{decode_wav, frames, Audio};
+use gemma4_media::{decode_image, mel, DecodeLimits, ImageProcessor, MediaError, RgbImage};
+use gemma4_model::{AudioEncoder, AudioFeatures, ImageEncoder, MediaTokens, VisionInput};
 
 use crate::error::ApiError;
 use crate::openai::request::{MediaKind, MediaPart};
@@ -26,7 +26,7 @@ pub const MAX_AUDIO_SECONDS: f64 = 30.0;
 /// The server's media settings and the checkpoint's encoders.
 pub struct Media {
     pub images: Option<ImageEncoder>,
-    pub audio: Option<UnifiedAudioEmbedder>,
+    pub audio: Option<AudioEncoder>,
     /// Soft tokens per image unless a request asks otherwise (70 … 1120).
     pub default_soft_tokens: usize,
     /// Most images and most audio clips one request may hold.
@@ -50,7 +50,7 @@ pub struct Encoded {
 impl Media {
     pub fn new(
         images: Option<ImageEncoder>,
-        audio: Option<UnifiedAudioEmbedder>,
+        audio: Option<AudioEncoder>,
         default_soft_tokens: usize,
         max_items: (usize, usize),
     ) -> Self {
@@ -101,7 +101,10 @@ impl Media {
                 let (tokens, embeds, soft_tokens) = match part.kind {
                     MediaKind::Image => {
                         let encoder = self.images.as_ref().ok_or_else(|| {
-                            bad("this model has no vision tower; it cannot read image_url parts".into())
+                            bad(
+                                "this model has no vision tower; it cannot read image_url parts"
+                                    .into(),
+                            )
                         })?;
                         let img = self.load_image(&part.data).map_err(bad)?;
                         let processed = if encoder.takes_merged_patches() {
@@ -123,21 +126,28 @@ impl Media {
                     }
                     MediaKind::Audio => {
                         let encoder = self.audio.as_ref().ok_or_else(|| {
-                            bad("this model has no audio encoder this server runs (the 12B's raw-frame path); it cannot read input_audio parts".into())
+                            bad(
+                                "this model has no audio encoder; it cannot read input_audio parts"
+                                    .into(),
+                            )
                         })?;
                         let bytes = base64::engine::general_purpose::STANDARD
                             .decode(part.data.trim())
                             .map_err(|e| bad(format!("the audio is not valid base64: {e}")))?;
-                        let audio = decode_wav(&bytes, MAX_AUDIO_SECONDS).map_err(|e| bad(e.to_string()))?;
-                        let frames = frames(&audio, encoder.frame);
-                        for x in &frames {
+                        let audio = decode_wav(&bytes, MAX_AUDIO_SECONDS)
+                            .map_err(|e| bad(e.to_string()))?;
+                        for x in &audio.samples {
                             x.to_bits().hash(&mut h);
                         }
-                        let embeds = encoder
-                            .encode(&frames)
-                            .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
-                            .map_err(internal)?;
-                        (encoder.tokens, embeds, frames.len() / encoder.frame)
+                        let features =
+                            audio_input(encoder, &audio).map_err(|e| bad(e.to_string()))?;
+                        let soft = encoder.encode(&features).map_err(internal)?;
+                        let soft_tokens = soft.dim(0).map_err(|e| internal(e.into()))?;
+                        let embeds = soft
+                            .flatten_all()
+                            .and_then(|t| t.to_vec1::<f32>())
+                            .map_err(|e| internal(e.into()))?;
+                        (encoder.tokens(), embeds, soft_tokens)
                     }
                 };
                 Ok(Encoded {
@@ -213,6 +223,15 @@ impl Media {
         };
         (ids, Arc::new(soft))
     }
+}
+
+/// A clip's features as the checkpoint's audio encoder reads them: log-mel
+/// frames for the conformer tower, raw sample frames for the 12B's embedder.
+pub fn audio_input(encoder: &AudioEncoder, clip: &Audio) -> Result<Vec<f32>, MediaError> {
+    Ok(match encoder.features() {
+        AudioFeatures::LogMel => mel::log_mel(clip)?.values,
+        AudioFeatures::Frames(n) => frames(clip, n),
+    })
 }
 
 /// Splits a rendered prompt at its media placeholders: the text pieces, and

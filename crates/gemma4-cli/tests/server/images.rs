@@ -1,7 +1,8 @@
-//! Images through `gemma4 serve` with the official `openai` client, on the
-//! vision fixture (`tests/fixtures/vision/e-style`): a chat turn with two
-//! images keeps the reference's prompt length and greedy tokens, whole and
-//! streamed; bad media gets a 400 that names the problem.
+//! Images and audio through `gemma4 serve` with the official `openai`
+//! client, on the vision fixtures (`tests/fixtures/vision/*`): a chat turn
+//! with two images (and, on the 12B and the E-style checkpoint with both
+//! towers, an audio clip) keeps the reference's prompt length and greedy
+//! tokens, whole and streamed; bad media gets a 400 that names the problem.
 
 use base64::Engine as _;
 use serde_json::{json, Value};
@@ -54,6 +55,61 @@ fn a_chat_with_two_images_and_an_audio_clip_on_the_12b_keeps_the_reference_token
     // Its reply ends in byte tokens that are not UTF-8 together: the stream
     // holds the run and shows it as the whole decode does.
     chat_through_the_client("unified");
+}
+
+#[test]
+fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_reference_tokens() {
+    // The conformer audio tower and the vision tower of one checkpoint.
+    if chat_through_the_client("e-audio").is_none() {
+        return;
+    }
+    // A clip too short for one log-mel window is refused by name.
+    let server = ServerProc::start(&fixture_of("e-audio"), &[], &[]);
+    let body = json!({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"},
+        {"type": "input_audio", "input_audio": {"data": b64(&wav(&[100; 100])), "format": "wav"}}]}],
+        "max_tokens": 1});
+    let r = server.post("/v1/chat/completions", &body);
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = openai_error(&r);
+    let message = e["message"].as_str().unwrap_or_default();
+    assert!(message.contains("100 samples long"), "{e}");
+    assert_eq!(e["param"], "messages[0].content[1].input_audio.data");
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": [
+            {"type": "input_audio", "input_audio": {"data": b64(&wav(&[100; 1600])), "format": "wav"}}]}],
+            "max_tokens": 1}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    // 1,600 samples: 9 mel frames, 3 soft tokens, between <|audio> and <audio|>.
+    let with_clip = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": ""}], "max_tokens": 1}),
+    );
+    let without = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(with_clip, without + 5, "{with_clip} vs {without}");
+}
+
+/// A 16 kHz mono 16-bit WAV file of these samples.
+fn wav(samples: &[i16]) -> Vec<u8> {
+    let data: Vec<u8> = samples.iter().flat_map(|s| s.to_le_bytes()).collect();
+    let mut out = Vec::new();
+    out.extend_from_slice(b"RIFF");
+    out.extend_from_slice(&(36 + data.len() as u32).to_le_bytes());
+    out.extend_from_slice(b"WAVEfmt ");
+    for field in [16u32, 0x0001_0001, 16_000, 32_000, 0x0010_0002] {
+        out.extend_from_slice(&field.to_le_bytes());
+    }
+    out.extend_from_slice(b"data");
+    out.extend_from_slice(&(data.len() as u32).to_le_bytes());
+    out.extend_from_slice(&data);
+    out
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
 /// The chat turn of the fixture's golden (its images and audio as data)
