@@ -30,8 +30,9 @@ With `--bidirectional` the text config gets `use_bidirectional_attention: "visio
 31B and 26B-A4B checkpoints have), and the reference runs with the processor's
 `mm_token_type_ids`, so each image's soft tokens see each other on sliding layers.
 
-Needs torch, torchvision and transformers 5.23 (CPU):
-  pip install torch torchvision transformers==5.23.0 pillow
+Needs torch, torchvision and transformers 5.23 (CPU), and soundfile for the FLAC and MP3
+copies of the test clip:
+  pip install torch torchvision transformers==5.23.0 pillow soundfile
   python tools/make_vision_fixture.py tests/fixtures/oracle/e-style tests/fixtures/vision/e-style --processor
   python tools/make_vision_fixture.py tests/fixtures/oracle/dense-k-eq-v tests/fixtures/vision/dense --bidirectional
   python tools/make_vision_fixture.py tests/fixtures/oracle/moe tests/fixtures/vision/moe --bidirectional
@@ -124,6 +125,14 @@ def write_wav(path: Path, samples: np.ndarray) -> None:
         w.setsampwidth(2)
         w.setframerate(16_000)
         w.writeframes(samples.tobytes())
+
+
+def write_compressed(audio_dir: Path, samples: np.ndarray) -> None:
+    """The same clip as FLAC (lossless, 16-bit) and MP3, for the decoders' tests."""
+    import soundfile
+
+    soundfile.write(str(audio_dir / "0.flac"), samples, 16_000, subtype="PCM_16")
+    soundfile.write(str(audio_dir / "0.mp3"), samples.astype(np.float32) / 32768, 16_000, format="MP3")
 
 
 def vision_config() -> dict:
@@ -340,6 +349,7 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool, with_a
         audio_dir.mkdir(exist_ok=True)
         samples = test_waveform()
         write_wav(audio_dir / "0.wav", samples)
+        write_compressed(audio_dir, samples)
         waveform = samples.astype(np.float32) / 32768.0
         extractor = Gemma4UnifiedAudioFeatureExtractor() if unified else Gemma4AudioFeatureExtractor()
         feats = extractor([waveform], return_tensors="pt")

@@ -475,7 +475,8 @@ def scenario_images(args):
     for path in args.audio:
         with open(path, "rb") as f:
             data = base64.b64encode(f.read()).decode()
-        content.append({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}})
+        fmt = path.rsplit(".", 1)[-1].lower()
+        content.append({"type": "input_audio", "input_audio": {"data": data, "format": fmt}})
     messages = [{"role": "user", "content": content}]
     r = c.chat.completions.create(
         model=args.model, messages=messages, max_tokens=args.max_tokens, temperature=0,
@@ -542,7 +543,7 @@ def main():
     p.add_argument("--prompt", action="append", default=[], help="repeatable")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--image", action="append", default=[], help="PNG path, repeatable (images scenario)")
-    p.add_argument("--audio", action="append", default=[], help="WAV path, repeatable (images scenario)")
+    p.add_argument("--audio", action="append", default=[], help="WAV, MP3 or FLAC path, repeatable (images scenario)")
     p.add_argument("--count", type=int, default=4, help="simultaneous requests (queue scenario)")
     p.add_argument("--budget", type=int, default=12, help="thinking_token_budget (protocol scenario)")
     p.add_argument("--ban", type=int, action="append", default=[], help="token id to ban (protocol scenario)")

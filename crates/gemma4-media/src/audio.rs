@@ -1,5 +1,13 @@
-//! Audio in: WAV bytes → 16 kHz mono samples in `[-1, 1)`, and the 12B's
-//! frames (640 samples, 40 ms, one soft token each).
+//! Audio in: WAV, FLAC or MP3 bytes → 16 kHz mono samples in `[-1, 1)`, and
+//! the 12B's frames (640 samples, 40 ms, one soft token each).
+
+use symphonia::core::audio::SampleBuffer;
+use symphonia::core::codecs::{DecoderOptions, CODEC_TYPE_NULL};
+use symphonia::core::errors::Error as SymphoniaError;
+use symphonia::core::formats::FormatOptions;
+use symphonia::core::io::MediaSourceStream;
+use symphonia::core::meta::MetadataOptions;
+use symphonia::core::probe::Hint;
 
 use crate::{MediaError, Result};
 
@@ -16,6 +24,125 @@ impl Audio {
     pub fn seconds(&self) -> f64 {
         self.samples.len() as f64 / f64::from(SAMPLE_RATE)
     }
+}
+
+/// The containers [`decode_audio`] reads, told apart by their first bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AudioContainer {
+    Wav,
+    Flac,
+    Mp3,
+}
+
+impl AudioContainer {
+    /// The container of these bytes, if it is one of the supported ones.
+    pub fn sniff(bytes: &[u8]) -> Option<Self> {
+        match bytes {
+            [b'R', b'I', b'F', b'F', _, _, _, _, b'W', b'A', b'V', b'E', ..] => Some(Self::Wav),
+            [b'f', b'L', b'a', b'C', ..] => Some(Self::Flac),
+            [b'I', b'D', b'3', ..] => Some(Self::Mp3),
+            // An MPEG audio frame's sync word (layer III).
+            [0xFF, b, ..] if b & 0xE0 == 0xE0 && b & 0x06 == 0x02 => Some(Self::Mp3),
+            _ => None,
+        }
+    }
+}
+
+/// Decodes WAV, FLAC or MP3 (told apart by their first bytes, whatever the
+/// request calls them) to 16 kHz mono, refusing clips over `max_seconds`
+/// before decoding past that point.
+pub fn decode_audio(bytes: &[u8], max_seconds: f64) -> Result<Audio> {
+    match AudioContainer::sniff(bytes) {
+        Some(AudioContainer::Wav) => decode_wav(bytes, max_seconds),
+        Some(AudioContainer::Flac) => decode_compressed(bytes, "flac", max_seconds),
+        Some(AudioContainer::Mp3) => decode_compressed(bytes, "mp3", max_seconds),
+        None => Err(MediaError::UnsupportedAudio),
+    }
+}
+
+/// FLAC or MP3 through symphonia: channels averaged to mono, then resampled
+/// as WAV is.
+fn decode_compressed(bytes: &[u8], extension: &str, max_seconds: f64) -> Result<Audio> {
+    let bad = |e: SymphoniaError| {
+        MediaError::AudioDecode(format!("not a readable {extension} file: {e}"))
+    };
+    let source = MediaSourceStream::new(
+        Box::new(std::io::Cursor::new(bytes.to_vec())),
+        Default::default(),
+    );
+    let mut hint = Hint::new();
+    hint.with_extension(extension);
+    let format_options = FormatOptions {
+        enable_gapless: true,
+        ..Default::default()
+    };
+    let probed = symphonia::default::get_probe()
+        .format(&hint, source, &format_options, &MetadataOptions::default())
+        .map_err(bad)?;
+    let mut format = probed.format;
+    let track = format
+        .tracks()
+        .iter()
+        .find(|t| t.codec_params.codec != CODEC_TYPE_NULL)
+        .ok_or_else(|| {
+            MediaError::AudioDecode(format!("the {extension} file has no audio track"))
+        })?;
+    let track_id = track.id;
+    let params = track.codec_params.clone();
+    // The header's length, where it states one: refuse before decoding.
+    if let (Some(frames), Some(rate)) = (params.n_frames, params.sample_rate) {
+        let seconds = frames as f64 / f64::from(rate.max(1));
+        if seconds > max_seconds {
+            return Err(MediaError::TooLong {
+                seconds,
+                max_seconds,
+            });
+        }
+    }
+    let mut decoder = symphonia::default::get_codecs()
+        .make(&params, &DecoderOptions::default())
+        .map_err(bad)?;
+    let mut mono = Vec::new();
+    let mut rate = params.sample_rate.unwrap_or(0);
+    let mut buffer: Option<SampleBuffer<f32>> = None;
+    loop {
+        let packet = match format.next_packet() {
+            Ok(p) => p,
+            Err(SymphoniaError::IoError(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                break
+            }
+            Err(e) => return Err(bad(e)),
+        };
+        if packet.track_id() != track_id {
+            continue;
+        }
+        let decoded = decoder.decode(&packet).map_err(bad)?;
+        let spec = *decoded.spec();
+        rate = spec.rate;
+        let channels = spec.channels.count().max(1);
+        let needed = decoded.capacity() as u64;
+        let buf = match &mut buffer {
+            Some(b) if b.capacity() as u64 >= needed * channels as u64 => b,
+            _ => buffer.insert(SampleBuffer::new(needed, spec)),
+        };
+        buf.copy_interleaved_ref(decoded);
+        for frame in buf.samples().chunks_exact(channels) {
+            mono.push(frame.iter().sum::<f32>() / channels as f32);
+        }
+        let seconds = mono.len() as f64 / f64::from(rate.max(1));
+        if seconds > max_seconds {
+            return Err(MediaError::TooLong {
+                seconds,
+                max_seconds,
+            });
+        }
+    }
+    if mono.is_empty() || rate == 0 {
+        return Err(MediaError::Empty);
+    }
+    Ok(Audio {
+        samples: resample(&mono, rate),
+    })
 }
 
 /// Decodes a RIFF/WAVE file (PCM 8/16/24/32-bit or IEEE float 32/64-bit,
@@ -171,6 +298,28 @@ mod tests {
             samples: vec![1.0; 5],
         };
         assert_eq!(frames(&a, 4), [1.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]);
+    }
+
+    #[test]
+    fn containers_are_told_apart_by_their_first_bytes() {
+        assert_eq!(
+            AudioContainer::sniff(&wav(1, 16_000, &[0; 4])),
+            Some(AudioContainer::Wav)
+        );
+        assert_eq!(
+            AudioContainer::sniff(b"fLaC\0\0"),
+            Some(AudioContainer::Flac)
+        );
+        assert_eq!(AudioContainer::sniff(b"ID3\x04"), Some(AudioContainer::Mp3));
+        assert_eq!(
+            AudioContainer::sniff(&[0xFF, 0xFB, 0x90, 0x00]),
+            Some(AudioContainer::Mp3)
+        );
+        assert_eq!(AudioContainer::sniff(b"OggS\0"), None);
+        assert!(matches!(
+            decode_audio(b"fLaC but nothing else", 30.0),
+            Err(MediaError::AudioDecode(_))
+        ));
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //!   pass then vertical, each rounded to bytes).
 //! - [`processor`]: the aspect-preserving target size, rescaling to `[0, 1]`,
 //!   16-pixel patches with their `(x, y)` positions, and the soft-token count.
-//! - [`audio`]: WAV → 16 kHz mono samples, and the 12B's 640-sample frames.
+//! - [`audio`]: WAV, FLAC or MP3 → 16 kHz mono samples, and the 12B's
+//!   640-sample frames.
 //! - [`mel`]: the log-mel features the E2B/E4B audio tower reads, value for
 //!   value as the reference feature extractor computes them.
 
@@ -41,7 +42,7 @@ pub enum MediaError {
     Empty,
     #[error("max_soft_tokens must be one of 70, 140, 280, 560, 1120 (got {0})")]
     SoftTokenBudget(usize),
-    #[error("the audio format is not supported (send WAV: PCM or float samples)")]
+    #[error("the audio format is not supported (send WAV, FLAC or MP3)")]
     UnsupportedAudio,
     #[error("the audio could not be decoded: {0}")]
     AudioDecode(String),

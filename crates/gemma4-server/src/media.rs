@@ -1,4 +1,4 @@
-//! Images and audio in chat requests: `data:` URIs and base64 WAV decoded
+//! Images and audio in chat requests: `data:` URIs and base64 WAV, FLAC or MP3 decoded
 //! with limits, processed as the reference processor does, and encoded by
 //! the checkpoint's encoders (the vision and audio towers, or the 12B's
 //! encoder-free image and audio embedders) into the soft tokens that replace
@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 use gemma4_engine::SoftPrompt;
-use gemma4_media::audio::{decode_wav, frames, Audio};
+use gemma4_media::audio::{decode_audio, frames, Audio};
 use gemma4_media::{decode_image, mel, DecodeLimits, ImageProcessor, MediaError, RgbImage};
 use gemma4_model::{AudioEncoder, AudioFeatures, ImageEncoder, MediaTokens, VisionInput};
 
@@ -134,7 +134,7 @@ impl Media {
                         let bytes = base64::engine::general_purpose::STANDARD
                             .decode(part.data.trim())
                             .map_err(|e| bad(format!("the audio is not valid base64: {e}")))?;
-                        let audio = decode_wav(&bytes, MAX_AUDIO_SECONDS)
+                        let audio = decode_audio(&bytes, MAX_AUDIO_SECONDS)
                             .map_err(|e| bad(e.to_string()))?;
                         for x in &audio.samples {
                             x.to_bits().hash(&mut h);

@@ -45,7 +45,7 @@ fn image_chat(urls: &[String], extra: Value) -> Value {
 
 #[test]
 fn a_chat_with_two_images_keeps_the_reference_tokens_through_the_openai_client() {
-    let out = chat_through_the_client("e-style");
+    let out = chat_through_the_client("e-style", "wav");
     let Some(out) = out else { return };
     check_bad_media(&out);
 }
@@ -54,15 +54,17 @@ fn a_chat_with_two_images_keeps_the_reference_tokens_through_the_openai_client()
 fn a_chat_with_two_images_and_an_audio_clip_on_the_12b_keeps_the_reference_tokens() {
     // Its reply ends in byte tokens that are not UTF-8 together: the stream
     // holds the run and shows it as the whole decode does.
-    chat_through_the_client("unified");
+    chat_through_the_client("unified", "wav");
 }
 
 #[test]
 fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_reference_tokens() {
-    // The conformer audio tower and the vision tower of one checkpoint.
-    if chat_through_the_client("e-audio").is_none() {
+    // The conformer audio tower and the vision tower of one checkpoint; the
+    // clip as WAV and as FLAC (lossless: the same samples, the same reply).
+    if chat_through_the_client("e-audio", "wav").is_none() {
         return;
     }
+    chat_through_the_client("e-audio", "flac");
     // A clip too short for one log-mel window is refused by name.
     let server = ServerProc::start(&fixture_of("e-audio"), &[], &[]);
     let body = json!({"messages": [{"role": "user", "content": [
@@ -90,6 +92,19 @@ fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_refe
     );
     let without = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
     assert_eq!(with_clip, without + 5, "{with_clip} vs {without}");
+    // The test clip as MP3 (lossy, same length): its 33 soft tokens.
+    for ext in ["wav", "mp3"] {
+        let bytes = std::fs::read(fixture_of("audio").join(format!("0.{ext}"))).expect("clip");
+        let r = server.post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": [
+                {"type": "input_audio", "input_audio": {"data": b64(&bytes), "format": ext}}]}],
+                "max_tokens": 1}),
+        );
+        assert_eq!(r.status, 200, "{ext}: {}", r.body);
+        let tokens = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(tokens, without + 35, "{ext}");
+    }
 }
 
 /// A 16 kHz mono 16-bit WAV file of these samples.
@@ -112,9 +127,10 @@ fn b64(bytes: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
-/// The chat turn of the fixture's golden (its images and audio as data)
-/// through the openai client, whole and streamed; the client's report.
-fn chat_through_the_client(variant: &str) -> Option<Value> {
+/// The chat turn of the fixture's golden (its images and audio as data, the
+/// clip from the file with this extension) through the openai client, whole
+/// and streamed; the client's report.
+fn chat_through_the_client(variant: &str, audio_ext: &str) -> Option<Value> {
     let dir = fixture_of(variant);
     let server = ServerProc::start(&dir, &["--max-soft-tokens", "70"], &[]);
     let golden = chat_golden_of(variant);
@@ -157,7 +173,9 @@ fn chat_through_the_client(variant: &str) -> Option<Value> {
     for i in golden["audios"].as_array().into_iter().flatten() {
         args.extend([
             "--audio".into(),
-            dir.join(format!("../audio/{i}.wav")).display().to_string(),
+            dir.join(format!("../audio/{i}.{audio_ext}"))
+                .display()
+                .to_string(),
         ]);
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();

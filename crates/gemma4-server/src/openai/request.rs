@@ -266,7 +266,7 @@ pub struct MediaPart {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MediaKind {
     Image,
-    /// `input_audio` with its `format` (only `wav` is decoded).
+    /// `input_audio` (WAV, MP3 or FLAC, told apart by their bytes).
     Audio,
 }
 
@@ -543,10 +543,10 @@ fn content_parts(parts: &[Value], at: &str, media: &mut Vec<MediaPart>) -> Resul
                         format!("{here}.input_audio.data"),
                     );
                 };
-                if format.is_some_and(|f| f != "wav") {
+                if format.is_some_and(|f| !["wav", "mp3", "flac"].contains(&f)) {
                     return bad(
                         format!(
-                            "`{here}.input_audio.format` is {:?}; this server decodes \"wav\" only",
+                            "`{here}.input_audio.format` is {:?}; this server decodes \"wav\", \"mp3\" and \"flac\"",
                             format.unwrap_or_default()
                         ),
                         format!("{here}.input_audio.format"),
@@ -851,8 +851,8 @@ mod tests {
                 "`messages[0].content[0].input_audio.data` must be a string",
             ),
             (
-                r#"{"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "mp3"}}]}]}"#,
-                "decodes \"wav\" only",
+                r#"{"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AA==", "format": "ogg"}}]}]}"#,
+                "decodes \"wav\", \"mp3\" and \"flac\"",
             ),
             (
                 r#"{"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]}"#,
