@@ -20,6 +20,7 @@ use crate::admission::{check_choice_count, max_tokens_for, submit_error};
 use crate::error::ApiError;
 use crate::grammar::{tool_call_grammar, CallMarkers, GrammarSpec, ThinkingGate};
 use crate::openai::request::{MediaKind, ToolChoice};
+use crate::openai::response::MediaTokensJson;
 use crate::openai::{ChatRequest, Prompt, Sampling};
 use crate::server::{AppState, ModelContext};
 
@@ -38,6 +39,8 @@ pub struct ChatPrompt {
     pub ids: Vec<u32>,
     /// The media's soft tokens, when the messages hold images or audio.
     pub soft: Option<Arc<SoftPrompt>>,
+    /// Each media item's soft-token count, in prompt order (for `usage`).
+    pub media: Vec<MediaTokensJson>,
 }
 
 /// Renders a chat request with the model's template and tokenizes it; the
@@ -88,6 +91,7 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt
         return Ok(ChatPrompt {
             ids: encode(&text, !has_bos)?,
             soft: None,
+            media: Vec::new(),
         });
     };
     let (pieces, kinds) = crate::media::split_placeholders(&text);
@@ -106,10 +110,21 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt
         .enumerate()
         .map(|(i, piece)| encode(piece, i == 0 && !has_bos))
         .collect::<Result<Vec<_>, _>>()?;
+    let counts = items
+        .iter()
+        .map(|item| MediaTokensJson {
+            kind: match item.kind {
+                MediaKind::Image => "image",
+                MediaKind::Audio => "audio",
+            },
+            soft_tokens: item.soft_tokens,
+        })
+        .collect();
     let (ids, soft) = media.splice(pieces, items);
     Ok(ChatPrompt {
         ids,
         soft: Some(soft),
+        media: counts,
     })
 }
 
@@ -345,6 +360,8 @@ pub struct Generation {
     processors: Vec<OutputProcessor>,
     /// Prompt tokens, counted once per prompt.
     pub prompt_tokens: usize,
+    /// The chat prompt's media items and their soft tokens.
+    pub prompt_media: Vec<MediaTokensJson>,
     pub choices: usize,
 }
 
@@ -487,6 +504,7 @@ impl Generation {
             streams,
             processors,
             prompt_tokens: prompts.iter().map(Vec::len).sum(),
+            prompt_media: Vec::new(),
             choices,
         })
     }

@@ -32,6 +32,7 @@ use crate::generation::{
     Generation, Reading,
 };
 use crate::openai::request::{Sampling, Streaming, ToolChoice};
+use crate::openai::response::MediaTokensJson;
 use crate::openai::response::{
     ChatChoice, ChatCompletion, ChatLogprobs, ChatMessage, ChatTokenLogprob, CompletionLogprobs,
     GenerateResponse, ModelCard, ModelList, TextChoice, TextCompletion, UsageJson,
@@ -190,6 +191,7 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
         id,
         served,
         prompt_tokens,
+        prompt_media,
         collected,
         guard,
     } = match answer(&state, submitted, guard, Format::Chat).await? {
@@ -223,6 +225,7 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
         system_fingerprint: SYSTEM_FINGERPRINT,
         choices,
         usage: UsageJson::new(prompt_tokens, completion_tokens)
+            .with_media(&prompt_media)
             .with_reasoning(collected.reasoning_tokens),
     })
     .into_response())
@@ -260,7 +263,9 @@ pub(crate) async fn submit_chat(
         arrival,
         prompt_param: "messages",
     };
-    submit_openai(state, model, job, Format::Chat).await
+    let mut submitted = submit_openai(state, model, job, Format::Chat).await?;
+    submitted.generation.prompt_media = prompt.media;
+    Ok(submitted)
 }
 
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
@@ -293,6 +298,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
         prompt_tokens,
         collected,
         guard,
+        ..
     } = match answer(&state, submitted, guard, Format::Completion).await? {
         Ran::Streamed(response) => return Ok(response),
         Ran::Collected(whole) => whole,
@@ -387,6 +393,7 @@ pub(crate) struct Whole {
     id: String,
     served: String,
     prompt_tokens: usize,
+    prompt_media: Vec<MediaTokensJson>,
     collected: Collected,
     guard: ActiveGuard,
 }
@@ -481,11 +488,13 @@ async fn answer(
         )));
     }
     let prompt_tokens = generation.prompt_tokens;
+    let prompt_media = generation.prompt_media.clone();
     let collected = collect(generation, state).await?;
     Ok(Ran::Collected(Whole {
         id,
         served,
         prompt_tokens,
+        prompt_media,
         collected,
         guard,
     }))

@@ -195,7 +195,11 @@ impl Streamer {
                 model: &self.meta.model,
                 system_fingerprint: SYSTEM_FINGERPRINT,
                 choices: Vec::new(),
-                usage: Some(usage.with_reasoning(self.generation.reasoning_tokens())),
+                usage: Some(
+                    usage
+                        .with_media(&self.generation.prompt_media)
+                        .with_reasoning(self.generation.reasoning_tokens()),
+                ),
             }),
             Format::Completion => data(&TextCompletion {
                 id: &self.meta.id,

@@ -193,6 +193,47 @@ fn chat_through_the_client(variant: &str, audio_ext: &str) -> Option<Value> {
         "{variant}: streamed reply"
     );
     assert_eq!(out["stream_usage"]["prompt_tokens"], prompt_tokens);
+    // Each item's soft tokens, in order, as the reference laid them out: the
+    // runs of placeholder ids in its prompt.
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config"))
+            .expect("json");
+    let mut runs: Vec<(&str, u64)> = Vec::new();
+    let mut previous = None;
+    for id in golden["ids"].as_array().unwrap() {
+        let kind = if *id == config["image_token_id"] {
+            Some("image")
+        } else if *id == config["audio_token_id"] {
+            Some("audio")
+        } else {
+            None
+        };
+        match (kind, previous) {
+            (Some(k), Some(p)) if k == p => runs.last_mut().expect("a run").1 += 1,
+            (Some(k), _) => runs.push((k, 1)),
+            _ => {}
+        }
+        previous = kind;
+    }
+    let media: Vec<Value> = runs
+        .iter()
+        .map(|(k, n)| json!({"type": k, "soft_tokens": n}))
+        .collect();
+    let total = |kind: &str| -> u64 { runs.iter().filter(|r| r.0 == kind).map(|r| r.1).sum() };
+    let details = json!({
+        "image_tokens": total("image"),
+        "audio_tokens": total("audio"),
+        "media": media,
+    });
+    for usage in [&out["usage"], &out["stream_usage"]] {
+        // The client's own model adds its other fields (as nulls).
+        for key in ["image_tokens", "audio_tokens", "media"] {
+            assert_eq!(
+                usage["prompt_tokens_details"][key], details[key],
+                "{variant}: {key}"
+            );
+        }
+    }
     Some(out)
 }
 

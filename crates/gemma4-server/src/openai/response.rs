@@ -9,13 +9,35 @@ use serde_json::{Map, Value};
 pub const SYSTEM_FINGERPRINT: &str = concat!("gemma4-", env!("CARGO_PKG_VERSION"));
 
 /// Token counts of a response.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct UsageJson {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub total_tokens: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_tokens_details: Option<PromptTokensDetails>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub completion_tokens_details: Option<CompletionTokensDetails>,
+}
+
+/// `usage.prompt_tokens_details` (chat, when the prompt holds media): the
+/// soft tokens the images and audio clips became, in all and one by one.
+/// `prompt_tokens` counts them too, with each item's begin and end tokens.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct PromptTokensDetails {
+    pub image_tokens: usize,
+    pub audio_tokens: usize,
+    /// Each item in prompt order.
+    pub media: Vec<MediaTokensJson>,
+}
+
+/// One image's or audio clip's soft tokens.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MediaTokensJson {
+    /// `image` or `audio`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub soft_tokens: usize,
 }
 
 /// `usage.completion_tokens_details` (chat).
@@ -31,8 +53,28 @@ impl UsageJson {
             prompt_tokens,
             completion_tokens,
             total_tokens: prompt_tokens + completion_tokens,
+            prompt_tokens_details: None,
             completion_tokens_details: None,
         }
+    }
+
+    /// With the prompt's media counted item by item (nothing without media).
+    pub fn with_media(mut self, media: &[MediaTokensJson]) -> Self {
+        if !media.is_empty() {
+            let total = |kind: &str| {
+                media
+                    .iter()
+                    .filter(|m| m.kind == kind)
+                    .map(|m| m.soft_tokens)
+                    .sum()
+            };
+            self.prompt_tokens_details = Some(PromptTokensDetails {
+                image_tokens: total("image"),
+                audio_tokens: total("audio"),
+                media: media.to_vec(),
+            });
+        }
+        self
     }
 
     /// Chat usage, which also counts reasoning tokens.
