@@ -103,14 +103,26 @@ fn resident_of_load(
     let loaded = gemma4_model::load_with(path, LoadPolicy::default(), None)
         .with_context(|| format!("cannot measure the weights of {}", path.display()))?;
     let weights = loaded.report.projected_weights(args.quant);
-    Ok(Some(resident_estimate(
+    let mut estimate = resident_estimate(
         cfg,
         weights,
         ctx,
         args.max_num_seqs,
         512,
         args.kv_dtype.unwrap_or(KvDtype::F32),
-    )))
+    );
+    // The towers load as stored whatever --quant asks (as `serve` loads them).
+    if path.is_dir() {
+        let context = || format!("cannot measure the media encoders of {}", path.display());
+        let hidden = cfg.hidden_size;
+        let images =
+            gemma4_model::ImageEncoder::load_dir_measured(path, hidden).with_context(context)?;
+        let audio =
+            gemma4_model::AudioEncoder::load_dir_measured(path, hidden).with_context(context)?;
+        estimate.media = images.map_or(0, |(_, r)| r.resident_bytes)
+            + audio.map_or(0, |(_, r)| r.resident_bytes);
+    }
+    Ok(Some(estimate))
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -143,6 +155,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 "weights_bytes": r.weights,
                 "kv_bytes": r.kv,
                 "runtime_bytes": r.runtime,
+                "media_encoders_bytes": r.media,
                 "max_model_len": ctx,
                 "max_num_seqs": args.max_num_seqs,
                 "quant": args.quant.name(),
@@ -247,6 +260,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         println!("  weights read every step {:>12}", human(r.weights as f64));
         println!("  KV pools                {:>12}", human(r.kv as f64));
         println!("  tokenizer, activations  {:>12}", human(r.runtime as f64));
+        if r.media > 0 {
+            println!("  vision and audio towers {:>12}", human(r.media as f64));
+        }
         println!("  predicted peak          {:>12}", human(r.total() as f64));
     }
     if let Some(mem) = &args.mem {

@@ -27,7 +27,7 @@ use serde_json::Value;
 use crate::audio_unified::UnifiedAudioEmbedder;
 use crate::error::{ConfigError, ModelError, Result};
 use crate::layers::RmsNorm;
-use crate::loader::Weights;
+use crate::loader::{LoadReport, Weights};
 use crate::storage::Linear;
 use crate::vision::{read_config, ClippedLinear, MediaTokens};
 
@@ -199,21 +199,26 @@ impl AudioEncoder {
     /// The checkpoint's audio encoder, loaded as stored; `None` when its
     /// `config.json` has no `audio_config`.
     pub fn load_dir(dir: &Path, text_hidden: usize) -> Result<Option<Self>> {
+        Ok(Self::load_dir_measured(dir, text_hidden)?.map(|(e, _)| e))
+    }
+
+    /// [`Self::load_dir`], with what the load kept resident.
+    pub fn load_dir_measured(dir: &Path, text_hidden: usize) -> Result<Option<(Self, LoadReport)>> {
         let json = read_config(dir)?;
-        if let Some(unified) = UnifiedAudioEmbedder::load_dir(dir, &json, text_hidden)? {
-            return Ok(Some(Self::Unified(unified)));
-        }
-        let Some(cfg) = AudioConfig::from_hf_json(&json)? else {
+        if json.get("audio_config").is_none_or(Value::is_null) {
             return Ok(None);
-        };
+        }
         let src = crate::HfSafetensors::open(dir)?;
         let towers = src.towers();
         let weights = Weights::new(&towers, crate::LoadPolicy::default());
-        Ok(Some(Self::Tower(Box::new(AudioTower::load(
-            cfg,
-            text_hidden,
-            &weights,
-        )?))))
+        let encoder = match UnifiedAudioEmbedder::load(&json, text_hidden, &weights)? {
+            Some(unified) => Self::Unified(unified),
+            None => match AudioConfig::from_hf_json(&json)? {
+                Some(cfg) => Self::Tower(Box::new(AudioTower::load(cfg, text_hidden, &weights)?)),
+                None => return Ok(None),
+            },
+        };
+        Ok(Some((encoder, weights.report())))
     }
 
     pub fn tokens(&self) -> MediaTokens {

@@ -3,8 +3,6 @@
 //! 640-sample frame of 16 kHz audio → RMSNorm without scale →
 //! `embedding_projection` into the text width; one soft token per 40 ms.
 
-use std::path::Path;
-
 use candle_core::{Device, Tensor};
 use serde_json::Value;
 
@@ -25,15 +23,16 @@ pub struct UnifiedAudioEmbedder {
 }
 
 impl UnifiedAudioEmbedder {
-    /// The checkpoint's encoder-free audio embedder; `None` when it has none
-    /// (the E2B/E4B conformer tower is [`crate::audio::AudioTower`]).
-    pub fn load_dir(dir: &Path, json: &Value, text_hidden: usize) -> Result<Option<Self>> {
+    /// The checkpoint's encoder-free audio embedder, from `config.json` and
+    /// a source at the multimodal root; `None` when its `audio_config` is
+    /// absent or another kind (the E2B/E4B conformer tower is
+    /// [`crate::audio::AudioTower`]).
+    pub fn load(json: &Value, text_hidden: usize, weights: &Weights<'_>) -> Result<Option<Self>> {
         let Some(a) = json.get("audio_config").filter(|v| !v.is_null()) else {
             return Ok(None);
         };
-        match a.get("model_type").and_then(Value::as_str) {
-            Some("gemma4_unified_audio") => {}
-            _ => return Ok(None),
+        if a.get("model_type").and_then(Value::as_str) != Some("gemma4_unified_audio") {
+            return Ok(None);
         }
         let frame = match a.get("audio_embed_dim") {
             None => 640,
@@ -41,9 +40,6 @@ impl UnifiedAudioEmbedder {
                 ConfigError::invalid("audio_config.audio_embed_dim", "must be a whole number")
             })?,
         };
-        let src = crate::HfSafetensors::open(dir)?;
-        let towers = src.towers();
-        let weights = Weights::new(&towers, crate::LoadPolicy::default());
         let name = [
             "embed_audio.embedding_projection.weight",
             "embed_audio.multimodal_embedder.embedding_projection.weight",

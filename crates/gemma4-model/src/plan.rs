@@ -126,11 +126,13 @@ pub struct ResidentEstimate {
     pub kv: u64,
     /// Tokenizer, step activations and the process itself.
     pub runtime: u64,
+    /// The media encoders (vision and audio towers), as they load.
+    pub media: u64,
 }
 
 impl ResidentEstimate {
     pub fn total(&self) -> u64 {
-        self.weights + self.kv + self.runtime
+        self.weights + self.kv + self.runtime + self.media
     }
 }
 
@@ -178,6 +180,7 @@ pub fn resident_estimate(
         weights,
         kv,
         runtime: PROCESS_BASE + TOKENIZER_PER_ENTRY * cfg.vocab_size as u64 + activations + logits,
+        media: 0,
     }
 }
 

@@ -20,7 +20,7 @@ use serde_json::Value;
 
 use crate::error::{ConfigError, ModelError, Result};
 use crate::layers::{gated_gelu, softmax_last_dim, RmsNorm};
-use crate::loader::Weights;
+use crate::loader::{LoadReport, Weights};
 use crate::storage::Linear;
 
 /// The vision tower's settings (`vision_config` of `config.json`) and the
@@ -122,6 +122,11 @@ impl ImageEncoder {
     /// The checkpoint's image encoder, loaded as stored; `None` when its
     /// `config.json` has no `vision_config`.
     pub fn load_dir(dir: &Path, text_hidden: usize) -> Result<Option<Self>> {
+        Ok(Self::load_dir_measured(dir, text_hidden)?.map(|(e, _)| e))
+    }
+
+    /// [`Self::load_dir`], with what the load kept resident.
+    pub fn load_dir_measured(dir: &Path, text_hidden: usize) -> Result<Option<(Self, LoadReport)>> {
         let json = read_config(dir)?;
         let Some(v) = json.get("vision_config").filter(|v| !v.is_null()) else {
             return Ok(None);
@@ -130,7 +135,7 @@ impl ImageEncoder {
         let towers = src.towers();
         let weights = Weights::new(&towers, crate::LoadPolicy::default());
         let unified = v.get("model_type").and_then(Value::as_str) == Some("gemma4_unified_vision");
-        Ok(Some(if unified {
+        let encoder = if unified {
             let cfg = crate::vision_unified::UnifiedVisionConfig::from_hf_json(
                 v,
                 MediaTokens::image(&json),
@@ -144,7 +149,8 @@ impl ImageEncoder {
             let cfg = VisionConfig::from_hf_json(&json)?
                 .ok_or_else(|| ConfigError::missing("vision_config"))?;
             Self::Tower(VisionTower::load(cfg, text_hidden, &weights)?)
-        }))
+        };
+        Ok(Some((encoder, weights.report())))
     }
 
     pub fn tokens(&self) -> MediaTokens {
