@@ -86,6 +86,17 @@ pub struct Args {
     /// out: 8 each).
     #[arg(long, default_value = "image=8,audio=8", value_parser = parse_mm_limit)]
     limit_mm_per_prompt: (usize, usize),
+    /// Let `image_url` parts name http(s) URLs, fetched by the server (off:
+    /// only `data:` URIs are read). Each fetch is bounded by
+    /// --media-fetch-timeout, --max-media-bytes and 3 redirects.
+    #[arg(long)]
+    allow_remote_media: bool,
+    /// Seconds one image fetch may take, connecting included (with --allow-remote-media).
+    #[arg(long, default_value_t = 10.0)]
+    media_fetch_timeout: f64,
+    /// Largest image fetched by URL, in bytes (with --allow-remote-media).
+    #[arg(long, default_value_t = 20 * 1024 * 1024)]
+    max_media_bytes: usize,
     /// Most tokens in one engine step (the prefill chunk size).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
@@ -204,6 +215,16 @@ async fn serve(args: Args) -> Result<ExitCode> {
         max_soft_tokens: args.max_soft_tokens,
         max_images: args.limit_mm_per_prompt.0,
         max_audio: args.limit_mm_per_prompt.1,
+        remote: args
+            .allow_remote_media
+            .then(|| -> Result<_> {
+                Ok(gemma4_server::remote_media::RemoteMediaLimits {
+                    timeout: positive_seconds("--media-fetch-timeout", args.media_fetch_timeout)?,
+                    max_bytes: args.max_media_bytes,
+                    max_redirects: 3,
+                })
+            })
+            .transpose()?,
     };
     let engine_config = EngineConfig {
         max_num_seqs: args.max_num_seqs,
@@ -277,6 +298,8 @@ struct MediaArgs {
     max_soft_tokens: usize,
     max_images: usize,
     max_audio: usize,
+    /// Bounds of image fetches by URL, when they are allowed.
+    remote: Option<gemma4_server::remote_media::RemoteMediaLimits>,
 }
 
 /// Loads the model and tokenizer and starts the engine.
@@ -319,10 +342,22 @@ fn load(
         media.max_images,
         media.max_audio
     );
-    Ok(context.with_media(gemma4_server::media::Media::new(
+    let mut encoders = gemma4_server::media::Media::new(
         images,
         audio,
         media.max_soft_tokens,
         (media.max_images, media.max_audio),
-    )))
+    );
+    if let Some(limits) = media.remote {
+        let remote =
+            gemma4_server::remote_media::RemoteMedia::new(limits).map_err(anyhow::Error::msg)?;
+        eprintln!(
+            "images by http(s) URL are fetched: at most {} bytes, {} s, {} redirects each",
+            limits.max_bytes,
+            limits.timeout.as_secs_f64(),
+            limits.max_redirects
+        );
+        encoders = encoders.with_remote(remote);
+    }
+    Ok(context.with_media(encoders))
 }

@@ -34,6 +34,7 @@ pub mod grammar;
 pub mod media;
 pub mod metrics;
 pub mod openai;
+pub mod remote_media;
 mod responses;
 pub mod routes;
 pub mod server;

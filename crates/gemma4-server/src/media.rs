@@ -32,6 +32,8 @@ pub struct Media {
     /// Most images and most audio clips one request may hold.
     pub max_items: (usize, usize),
     pub limits: DecodeLimits,
+    /// Fetches images by http(s) URL; `None` (the default) refuses them.
+    pub remote: Option<crate::remote_media::RemoteMedia>,
     /// Keys the media digest (per process, so no client can aim at a collision).
     hash_keys: std::collections::hash_map::RandomState,
 }
@@ -60,8 +62,15 @@ impl Media {
             default_soft_tokens,
             max_items,
             limits: DecodeLimits::default(),
+            remote: None,
             hash_keys: Default::default(),
         }
+    }
+
+    /// Lets image parts name http(s) URLs, fetched within these bounds.
+    pub fn with_remote(mut self, remote: crate::remote_media::RemoteMedia) -> Self {
+        self.remote = Some(remote);
+        self
     }
 
     /// Decodes, processes and encodes a request's media, in order.
@@ -164,7 +173,7 @@ impl Media {
     fn load_image(&self, url: &str) -> Result<RgbImage, String> {
         let Some(rest) = url.strip_prefix("data:") else {
             return if url.starts_with("http://") || url.starts_with("https://") {
-                Err("fetching images over http(s) is off on this server; send the image as a data: URI".into())
+                Err("fetching images over http(s) is off on this server (it starts with --allow-remote-media); send the image as a data: URI".into())
             } else {
                 Err("the image must be a data: URI (data:image/png;base64,…)".into())
             };

@@ -235,10 +235,13 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
 pub(crate) async fn submit_chat(
     state: &Arc<AppState>,
     model: &Arc<ModelContext>,
-    req: ChatRequest,
+    mut req: ChatRequest,
     arrival: Instant,
 ) -> Result<Submitted, ApiError> {
     check_model_name(state, req.model.as_deref())?;
+    if let Some(remote) = model.media.as_ref().and_then(|m| m.remote.as_ref()) {
+        remote.fetch_all(&mut req.media).await?;
+    }
     let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
     let chat = ChatControls {
         tool_choice: req.tool_choice.clone(),

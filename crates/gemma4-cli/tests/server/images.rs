@@ -107,6 +107,120 @@ fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_refe
     }
 }
 
+/// A plain HTTP server on a local port for the remote-media test: `/img.png`
+/// (the image), `/big.png` (declares 10 MB), `/stream.png` (chunked, without
+/// end), `/slow.png` (answers after 3 s), `/loop` (redirects to itself) and
+/// anything else 404.
+fn media_host(png: Vec<u8>) -> std::net::SocketAddr {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            let png = png.clone();
+            std::thread::spawn(move || {
+                let mut head = Vec::new();
+                let mut byte = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).unwrap_or(0) == 1 {
+                    head.push(byte[0]);
+                }
+                let head = String::from_utf8_lossy(&head).into_owned();
+                let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+                let _ = match path.as_str() {
+                    "/img.png" => conn
+                        .write_all(
+                            format!("HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", png.len())
+                                .as_bytes(),
+                        )
+                        .and_then(|_| conn.write_all(&png)),
+                    "/big.png" => conn.write_all(
+                        b"HTTP/1.1 200 OK\r\nContent-Length: 10000000\r\nConnection: close\r\n\r\n\x89PNG",
+                    ),
+                    "/stream.png" => (|| {
+                        conn.write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n")?;
+                        let chunk = vec![7u8; 65_536];
+                        for _ in 0..64 {
+                            conn.write_all(b"10000\r\n")?;
+                            conn.write_all(&chunk)?;
+                            conn.write_all(b"\r\n")?;
+                        }
+                        conn.write_all(b"0\r\n\r\n")
+                    })(),
+                    "/slow.png" => {
+                        std::thread::sleep(std::time::Duration::from_secs(3));
+                        conn.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
+                    }
+                    "/loop" => conn.write_all(
+                        b"HTTP/1.1 302 Found\r\nLocation: /loop\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                    ),
+                    _ => conn.write_all(
+                        b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+                    ),
+                };
+            });
+        }
+    });
+    addr
+}
+
+#[test]
+fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
+    let dir = vision_fixture();
+    let png = std::fs::read(dir.join("../images/0.png")).expect("png");
+    let host = media_host(png.clone());
+    let server = ServerProc::start(
+        &dir,
+        &[
+            "--allow-remote-media",
+            "--media-fetch-timeout",
+            "1",
+            "--max-media-bytes",
+            "1000000",
+        ],
+        &[],
+    );
+    let tokens = |r: &crate::harness::Reply| r.json()["usage"]["prompt_tokens"].as_u64();
+    let sent = server.post(
+        "/v1/chat/completions",
+        &image_chat(&[data_uri(&png)], json!({})),
+    );
+    assert_eq!(sent.status, 200, "{}", sent.body);
+    let fetched = server.post(
+        "/v1/chat/completions",
+        &image_chat(&[format!("http://{host}/img.png")], json!({})),
+    );
+    assert_eq!(fetched.status, 200, "{}", fetched.body);
+    assert_eq!(tokens(&fetched), tokens(&sent));
+    for (path, words) in [
+        ("/big.png", "at most 1000000 are fetched"),
+        ("/stream.png", "at most 1000000 are fetched"),
+        ("/slow.png", "did not arrive within 1 s"),
+        ("/loop", "more than 3 redirects"),
+        ("/missing.png", "HTTP 404"),
+    ] {
+        let r = server.post(
+            "/v1/chat/completions",
+            &image_chat(&[format!("http://{host}{path}")], json!({})),
+        );
+        assert_eq!(r.status, 400, "{path}: {}", r.body);
+        let e = openai_error(&r);
+        assert!(
+            e["message"].as_str().unwrap_or_default().contains(words),
+            "{path}: {e}"
+        );
+        assert_eq!(e["param"], "messages[0].content[1].image_url.url", "{path}");
+    }
+    // Without the flag, the same URL is refused unfetched.
+    let off = ServerProc::start(&dir, &[], &[]);
+    let r = off.post(
+        "/v1/chat/completions",
+        &image_chat(&[format!("http://{host}/img.png")], json!({})),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("--allow-remote-media"), "{}", r.body);
+}
+
 /// A 16 kHz mono 16-bit WAV file of these samples.
 fn wav(samples: &[i16]) -> Vec<u8> {
     let data: Vec<u8> = samples.iter().flat_map(|s| s.to_le_bytes()).collect();
