@@ -37,7 +37,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve the model over an OpenAI-compatible HTTP API.
-    Serve(serve::Args),
+    Serve(Box<serve::Args>),
     /// Generate a greedy continuation of a prompt.
     Generate(generate::Args),
     /// Compare the model's logits and greedy tokens with a reference golden file.
@@ -81,7 +81,7 @@ fn main() -> ExitCode {
         gemma4_kernels::pool::set_threads(n);
     }
     let result = match cli.command {
-        Command::Serve(a) => serve::run(a),
+        Command::Serve(a) => serve::run(*a),
         Command::Bench(c) => bench::run(c),
         Command::Generate(a) => generate::run(a),
         Command::Verify(a) => verify::run(a),
