@@ -32,20 +32,47 @@ pub struct ModelArgs {
     /// Jinja chat template to use instead of (or in the absence of) the checkpoint's own.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
+    /// A llama.cpp multimodal projector file (`mmproj` GGUF: Gemma 4's vision
+    /// and audio towers) to read images and audio with; it replaces any
+    /// towers of the checkpoint.
+    #[arg(long)]
+    pub mmproj: Option<PathBuf>,
 }
 
 /// The checkpoint's media encoders: the image encoder (vision tower, or the
 /// 12B's encoder-free embedder) and the audio encoder (the E2B/E4B conformer
-/// tower, or the 12B's frame embedder), where it has them; loaded as stored (their matrices are small beside the text model's,
-/// and quantizing them is not measured). GGUF files carry none (llama.cpp
-/// keeps them in a separate `mmproj` file, which is not read).
+/// tower, or the 12B's frame embedder), where it has them, or those of the
+/// `mmproj` file when one is named; loaded as stored (their matrices are
+/// small beside the text model's, and quantizing them is not measured). A
+/// GGUF text model carries none: its towers come in an `mmproj` file.
 pub fn load_media_encoders(
     path: &Path,
+    mmproj: Option<&Path>,
     text_hidden: usize,
 ) -> Result<(
     Option<gemma4_model::ImageEncoder>,
     Option<gemma4_model::AudioEncoder>,
 )> {
+    if let Some(file) = mmproj {
+        let context = || format!("cannot load the multimodal projector {}", file.display());
+        // Media token ids from the checkpoint's config.json, else Gemma 4's.
+        let text_config = if path.is_dir() {
+            gemma4_model::read_config(path).with_context(context)?
+        } else {
+            serde_json::json!({})
+        };
+        let images = gemma4_model::ImageEncoder::load_mmproj(file, text_hidden, &text_config)
+            .with_context(context)?;
+        let audio = gemma4_model::AudioEncoder::load_mmproj(file, text_hidden, &text_config)
+            .with_context(context)?;
+        if images.is_none() && audio.is_none() {
+            anyhow::bail!(
+                "{} holds neither a vision nor an audio tower",
+                file.display()
+            );
+        }
+        return Ok((images.map(|(e, _)| e), audio.map(|(e, _)| e)));
+    }
     if !path.is_dir() {
         return Ok((None, None));
     }

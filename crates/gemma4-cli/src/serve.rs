@@ -309,8 +309,11 @@ fn load(
     mut engine_config: EngineConfig,
 ) -> Result<ModelContext> {
     let loaded = model_args.load()?;
-    let (images, audio) =
-        crate::model_io::load_media_encoders(&loaded.path, loaded.model.config().hidden_size)?;
+    let (images, audio) = crate::model_io::load_media_encoders(
+        &loaded.path,
+        model_args.mmproj.as_deref(),
+        loaded.model.config().hidden_size,
+    )?;
     let context_len = loaded.model.config().max_position_embeddings;
     engine_config.max_model_len = match engine_config.max_model_len {
         0 => DEFAULT_MAX_MODEL_LEN.min(context_len),

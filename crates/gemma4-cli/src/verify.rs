@@ -25,8 +25,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let path = args.model.path()?;
     if let Some(golden) = crate::verify_vision::VisionGolden::read(&args.golden)? {
         let (model, _) = crate::model_io::load_model(&path, args.model.policy())?;
-        let all_match =
-            crate::verify_vision::verify(&model, &path, &args.golden, &golden, args.tolerance)?;
+        let all_match = crate::verify_vision::verify(
+            &model,
+            (&path, args.model.mmproj.as_deref()),
+            &args.golden,
+            &golden,
+            args.tolerance,
+        )?;
         println!("SEQ_MATCH {all_match}");
         return Ok(if all_match {
             ExitCode::SUCCESS

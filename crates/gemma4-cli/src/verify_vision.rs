@@ -10,9 +10,7 @@ use anyhow::{bail, Context, Result};
 use gemma4_media::audio::decode_wav;
 use gemma4_media::{decode_image, resize::resize_bicubic, DecodeLimits, ImageProcessor};
 use gemma4_model::golden::greedy_with_soft_tokens;
-use gemma4_model::{
-    place_soft_tokens, AudioEncoder, AudioFeatures, Gemma4, ImageEncoder, VisionInput,
-};
+use gemma4_model::{place_soft_tokens, AudioFeatures, Gemma4, VisionInput};
 use serde::Deserialize;
 
 /// A golden file with images.
@@ -95,13 +93,15 @@ fn close_to_reference(ours: &[f32], want: &[f32]) -> (f32, bool) {
 /// Checks every stage; returns whether everything matched.
 pub fn verify(
     model: &Gemma4,
-    checkpoint: &Path,
+    (checkpoint, mmproj): (&Path, Option<&Path>),
     golden_path: &Path,
     golden: &VisionGolden,
     tolerance: f32,
 ) -> Result<bool> {
-    let encoder = ImageEncoder::load_dir(checkpoint, model.config().hidden_size)?
-        .context("the golden file holds images, but the checkpoint has no vision_config")?;
+    let (images, audio) =
+        crate::model_io::load_media_encoders(checkpoint, mmproj, model.config().hidden_size)?;
+    let encoder =
+        images.context("the golden file holds images, but the model has no vision tower")?;
     let tensors = Tensors(
         std::fs::read(golden_path.with_file_name("golden_tensors.safetensors"))
             .context("golden_tensors.safetensors beside the golden file")?,
@@ -157,7 +157,6 @@ pub fn verify(
         return Ok(false);
     }
     let hidden = model.config().hidden_size;
-    let audio = AudioEncoder::load_dir(checkpoint, hidden)?;
     let mut clips = Vec::with_capacity(golden.audios.len());
     for (i, rel) in golden.audios.iter().enumerate() {
         let audio = audio

@@ -29,7 +29,13 @@ fn run(cmd: &mut Command) -> (Output, String) {
 fn copy_dir(src: &Path, name: &str, skip: &[&str]) -> PathBuf {
     let dst = std::env::temp_dir().join(format!("gemma4-cli-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dst);
-    std::fs::create_dir_all(&dst).expect("mkdir");
+    copy_files(src, &dst, skip)
+}
+
+/// Copies the files of `src` but those named in `skip` into the folder
+/// `dst`, made if needed; returns `dst`.
+fn copy_files(src: &Path, dst: &Path, skip: &[&str]) -> PathBuf {
+    std::fs::create_dir_all(dst).expect("mkdir");
     for e in std::fs::read_dir(src).expect("read_dir") {
         let e = e.expect("entry");
         let n = e.file_name().to_string_lossy().to_string();
@@ -37,18 +43,23 @@ fn copy_dir(src: &Path, name: &str, skip: &[&str]) -> PathBuf {
             std::fs::copy(e.path(), dst.join(&n)).expect("copy");
         }
     }
-    dst
+    dst.to_path_buf()
+}
+
+/// `gemma4 verify` of a checkpoint directory against its own `golden.json`.
+fn verify_dir(dir: &Path) -> (std::process::Output, String) {
+    run(bin()
+        .args(["verify", "--model"])
+        .arg(dir)
+        .arg("--golden")
+        .arg(dir.join("golden.json")))
 }
 
 #[test]
 fn verify_passes_on_every_fixture() {
     for v in ["e-style", "dense-k-eq-v", "moe", "unified"] {
         let dir = fixture(v);
-        let (out, text) = run(bin()
-            .args(["verify", "--model"])
-            .arg(&dir)
-            .arg("--golden")
-            .arg(dir.join("golden.json")));
+        let (out, text) = verify_dir(&dir);
         assert!(out.status.success(), "{v}: {text}");
         let last = text
             .lines()
@@ -72,11 +83,7 @@ fn verify_checks_images_stage_by_stage() {
     let vision = root().join("tests/fixtures/vision");
     for v in ["e-style", "dense", "moe", "unified", "e-audio"] {
         let dir = vision.join(v);
-        let (out, text) = run(bin()
-            .args(["verify", "--model"])
-            .arg(&dir)
-            .arg("--golden")
-            .arg(dir.join("golden.json")));
+        let (out, text) = verify_dir(&dir);
         assert!(out.status.success(), "{v}: {text}");
         assert!(text.lines().any(|l| l == "SEQ_MATCH true"), "{v}: {text}");
         // Four images and three prompts; the 12B's also an audio clip and a
@@ -93,17 +100,36 @@ fn verify_checks_images_stage_by_stage() {
             "{v}: {text}"
         );
     }
+    // The same towers from a multimodal projector file (llama.cpp's layout).
+    let dir = vision.join("e-audio");
+    let (out, text) = run(bin()
+        .args(["verify", "--model"])
+        .arg(&dir)
+        .arg("--mmproj")
+        .arg(vision.join("e-audio-mmproj.gguf"))
+        .arg("--golden")
+        .arg(dir.join("golden.json")));
+    assert!(out.status.success(), "mmproj: {text}");
+    assert_eq!(
+        text.lines().filter(|l| l.starts_with("MATCH")).count(),
+        11,
+        "mmproj: {text}"
+    );
+    let (out, text) = run(bin()
+        .args(["verify", "--model"])
+        .arg(&dir)
+        .arg("--mmproj")
+        .arg(root().join("tests/fixtures/text/ggml-vocab-gemma-4.gguf"))
+        .arg("--golden")
+        .arg(dir.join("golden.json")));
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("not a multimodal projector"), "{text}");
     // Images 0 and 2 become the same number of soft tokens: swapped, the
     // first stage to depart is the processor's output.
     let tmp = std::env::temp_dir().join(format!("gemma4-cli-{}-vision", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    let copy = tmp.join("e-style");
-    std::fs::create_dir_all(&copy).expect("mkdir");
+    let copy = copy_files(&vision.join("e-style"), &tmp.join("e-style"), &[]);
     std::fs::create_dir_all(tmp.join("images")).expect("mkdir");
-    for e in std::fs::read_dir(vision.join("e-style")).expect("read_dir") {
-        let e = e.expect("entry");
-        std::fs::copy(e.path(), copy.join(e.file_name())).expect("copy");
-    }
     for (from, to) in [(0, 2), (1, 1), (2, 0), (3, 3)] {
         std::fs::copy(
             vision.join(format!("images/{from}.png")),
@@ -111,11 +137,7 @@ fn verify_checks_images_stage_by_stage() {
         )
         .expect("copy image");
     }
-    let (out, text) = run(bin()
-        .args(["verify", "--model"])
-        .arg(&copy)
-        .arg("--golden")
-        .arg(copy.join("golden.json")));
+    let (out, text) = verify_dir(&copy);
     assert!(!out.status.success(), "{text}");
     assert!(
         text.contains("DIFF  image=0 stage=processor output"),
@@ -126,13 +148,8 @@ fn verify_checks_images_stage_by_stage() {
         "{text}"
     );
     // The clip at half its loudness: its log-mel features depart first.
-    let copy = tmp.join("e-audio");
-    std::fs::create_dir_all(&copy).expect("mkdir");
+    let copy = copy_files(&vision.join("e-audio"), &tmp.join("e-audio"), &[]);
     std::fs::create_dir_all(tmp.join("audio")).expect("mkdir");
-    for e in std::fs::read_dir(vision.join("e-audio")).expect("read_dir") {
-        let e = e.expect("entry");
-        std::fs::copy(e.path(), copy.join(e.file_name())).expect("copy");
-    }
     for i in 0..4 {
         std::fs::copy(
             vision.join(format!("images/{i}.png")),
@@ -147,11 +164,7 @@ fn verify_checks_images_stage_by_stage() {
         s.copy_from_slice(&v.to_le_bytes());
     }
     std::fs::write(tmp.join("audio/0.wav"), wav).expect("write wav");
-    let (out, text) = run(bin()
-        .args(["verify", "--model"])
-        .arg(&copy)
-        .arg("--golden")
-        .arg(copy.join("golden.json")));
+    let (out, text) = verify_dir(&copy);
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("stage=processor output"), "{text}");
     assert!(text.contains("DIFF  audio=0 mel_frames=129"), "{text}");
@@ -201,11 +214,7 @@ fn verify_fails_and_names_the_first_departing_layer() {
         .expect("prompts")
         .truncate(1);
     std::fs::write(dir.join("golden.json"), golden.to_string()).expect("write golden");
-    let (out, text) = run(bin()
-        .args(["verify", "--model"])
-        .arg(&dir)
-        .arg("--golden")
-        .arg(dir.join("golden.json")));
+    let (out, text) = verify_dir(&dir);
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("SEQ_MATCH false"), "{text}");
     assert!(

@@ -209,11 +209,35 @@ impl AudioEncoder {
             return Ok(None);
         }
         let src = crate::HfSafetensors::open(dir)?;
-        let towers = src.towers();
-        let weights = Weights::new(&towers, crate::LoadPolicy::default());
-        let encoder = match UnifiedAudioEmbedder::load(&json, text_hidden, &weights)? {
+        Self::load_from(&json, &src.towers(), text_hidden)
+    }
+
+    /// The audio tower of a llama.cpp multimodal projector file; the media
+    /// token ids come from `text_config` (`{}` for Gemma 4's own).
+    pub fn load_mmproj(
+        path: &Path,
+        text_hidden: usize,
+        text_config: &Value,
+    ) -> Result<Option<(Self, LoadReport)>> {
+        let src = crate::mmproj::MmprojSource::open(path)?;
+        let json = src.config_json(text_config)?;
+        if json.get("audio_config").is_none_or(Value::is_null) {
+            return Ok(None);
+        }
+        Self::load_from(&json, &src, text_hidden)
+    }
+
+    /// The encoder `json` (a `config.json`) describes, from tower tensors
+    /// named below the multimodal root.
+    fn load_from(
+        json: &Value,
+        src: &dyn crate::WeightSource,
+        text_hidden: usize,
+    ) -> Result<Option<(Self, LoadReport)>> {
+        let weights = Weights::new(src, crate::LoadPolicy::default());
+        let encoder = match UnifiedAudioEmbedder::load(json, text_hidden, &weights)? {
             Some(unified) => Self::Unified(unified),
-            None => match AudioConfig::from_hf_json(&json)? {
+            None => match AudioConfig::from_hf_json(json)? {
                 Some(cfg) => Self::Tower(Box::new(AudioTower::load(cfg, text_hidden, &weights)?)),
                 None => return Ok(None),
             },

@@ -61,6 +61,14 @@ impl GgufSource {
         &self.content.metadata
     }
 
+    /// A tensor's row-major shape, if the file has it.
+    pub(crate) fn dims(&self, gguf_name: &str) -> Option<Vec<usize>> {
+        self.content
+            .tensor_infos
+            .get(gguf_name)
+            .map(|i| i.shape.dims().to_vec())
+    }
+
     /// The text configuration described by the metadata.
     pub fn config(&self) -> Result<TextConfig> {
         let json = match self.architecture().unwrap_or("") {
@@ -76,12 +84,12 @@ impl GgufSource {
         Ok(TextConfig::from_hf_json(&json)?)
     }
 
-    fn meta(&self, key: &str) -> Option<&Value> {
+    pub(crate) fn meta(&self, key: &str) -> Option<&Value> {
         self.content.metadata.get(key)
     }
 
     /// A non-negative integer, stored as any of GGUF's integer types.
-    fn meta_usize(&self, key: &str) -> Option<usize> {
+    pub(crate) fn meta_usize(&self, key: &str) -> Option<usize> {
         let v = self.meta(key)?;
         v.to_u32()
             .map(|x| x as usize)
@@ -94,7 +102,7 @@ impl GgufSource {
         self.meta_usize(key).ok_or_else(|| self.meta_error(key))
     }
 
-    fn meta_f32(&self, key: &str) -> Option<f32> {
+    pub(crate) fn meta_f32(&self, key: &str) -> Option<f32> {
         self.meta(key).and_then(|v| v.to_f32().ok())
     }
 
@@ -295,7 +303,7 @@ impl GgufSource {
     }
 
     /// A tensor by its GGUF name, as stored.
-    fn raw(&self, gguf_name: &str, shape: &[usize]) -> Result<StoredTensor> {
+    pub(crate) fn raw(&self, gguf_name: &str, shape: &[usize]) -> Result<StoredTensor> {
         let info =
             self.content
                 .tensor_infos

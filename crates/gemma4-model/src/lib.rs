@@ -16,6 +16,7 @@ pub mod golden;
 pub mod layers;
 pub mod loader;
 pub mod mapped;
+pub mod mmproj;
 pub mod paged;
 pub mod plan;
 pub mod safetensors_store;

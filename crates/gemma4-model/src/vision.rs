@@ -128,17 +128,44 @@ impl ImageEncoder {
     /// [`Self::load_dir`], with what the load kept resident.
     pub fn load_dir_measured(dir: &Path, text_hidden: usize) -> Result<Option<(Self, LoadReport)>> {
         let json = read_config(dir)?;
+        if json.get("vision_config").is_none_or(Value::is_null) {
+            return Ok(None);
+        }
+        let src = crate::HfSafetensors::open(dir)?;
+        Self::load_from(&json, &src.towers(), text_hidden)
+    }
+
+    /// The vision tower of a llama.cpp multimodal projector file; the media
+    /// token ids come from `text_config` (`{}` for Gemma 4's own).
+    pub fn load_mmproj(
+        path: &Path,
+        text_hidden: usize,
+        text_config: &Value,
+    ) -> Result<Option<(Self, LoadReport)>> {
+        let src = crate::mmproj::MmprojSource::open(path)?;
+        let json = src.config_json(text_config)?;
+        if json.get("vision_config").is_none_or(Value::is_null) {
+            return Ok(None);
+        }
+        Self::load_from(&json, &src, text_hidden)
+    }
+
+    /// The encoder `json` (a `config.json`) describes, from tower tensors
+    /// named below the multimodal root.
+    fn load_from(
+        json: &Value,
+        src: &dyn crate::WeightSource,
+        text_hidden: usize,
+    ) -> Result<Option<(Self, LoadReport)>> {
         let Some(v) = json.get("vision_config").filter(|v| !v.is_null()) else {
             return Ok(None);
         };
-        let src = crate::HfSafetensors::open(dir)?;
-        let towers = src.towers();
-        let weights = Weights::new(&towers, crate::LoadPolicy::default());
+        let weights = Weights::new(src, crate::LoadPolicy::default());
         let unified = v.get("model_type").and_then(Value::as_str) == Some("gemma4_unified_vision");
         let encoder = if unified {
             let cfg = crate::vision_unified::UnifiedVisionConfig::from_hf_json(
                 v,
-                MediaTokens::image(&json),
+                MediaTokens::image(json),
             )?;
             Self::Unified(crate::vision_unified::UnifiedVisionEmbedder::load(
                 cfg,
@@ -146,7 +173,7 @@ impl ImageEncoder {
                 &weights,
             )?)
         } else {
-            let cfg = VisionConfig::from_hf_json(&json)?
+            let cfg = VisionConfig::from_hf_json(json)?
                 .ok_or_else(|| ConfigError::missing("vision_config"))?;
             Self::Tower(VisionTower::load(cfg, text_hidden, &weights)?)
         };

@@ -65,6 +65,13 @@ fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_refe
         return;
     }
     chat_through_the_client("e-audio", "flac");
+    // The towers from a multimodal projector file instead (llama.cpp's layout).
+    let mmproj = fixture_of("e-audio-mmproj.gguf");
+    chat_through_the_client_with(
+        "e-audio",
+        "wav",
+        &["--mmproj", &mmproj.display().to_string()],
+    );
     // A clip too short for one log-mel window is refused by name.
     let server = ServerProc::start(&fixture_of("e-audio"), &[], &[]);
     let body = json!({"messages": [{"role": "user", "content": [
@@ -245,8 +252,19 @@ fn b64(bytes: &[u8]) -> String {
 /// clip from the file with this extension) through the openai client, whole
 /// and streamed; the client's report.
 fn chat_through_the_client(variant: &str, audio_ext: &str) -> Option<Value> {
+    chat_through_the_client_with(variant, audio_ext, &[])
+}
+
+/// [`chat_through_the_client`] with more `serve` arguments.
+fn chat_through_the_client_with(
+    variant: &str,
+    audio_ext: &str,
+    serve_args: &[&str],
+) -> Option<Value> {
     let dir = fixture_of(variant);
-    let server = ServerProc::start(&dir, &["--max-soft-tokens", "70"], &[]);
+    let mut args = vec!["--max-soft-tokens", "70"];
+    args.extend_from_slice(serve_args);
+    let server = ServerProc::start(&dir, &args, &[]);
     let golden = chat_golden_of(variant);
     // Chat content never holds the thought-channel markers (the output
     // processor reads them out); the rest is the reference's tokens as text.

@@ -1,0 +1,218 @@
+//! The vision and audio towers from a multimodal projector GGUF (`mmproj`,
+//! llama.cpp's converter layout): the E-style fixture with both towers
+//! (`tests/fixtures/vision/e-audio`) is written as an mmproj file — tensor
+//! names, shapes and metadata as the converter writes them, the patch
+//! embedding as a channels-first convolution kernel, the audio query scale
+//! with its softplus applied, the depthwise kernel as `[C, K]`, scalars as
+//! one-element vectors, matrices in f16 — then loaded back, and each image's
+//! and the clip's soft tokens held to the reference's.
+//!
+//! `GEMMA4_MMPROJ_FILE` may name another mmproj of the same fixture (made by
+//! llama.cpp's own converter, say) to hold to the same goldens.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::quantized::gguf_file::{self, Value};
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use gemma4_media::audio::decode_wav;
+use gemma4_media::mel::log_mel;
+use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
+use gemma4_model::mmproj::mmproj_tensor_name;
+use gemma4_model::{read_config, AudioEncoder, ImageEncoder, VisionInput};
+
+fn vision_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision")
+}
+
+/// The fixture's towers as an mmproj file in the converter's layout.
+fn write_mmproj(dir: &Path) -> PathBuf {
+    let json = read_config(dir).expect("config");
+    let bytes = std::fs::read(dir.join("model.safetensors")).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let mut tensors: Vec<(String, QTensor)> = Vec::new();
+    for (name, view) in st.tensors() {
+        let Some(rel) = name.strip_prefix("model.") else {
+            continue;
+        };
+        if ![
+            "vision_tower.",
+            "audio_tower.",
+            "embed_vision.",
+            "embed_audio.",
+        ]
+        .iter()
+        .any(|p| rel.starts_with(p))
+        {
+            continue;
+        }
+        let g = mmproj_tensor_name(rel).unwrap_or_else(|| panic!("no mmproj name for {rel}"));
+        let mut t = Tensor::from_raw_buffer(view.data(), DType::BF16, view.shape(), &Device::Cpu)
+            .and_then(|t| t.to_dtype(DType::F32))
+            .expect("tensor");
+        let dims = t.dims().to_vec();
+        if rel == "vision_tower.patch_embedder.input_proj.weight" {
+            // [D, p·p·3] (pixels, channels last) → [D, 3, p, p].
+            let p = ((dims[1] / 3) as f64).sqrt() as usize;
+            t = t
+                .reshape((dims[0], p, p, 3))
+                .and_then(|t| t.permute((0, 3, 1, 2)))
+                .and_then(|t| t.contiguous())
+                .expect("kernel");
+        } else if rel.ends_with("self_attn.per_dim_scale") {
+            t = (t.exp().expect("exp") + 1.0)
+                .and_then(|t| t.log())
+                .expect("softplus");
+        } else if rel.ends_with("depthwise_conv1d.weight") {
+            t = t.reshape((dims[0], dims[2])).expect("reshape");
+        } else if dims.is_empty() {
+            t = t.reshape(1).expect("reshape");
+        }
+        // Matrices in f16, as a `--outtype f16` conversion; everything the
+        // converter keeps in f32 (vectors, norms, tables, kernels) in f32.
+        let keep_f32 = !(t.dims().len() == 2 || g == "v.patch_embd.weight")
+            || !g.ends_with(".weight")
+            || g.contains("norm")
+            || g.starts_with("a.conv1d")
+            || g.contains("conv_dw")
+            || g == "a.input_projection.weight";
+        let dtype = if keep_f32 {
+            GgmlDType::F32
+        } else {
+            GgmlDType::F16
+        };
+        tensors.push((g, QTensor::quantize(&t, dtype).expect("qtensor")));
+    }
+    let v = &json["vision_config"];
+    let a = &json["audio_config"];
+    let u = |x: &serde_json::Value| Value::U32(x.as_u64().expect("number") as u32);
+    let text = |s: &str| Value::String(s.into());
+    let meta: Vec<(&str, Value)> = vec![
+        ("general.architecture", text("clip")),
+        ("general.type", text("mmproj")),
+        ("clip.has_vision_encoder", Value::Bool(true)),
+        ("clip.has_audio_encoder", Value::Bool(true)),
+        ("clip.vision.projector_type", text("gemma4v")),
+        ("clip.audio.projector_type", text("gemma4a")),
+        ("clip.vision.image_size", Value::U32(224)),
+        ("clip.vision.patch_size", u(&v["patch_size"])),
+        ("clip.vision.embedding_length", u(&v["hidden_size"])),
+        (
+            "clip.vision.feed_forward_length",
+            u(&v["intermediate_size"]),
+        ),
+        ("clip.vision.block_count", u(&v["num_hidden_layers"])),
+        (
+            "clip.vision.attention.head_count",
+            u(&v["num_attention_heads"]),
+        ),
+        ("clip.vision.attention.layer_norm_epsilon", Value::F32(1e-6)),
+        ("clip.audio.embedding_length", u(&a["hidden_size"])),
+        ("clip.audio.block_count", u(&a["num_hidden_layers"])),
+        (
+            "clip.audio.attention.head_count",
+            u(&a["num_attention_heads"]),
+        ),
+        ("clip.audio.num_mel_bins", Value::U32(128)),
+    ];
+    let path = std::env::temp_dir().join(format!("gemma4-mmproj-{}.gguf", std::process::id()));
+    let mut file = std::fs::File::create(&path).expect("create");
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    gguf_file::write(&mut file, &meta_refs, &tensor_refs).expect("write gguf");
+    path
+}
+
+fn golden(dir: &Path, name: &str) -> Vec<f32> {
+    let bytes = std::fs::read(dir.join("golden_tensors.safetensors")).expect("goldens");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    st.tensor(name)
+        .unwrap_or_else(|_| panic!("{name}"))
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+/// The largest magnitude of a golden, at least 1.
+fn scale(x: &[f32]) -> f32 {
+    x.iter().fold(1.0f32, |m, v| m.max(v.abs()))
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// Every image's and the clip's soft tokens through the mmproj's towers.
+fn check(mmproj: &Path) {
+    let dir = vision_dir().join("e-audio");
+    let json = read_config(&dir).expect("config");
+    let hidden = json["text_config"]["hidden_size"].as_u64().unwrap() as usize;
+    let (images, _) = ImageEncoder::load_mmproj(mmproj, hidden, &json)
+        .expect("load vision")
+        .expect("a vision tower");
+    // The token ids come from the text checkpoint's config.
+    assert_eq!(images.tokens().soft, 500);
+    let proc = ImageProcessor::new(70).unwrap();
+    for i in 0..4 {
+        let png = std::fs::read(vision_dir().join(format!("images/{i}.png"))).expect("png");
+        let img = decode_image(&png, DecodeLimits::default()).expect("decode");
+        let p = proc.process(&img).expect("process");
+        let ours: Vec<f32> = images
+            .encode(VisionInput {
+                patches: &p.patches,
+                positions: &p.positions,
+            })
+            .expect("encode")
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let want = golden(&dir, &format!("features.{i}"));
+        let diff = max_abs_diff(&ours, &want);
+        eprintln!("mmproj image {i}: max |Δ| {diff:.2e}");
+        // As from the safetensors checkpoint: the fixture's bf16 weights are
+        // exact in f16 too.
+        assert!(diff <= 1e-4 * scale(&want), "image {i}: {diff}");
+    }
+    let (audio, _) = AudioEncoder::load_mmproj(mmproj, hidden, &json)
+        .expect("load audio")
+        .expect("an audio tower");
+    let wav = std::fs::read(vision_dir().join("audio/0.wav")).expect("wav");
+    let clip = decode_wav(&wav, 30.0).expect("decode");
+    let ours: Vec<f32> = audio
+        .encode(&log_mel(&clip).expect("mel").values)
+        .expect("encode")
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let want = golden(&dir, "audio_features.0");
+    let diff = max_abs_diff(&ours, &want);
+    eprintln!("mmproj audio 0: max |Δ| {diff:.2e}");
+    assert!(diff <= 1e-4 * scale(&want), "audio: {diff}");
+}
+
+#[test]
+fn towers_from_an_mmproj_file_match_the_reference() {
+    let path = write_mmproj(&vision_dir().join("e-audio"));
+    check(&path);
+    let _ = std::fs::remove_file(path);
+    if let Some(other) = std::env::var_os("GEMMA4_MMPROJ_FILE") {
+        check(Path::new(&other));
+    }
+}
+
+#[test]
+fn a_text_gguf_is_not_a_projector() {
+    let vocab = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/text/ggml-vocab-gemma-4.gguf");
+    let Err(e) = ImageEncoder::load_mmproj(&vocab, 64, &serde_json::json!({})) else {
+        panic!("a text GGUF loaded as a projector");
+    };
+    assert!(e.to_string().contains("expected `clip`"), "{e}");
+}
