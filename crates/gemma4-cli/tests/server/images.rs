@@ -112,6 +112,22 @@ fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_refe
         let tokens = r.json()["usage"]["prompt_tokens"].as_u64().unwrap();
         assert_eq!(tokens, without + 35, "{ext}");
     }
+    // The Responses API takes `input_audio` parts the same way.
+    let wav_bytes = std::fs::read(fixture_of("audio").join("0.wav")).expect("clip");
+    let responses = |content: Value| {
+        let r = server.post(
+            "/v1/responses",
+            &json!({"input": [{"role": "user", "content": content}], "max_output_tokens": 1}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["usage"]["input_tokens"]
+            .as_u64()
+            .expect("input_tokens")
+    };
+    let text_only = responses(json!(""));
+    let with_clip = responses(json!([{"type": "input_audio",
+        "input_audio": {"data": b64(&wav_bytes), "format": "wav"}}]));
+    assert_eq!(with_clip, text_only + 35);
 }
 
 /// A plain HTTP server on a local port for the remote-media test: `/img.png`

@@ -42,14 +42,15 @@ fn bad(message: impl Into<String>, param: &str) -> ApiError {
 }
 
 /// A content value as chat content: a string, or `input_text` / `output_text`
-/// parts joined into one; with `input_image` parts, chat content parts
-/// (`text` and `image_url`), which the chat path checks and encodes.
+/// parts joined into one; with `input_image` or `input_audio` parts, chat
+/// content parts (`text`, `image_url`, `input_audio`), which the chat path
+/// checks and encodes.
 fn content_value(content: &Value, at: &str) -> Result<Value, ApiError> {
     match content {
         Value::String(s) => Ok(Value::String(s.clone())),
         Value::Array(parts) => {
             let mut out = Vec::new();
-            let mut images = false;
+            let mut media = false;
             for (j, part) in parts.iter().enumerate() {
                 match part.get("type").and_then(Value::as_str) {
                     Some("input_text" | "output_text" | "text") => {
@@ -64,25 +65,30 @@ fn content_value(content: &Value, at: &str) -> Result<Value, ApiError> {
                             Some(Value::String(u)) => u.clone(),
                             _ => {
                                 return Err(bad(
-                                    format!("`{at}[{j}].image_url` must be a string (a data: URI)"),
+                                    format!("`{at}[{j}].image_url` must be a string (a data: URI, or an http(s) URL where the server fetches them)"),
                                     at,
                                 ))
                             }
                         };
-                        images = true;
+                        media = true;
                         out.push(json!({"type": "image_url", "image_url": {"url": url}}));
+                    }
+                    Some("input_audio") => {
+                        // The chat part's shape; the chat path checks its fields.
+                        media = true;
+                        out.push(json!({"type": "input_audio", "input_audio": part.get("input_audio").cloned().unwrap_or(Value::Null)}));
                     }
                     other => {
                         return Err(bad(
                             format!(
-                                "`{at}[{j}]` is a {other:?} part; this server accepts input_text and input_image parts"
+                                "`{at}[{j}]` is a {other:?} part; this server accepts input_text, input_image and input_audio parts"
                             ),
                             at,
                         ))
                     }
                 }
             }
-            if images {
+            if media {
                 return Ok(Value::Array(out));
             }
             let texts: Vec<&str> = out.iter().filter_map(|p| p["text"].as_str()).collect();
