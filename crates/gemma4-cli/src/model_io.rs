@@ -32,11 +32,6 @@ pub struct ModelArgs {
     /// Jinja chat template to use instead of (or in the absence of) the checkpoint's own.
     #[arg(long)]
     pub chat_template: Option<PathBuf>,
-    /// A llama.cpp multimodal projector file (`mmproj` GGUF: Gemma 4's vision
-    /// and audio towers) to read images and audio with; it replaces any
-    /// towers of the checkpoint.
-    #[arg(long)]
-    pub mmproj: Option<PathBuf>,
 }
 
 /// The checkpoint's media encoders: the image encoder (vision tower, or the

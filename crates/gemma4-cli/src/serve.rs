@@ -27,6 +27,11 @@ const DEFAULT_MAX_MODEL_LEN: usize = 4096;
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    /// A llama.cpp multimodal projector file (`mmproj` GGUF: Gemma 4's vision
+    /// and audio towers) to read images and audio with; it replaces any
+    /// towers of the checkpoint.
+    #[arg(long)]
+    mmproj: Option<std::path::PathBuf>,
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1")]
     host: String,
@@ -212,6 +217,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
     let (tx, rx) = oneshot::channel();
     let model_args = args.model.clone();
     let media = MediaArgs {
+        mmproj: args.mmproj.clone(),
         max_soft_tokens: args.max_soft_tokens,
         max_images: args.limit_mm_per_prompt.0,
         max_audio: args.limit_mm_per_prompt.1,
@@ -295,6 +301,8 @@ fn parse_mm_limit(s: &str) -> std::result::Result<(usize, usize), String> {
 
 /// Media settings for the loading thread.
 struct MediaArgs {
+    /// The multimodal projector file the towers come from, if one is named.
+    mmproj: Option<std::path::PathBuf>,
     max_soft_tokens: usize,
     max_images: usize,
     max_audio: usize,
@@ -311,7 +319,7 @@ fn load(
     let loaded = model_args.load()?;
     let (images, audio) = crate::model_io::load_media_encoders(
         &loaded.path,
-        model_args.mmproj.as_deref(),
+        media.mmproj.as_deref(),
         loaded.model.config().hidden_size,
     )?;
     let context_len = loaded.model.config().max_position_embeddings;

@@ -19,6 +19,11 @@ pub struct Args {
     /// Maximum allowed absolute logit difference.
     #[arg(long, default_value_t = DEFAULT_TOLERANCE)]
     tolerance: f32,
+    /// A llama.cpp multimodal projector file (`mmproj` GGUF: Gemma 4's vision
+    /// and audio towers) to read images and audio with; it replaces any
+    /// towers of the checkpoint.
+    #[arg(long)]
+    mmproj: Option<PathBuf>,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -27,7 +32,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let (model, _) = crate::model_io::load_model(&path, args.model.policy())?;
         let all_match = crate::verify_vision::verify(
             &model,
-            (&path, args.model.mmproj.as_deref()),
+            (&path, args.mmproj.as_deref()),
             &args.golden,
             &golden,
             args.tolerance,
