@@ -29,7 +29,7 @@ use crate::error::{ConfigError, ModelError, Result};
 use crate::layers::RmsNorm;
 use crate::loader::{LoadReport, Weights};
 use crate::storage::Linear;
-use crate::vision::{read_config, ClippedLinear, MediaTokens};
+use crate::vision::{from_dir, from_mmproj, ClippedLinear, MediaTokens};
 
 /// Mel bins the feature extractor writes per frame.
 pub const MEL_BINS: usize = 128;
@@ -141,7 +141,7 @@ impl AudioConfig {
         // The reference's projection after the convolutions is sized from the
         // first convolution's channels; it matches the 128 mel bins halved
         // twice only when those are 128.
-        if cfg.conv_channels[0] / 4 != MEL_BINS / 4 || cfg.conv_channels[1] == 0 {
+        if cfg.conv_channels[0] != MEL_BINS || cfg.conv_channels[1] == 0 {
             return Err(ConfigError::invalid(
                 key("subsampling_conv_channels"),
                 format!("the first must be {MEL_BINS} (the mel bins) and the second above 0"),
@@ -204,12 +204,7 @@ impl AudioEncoder {
 
     /// [`Self::load_dir`], with what the load kept resident.
     pub fn load_dir_measured(dir: &Path, text_hidden: usize) -> Result<Option<(Self, LoadReport)>> {
-        let json = read_config(dir)?;
-        if json.get("audio_config").is_none_or(Value::is_null) {
-            return Ok(None);
-        }
-        let src = crate::HfSafetensors::open(dir)?;
-        Self::load_from(&json, &src.towers(), text_hidden)
+        from_dir(dir, "audio_config", text_hidden, Self::load_from)
     }
 
     /// The audio tower of a llama.cpp multimodal projector file; the media
@@ -219,12 +214,12 @@ impl AudioEncoder {
         text_hidden: usize,
         text_config: &Value,
     ) -> Result<Option<(Self, LoadReport)>> {
-        let src = crate::mmproj::MmprojSource::open(path)?;
-        let json = src.config_json(text_config)?;
-        if json.get("audio_config").is_none_or(Value::is_null) {
-            return Ok(None);
-        }
-        Self::load_from(&json, &src, text_hidden)
+        from_mmproj(
+            path,
+            "audio_config",
+            (text_hidden, text_config),
+            Self::load_from,
+        )
     }
 
     /// The encoder `json` (a `config.json`) describes, from tower tensors

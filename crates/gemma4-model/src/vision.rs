@@ -111,6 +111,38 @@ pub fn read_config(dir: &Path) -> Result<Value> {
     })?)
 }
 
+/// Loads an encoder of `load`'s kind from the tower tensors of a checkpoint
+/// directory; `None` when its `config.json` has no `key` section.
+pub(crate) fn from_dir<T>(
+    dir: &Path,
+    key: &str,
+    text_hidden: usize,
+    load: impl Fn(&Value, &dyn crate::WeightSource, usize) -> Result<Option<(T, LoadReport)>>,
+) -> Result<Option<(T, LoadReport)>> {
+    let json = read_config(dir)?;
+    if json.get(key).is_none_or(Value::is_null) {
+        return Ok(None);
+    }
+    let src = crate::HfSafetensors::open(dir)?;
+    load(&json, &src.towers(), text_hidden)
+}
+
+/// [`from_dir`] for a multimodal projector file, its configuration made
+/// from the file and the media token ids of `text_config`.
+pub(crate) fn from_mmproj<T>(
+    path: &Path,
+    key: &str,
+    (text_hidden, text_config): (usize, &Value),
+    load: impl Fn(&Value, &dyn crate::WeightSource, usize) -> Result<Option<(T, LoadReport)>>,
+) -> Result<Option<(T, LoadReport)>> {
+    let src = crate::mmproj::MmprojSource::open(path)?;
+    let json = src.config_json(text_config)?;
+    if json.get(key).is_none_or(Value::is_null) {
+        return Ok(None);
+    }
+    load(&json, &src, text_hidden)
+}
+
 /// What turns an image into soft tokens: the vision tower (E2B/E4B, 31B,
 /// 26B-A4B), or the 12B's encoder-free embedder.
 pub enum ImageEncoder {
@@ -127,12 +159,7 @@ impl ImageEncoder {
 
     /// [`Self::load_dir`], with what the load kept resident.
     pub fn load_dir_measured(dir: &Path, text_hidden: usize) -> Result<Option<(Self, LoadReport)>> {
-        let json = read_config(dir)?;
-        if json.get("vision_config").is_none_or(Value::is_null) {
-            return Ok(None);
-        }
-        let src = crate::HfSafetensors::open(dir)?;
-        Self::load_from(&json, &src.towers(), text_hidden)
+        from_dir(dir, "vision_config", text_hidden, Self::load_from)
     }
 
     /// The vision tower of a llama.cpp multimodal projector file; the media
@@ -142,12 +169,12 @@ impl ImageEncoder {
         text_hidden: usize,
         text_config: &Value,
     ) -> Result<Option<(Self, LoadReport)>> {
-        let src = crate::mmproj::MmprojSource::open(path)?;
-        let json = src.config_json(text_config)?;
-        if json.get("vision_config").is_none_or(Value::is_null) {
-            return Ok(None);
-        }
-        Self::load_from(&json, &src, text_hidden)
+        from_mmproj(
+            path,
+            "vision_config",
+            (text_hidden, text_config),
+            Self::load_from,
+        )
     }
 
     /// The encoder `json` (a `config.json`) describes, from tower tensors

@@ -73,12 +73,9 @@ impl Media {
         self
     }
 
-    /// Decodes, processes and encodes a request's media, in order.
-    pub fn encode_all(
-        &self,
-        parts: &[MediaPart],
-        max_soft_tokens: Option<usize>,
-    ) -> Result<Vec<Encoded>, ApiError> {
+    /// Refuses a request with more images or clips than the server takes
+    /// (before anything is fetched or decoded).
+    pub fn check_counts(&self, parts: &[MediaPart]) -> Result<(), ApiError> {
         for (kind, name, max) in [
             (MediaKind::Image, "images", self.max_items.0),
             (MediaKind::Audio, "audio clips", self.max_items.1),
@@ -91,6 +88,16 @@ impl Media {
                 .with_param("messages"));
             }
         }
+        Ok(())
+    }
+
+    /// Decodes, processes and encodes a request's media, in order.
+    pub fn encode_all(
+        &self,
+        parts: &[MediaPart],
+        max_soft_tokens: Option<usize>,
+    ) -> Result<Vec<Encoded>, ApiError> {
+        self.check_counts(parts)?;
         let budget = max_soft_tokens.unwrap_or(self.default_soft_tokens);
         let processor = ImageProcessor::new(budget).map_err(|e| {
             ApiError::bad_request(format!("`mm_processor_kwargs.max_soft_tokens`: {e}"))

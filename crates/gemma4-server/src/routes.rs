@@ -239,8 +239,12 @@ pub(crate) async fn submit_chat(
     arrival: Instant,
 ) -> Result<Submitted, ApiError> {
     check_model_name(state, req.model.as_deref())?;
-    if let Some(remote) = model.media.as_ref().and_then(|m| m.remote.as_ref()) {
-        remote.fetch_all(&mut req.media).await?;
+    if let Some(media) = model.media.as_ref() {
+        if let Some(remote) = media.remote.as_ref() {
+            // Too many items are refused before any of them is fetched.
+            media.check_counts(&req.media)?;
+            remote.fetch_all(&mut req.media).await?;
+        }
     }
     let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
     let chat = ChatControls {

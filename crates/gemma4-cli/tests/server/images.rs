@@ -114,16 +114,7 @@ fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_refe
     }
     // The Responses API takes `input_audio` parts the same way.
     let wav_bytes = std::fs::read(fixture_of("audio").join("0.wav")).expect("clip");
-    let responses = |content: Value| {
-        let r = server.post(
-            "/v1/responses",
-            &json!({"input": [{"role": "user", "content": content}], "max_output_tokens": 1}),
-        );
-        assert_eq!(r.status, 200, "{}", r.body);
-        r.json()["usage"]["input_tokens"]
-            .as_u64()
-            .expect("input_tokens")
-    };
+    let responses = |content: Value| responses_input_tokens(&server, content);
     let text_only = responses(json!(""));
     let with_clip = responses(json!([{"type": "input_audio",
         "input_audio": {"data": b64(&wav_bytes), "format": "wav"}}]));
@@ -133,14 +124,22 @@ fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_refe
 /// A plain HTTP server on a local port for the remote-media test: `/img.png`
 /// (the image), `/big.png` (declares 10 MB), `/stream.png` (chunked, without
 /// end), `/slow.png` (answers after 3 s), `/loop` (redirects to itself) and
-/// anything else 404.
-fn media_host(png: Vec<u8>) -> std::net::SocketAddr {
+/// anything else 404; with the number of requests it has taken.
+fn media_host(
+    png: Vec<u8>,
+) -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
     use std::io::{Read, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
     let addr = listener.local_addr().expect("addr");
+    let hits = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = hits.clone();
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { continue };
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let png = png.clone();
             std::thread::spawn(move || {
                 let mut head = Vec::new();
@@ -184,14 +183,14 @@ fn media_host(png: Vec<u8>) -> std::net::SocketAddr {
             });
         }
     });
-    addr
+    (addr, hits)
 }
 
 #[test]
 fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
     let dir = vision_fixture();
     let png = std::fs::read(dir.join("../images/0.png")).expect("png");
-    let host = media_host(png.clone());
+    let (host, hits) = media_host(png.clone());
     let server = ServerProc::start(
         &dir,
         &[
@@ -200,6 +199,8 @@ fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
             "1",
             "--max-media-bytes",
             "1000000",
+            "--limit-mm-per-prompt",
+            "image=2",
         ],
         &[],
     );
@@ -234,6 +235,16 @@ fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
         );
         assert_eq!(e["param"], "messages[0].content[1].image_url.url", "{path}");
     }
+    // More images than the server takes are refused before any is fetched.
+    let before = hits.load(std::sync::atomic::Ordering::SeqCst);
+    let url = format!("http://{host}/img.png");
+    let r = server.post(
+        "/v1/chat/completions",
+        &image_chat(&[url.clone(), url.clone(), url], json!({})),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("at most 2 per prompt"), "{}", r.body);
+    assert_eq!(hits.load(std::sync::atomic::Ordering::SeqCst), before);
     // Without the flag, the same URL is refused unfetched.
     let off = ServerProc::start(&dir, &[], &[]);
     let r = off.post(
@@ -242,6 +253,19 @@ fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
     );
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("--allow-remote-media"), "{}", r.body);
+}
+
+/// `usage.input_tokens` of a one-token `/v1/responses` reply to a user turn
+/// with this content.
+fn responses_input_tokens(server: &ServerProc, content: Value) -> u64 {
+    let r = server.post(
+        "/v1/responses",
+        &json!({"input": [{"role": "user", "content": content}], "max_output_tokens": 1}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()["usage"]["input_tokens"]
+        .as_u64()
+        .expect("input_tokens")
 }
 
 /// A 16 kHz mono 16-bit WAV file of these samples.
@@ -486,16 +510,7 @@ fn bad_media_and_limits_get_a_400_naming_the_problem() {
     assert_eq!(r.status, 200, "{}", r.body);
 
     // The Responses API takes `input_image` parts the same way.
-    let responses = |content: Value| {
-        let r = server.post(
-            "/v1/responses",
-            &json!({"input": [{"role": "user", "content": content}], "max_output_tokens": 1}),
-        );
-        assert_eq!(r.status, 200, "{}", r.body);
-        r.json()["usage"]["input_tokens"]
-            .as_u64()
-            .expect("input_tokens")
-    };
+    let responses = |content: Value| responses_input_tokens(&server, content);
     let text_only = responses(json!([{"type": "input_text", "text": "x"}]));
     let with_image = responses(json!([{"type": "input_text", "text": "x"},
                                       {"type": "input_image", "image_url": data_uri(&png)}]));
