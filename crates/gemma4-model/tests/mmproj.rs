@@ -10,6 +10,8 @@
 //! `GEMMA4_MMPROJ_FILE` may name another mmproj of the same fixture (made by
 //! llama.cpp's own converter, say) to hold to the same goldens.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{self, Value};
@@ -17,12 +19,13 @@ use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use gemma4_media::audio::decode_wav;
 use gemma4_media::mel::log_mel;
-use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
 use gemma4_model::mmproj::mmproj_tensor_name;
-use gemma4_model::{read_config, AudioEncoder, ImageEncoder, VisionInput};
+use gemma4_model::{read_config, AudioEncoder, ImageEncoder};
+
+use common::{encode_image, max_abs_diff, tensor, vision_fixture};
 
 fn vision_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision")
+    vision_fixture("")
 }
 
 /// The fixture's towers as an mmproj file in the converter's layout.
@@ -125,26 +128,12 @@ fn write_mmproj(dir: &Path) -> PathBuf {
 
 fn golden(dir: &Path, name: &str) -> Vec<f32> {
     let bytes = std::fs::read(dir.join("golden_tensors.safetensors")).expect("goldens");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    st.tensor(name)
-        .unwrap_or_else(|_| panic!("{name}"))
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
+    tensor(&bytes, name).1
 }
 
 /// The largest magnitude of a golden, at least 1.
 fn scale(x: &[f32]) -> f32 {
     x.iter().fold(1.0f32, |m, v| m.max(v.abs()))
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
 
 /// Every image's and the clip's soft tokens through the mmproj's towers.
@@ -157,21 +146,8 @@ fn check(mmproj: &Path) {
         .expect("a vision tower");
     // The token ids come from the text checkpoint's config.
     assert_eq!(images.tokens().soft, 500);
-    let proc = ImageProcessor::new(70).unwrap();
     for i in 0..4 {
-        let png = std::fs::read(vision_dir().join(format!("images/{i}.png"))).expect("png");
-        let img = decode_image(&png, DecodeLimits::default()).expect("decode");
-        let p = proc.process(&img).expect("process");
-        let ours: Vec<f32> = images
-            .encode(VisionInput {
-                patches: &p.patches,
-                positions: &p.positions,
-            })
-            .expect("encode")
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let ours = encode_image(&images, i);
         let want = golden(&dir, &format!("features.{i}"));
         let diff = max_abs_diff(&ours, &want);
         eprintln!("mmproj image {i}: max |Δ| {diff:.2e}");

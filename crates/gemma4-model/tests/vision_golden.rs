@@ -10,24 +10,24 @@
 //! or two images — the logits at the last prompt position and 12 greedy
 //! tokens.
 
+mod common;
+
 use std::path::PathBuf;
 
 use gemma4_media::audio::{decode_wav, frames, Audio};
 use gemma4_media::mel::{audio_soft_tokens, log_mel, mel_frames, MEL_BINS};
-use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
 use gemma4_model::golden::{greedy_with_soft_tokens, DEFAULT_TOLERANCE};
 use gemma4_model::{
     place_soft_tokens, AudioEncoder, AudioFeatures, ImageEncoder, KvCache, LoadPolicy, LogitsFor,
-    VisionInput,
 };
 use serde_json::Value;
+
+use common::{encode_image, max_abs_diff, tensor, vision_fixture};
 
 const VARIANTS: [&str; 5] = ["e-style", "dense", "moe", "unified", "e-audio"];
 
 fn fixture(variant: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/vision")
-        .join(variant)
+    vision_fixture(variant)
 }
 
 struct Fixture {
@@ -54,45 +54,9 @@ fn load(variant: &str) -> Fixture {
     }
 }
 
-fn tensor(bytes: &[u8], name: &str) -> (Vec<usize>, Vec<f32>) {
-    let st = safetensors::SafeTensors::deserialize(bytes).expect("safetensors");
-    let t = st.tensor(name).unwrap_or_else(|_| panic!("{name}"));
-    let data = t
-        .data()
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-        .collect();
-    (t.shape().to_vec(), data)
-}
-
 /// The image's soft tokens, `[tokens · hidden]`, from its PNG.
 fn encode(f: &Fixture, index: usize) -> Vec<f32> {
-    let png = std::fs::read(fixture("images").join(format!("{index}.png"))).expect("png");
-    let img = decode_image(&png, DecodeLimits::default()).expect("decode");
-    let proc = ImageProcessor::new(70).unwrap();
-    let processed = if f.encoder.takes_merged_patches() {
-        proc.process_merged(&img)
-    } else {
-        proc.process(&img)
-    }
-    .expect("process");
-    let out = f
-        .encoder
-        .encode(VisionInput {
-            patches: &processed.patches,
-            positions: &processed.positions,
-        })
-        .expect("encode");
-    assert_eq!(out.dim(0).unwrap(), processed.soft_tokens);
-    out.flatten_all().unwrap().to_vec1().unwrap()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    encode_image(&f.encoder, index)
 }
 
 #[test]
