@@ -1,5 +1,5 @@
 //! `y = x · Wᵀ` for every storage type, decode (1 row), batched decode (4
-//! rows) and prefill (64 rows), against the `gemm` crate's f32 product on a
+//! rows) and prefill (64 and 128 rows), against the `gemm` crate's f32 product on a
 //! widened copy, run in the same process. Quantized types are timed with
 //! f32 activations (`exact`) and with their integer kernel (`int8 act`).
 //! Prints milliseconds per call and the ratio to gemm.
@@ -10,6 +10,7 @@ use common::time;
 
 use gemma4_kernels::float::{FloatMatrix, FloatType};
 use gemma4_kernels::int8::Int8Matrix;
+use gemma4_kernels::intdot::has_vnni;
 use gemma4_kernels::kquant::{self, SuperBlockMatrix};
 use gemma4_kernels::legacy::{self, BlockMatrix};
 use gemma4_kernels::q4::Q4Matrix;
@@ -138,20 +139,22 @@ fn main() {
         .filter(|m| only.is_empty() || only.iter().any(|o| o == m.storage()))
         .collect();
     println!("{rows}x{cols}, {} threads", rayon::current_num_threads());
-    for n in [1usize, 4, 64] {
+    for n in [1usize, 4, 64, 128] {
         let x = values(n * cols, 7);
         let reps = match n {
             1 => 200,
             4 => 100,
-            _ => 20,
+            _ => 10,
         };
         let base = time(reps, || {
             std::hint::black_box(gemm_f32(&w, rows, cols, &x, n));
         });
         println!("n={n:<3} gemm f32 (baseline) {base:8.3} ms");
         for m in &mats {
-            // Products of GEMM_MIN_ROWS rows or more keep f32 activations.
-            let modes: &[(Precision, &str)] = if m.integer().is_some() && n < GEMM_MIN_ROWS {
+            // Without VNNI, products of GEMM_MIN_ROWS rows or more keep f32
+            // activations in either mode.
+            let integer = n < GEMM_MIN_ROWS || has_vnni();
+            let modes: &[(Precision, &str)] = if m.integer().is_some() && integer {
                 &[
                     (Precision::Exact, "exact"),
                     (Precision::Int8Activations, "int8 act"),

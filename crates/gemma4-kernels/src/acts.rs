@@ -50,22 +50,8 @@ impl QuantizedActs {
         );
         let mut qs = vec![0i8; n * cols];
         let mut scales = vec![0f32; n * cols / len];
-        for ((xb, qb), d) in x
-            .chunks_exact(len)
-            .zip(qs.chunks_exact_mut(len))
-            .zip(scales.iter_mut())
-        {
-            let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            *d = amax / 127.0;
-            let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
-            for (q, &v) in qb.iter_mut().zip(xb) {
-                *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
-            }
-        }
-        let sums = qs
-            .chunks_exact(16)
-            .map(|g| g.iter().map(|&q| i32::from(q)).sum())
-            .collect();
+        let mut sums = vec![0i32; n * cols / 16];
+        round_blocks(x, len, &mut qs, &mut scales, &mut sums);
         Self {
             block,
             n,
@@ -104,6 +90,32 @@ impl QuantizedActs {
             .collect()
     }
 }
+
+#[inline(always)]
+fn round_blocks_body(x: &[f32], len: usize, qs: &mut [i8], scales: &mut [f32], sums: &mut [i32]) {
+    for ((xb, qb), d) in x
+        .chunks_exact(len)
+        .zip(qs.chunks_exact_mut(len))
+        .zip(scales.iter_mut())
+    {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        *d = amax / 127.0;
+        let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
+        for (q, &v) in qb.iter_mut().zip(xb) {
+            *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+        }
+    }
+    for (s, g) in sums.iter_mut().zip(qs.chunks_exact(16)) {
+        *s = g.iter().map(|&q| i32::from(q)).sum();
+    }
+}
+
+crate::dispatch::multiversion!(
+    /// Each block of `len` values of `x` to `qs`, its scale, and the sums
+    /// of every 16 quants (compiled per instruction set: the rounding
+    /// vectorizes only where the CPU rounds in SIMD).
+    pub fn round_blocks(x: &[f32], len: usize, qs: &mut [i8], scales: &mut [f32], sums: &mut [i32]) => round_blocks_body
+);
 
 #[cfg(test)]
 mod tests {

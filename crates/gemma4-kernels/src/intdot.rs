@@ -108,7 +108,7 @@ fn half(b: &[u8], at: usize) -> f32 {
 
 /// Block `b` of `row`: 32 integer values and `(d, m)` with `w = d · v + m`.
 #[inline(always)]
-fn decode32(kind: Kind32, row: &Row, b: usize, v: &mut [i16; 32]) -> (f32, f32) {
+pub(crate) fn decode32(kind: Kind32, row: &Row, b: usize, v: &mut [i16; 32]) -> (f32, f32) {
     let blk = &row.data[b * kind.bytes()..(b + 1) * kind.bytes()];
     let nibbles = |qs: &[u8], v: &mut [i16; 32], off: i16| {
         for j in 0..16 {
@@ -224,7 +224,7 @@ pub(crate) fn scale_min(j: usize, q: &[u8]) -> (i32, i32) {
 /// float factors: `w_i = d · sc[i/16] · u_i − dmin · mn[i/16]` (Q4_K/Q5_K) or
 /// `w_i = d · sc[i/16] · (u_i − 32)` (Q6_K, `dmin = 0`, offset folded later).
 #[inline(always)]
-fn decode_k(
+pub(crate) fn decode_k(
     kind: KindK,
     blk: &[u8],
     u: &mut [u8; 256],
@@ -381,8 +381,12 @@ pub fn matrix32<'a>(
     assert_eq!(acts.block, ActBlock::B32);
     #[cfg(target_arch = "x86_64")]
     if has_vnni() {
-        // SAFETY: the features the kernel is compiled for were detected.
-        unsafe { vnni::matrix32(kind, rows, row_of, acts, out) };
+        if acts.n >= crate::GEMM_MIN_ROWS {
+            crate::intgemm::matrix32(kind, rows, row_of, acts, out);
+        } else {
+            // SAFETY: the features the kernel is compiled for were detected.
+            unsafe { vnni::matrix32(kind, rows, row_of, acts, out) };
+        }
         return;
     }
     let len = rows.len();
@@ -394,19 +398,26 @@ pub fn matrix32<'a>(
     }
 }
 
-/// [`matrix32`] for k-quant super-blocks; row `r` is `row_of(r)`.
-pub fn matrix_k<'a>(
+/// [`matrix32`] for a matrix of k-quant super-blocks stored row after row
+/// in `data`.
+pub fn matrix_k(
     kind: KindK,
     rows: Range<usize>,
-    row_of: &dyn Fn(usize) -> &'a [u8],
+    data: &[u8],
     acts: &QuantizedActs,
     out: &mut [f32],
 ) {
     assert_eq!(acts.block, ActBlock::B256);
+    let w = acts.cols / 256 * k_bytes(kind);
+    let row_of = |r: usize| &data[r * w..(r + 1) * w];
     #[cfg(target_arch = "x86_64")]
     if has_vnni() {
-        // SAFETY: the features the kernel is compiled for were detected.
-        unsafe { vnni::matrix_k(kind, rows, row_of, acts, out) };
+        if acts.n >= crate::GEMM_MIN_ROWS {
+            crate::intgemm::matrix_k(kind, rows, data, acts, out);
+        } else {
+            // SAFETY: the features the kernel is compiled for were detected.
+            unsafe { vnni::matrix_k(kind, rows, &row_of, acts, out) };
+        }
         return;
     }
     let len = rows.len();
@@ -1100,13 +1111,13 @@ mod tests {
     fn check_integer_kernels(rows: usize, cols: usize) {
         for w in matrices(rows, cols) {
             let k = w.integer().expect("an integer kernel");
-            for n in [1, 2, 3, 4, 5, 9] {
+            for n in [1, 2, 3, 4, 5, 8, 9, 17, 30] {
                 let x = values(n * cols, n as u64 + 40, 2.0);
                 let acts = QuantizedActs::quantize(&x, n, cols, k.act_block());
                 let (want, mag) = reference(w.as_ref(), &acts);
                 // The kernel chosen at run time, through the whole product
                 // (which takes it for fewer than GEMM_MIN_ROWS rows).
-                if n < crate::GEMM_MIN_ROWS {
+                if n < crate::GEMM_MIN_ROWS || has_vnni() {
                     let y = matmul_with(w.as_ref(), &x, n, Precision::Int8Activations);
                     for (i, &got) in y.iter().enumerate() {
                         check(

@@ -194,9 +194,7 @@ impl<F: SuperBlock> IntegerDots for SuperBlockMatrix<F> {
         ActBlock::B256
     }
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
-        // The matrix's bytes once, not through the owner at every row.
-        let (all, w) = (self.bytes.as_slice(), self.cols / SUPER * F::BYTES);
-        matrix_k(F::KIND, rows, &|r| &all[r * w..(r + 1) * w], acts, out);
+        matrix_k(F::KIND, rows, self.bytes.as_slice(), acts, out);
     }
 }
 

@@ -14,7 +14,8 @@
 //! module [`intdot`]): with [`Precision::Int8Activations`] the activations
 //! are rounded to 8 bits per block once per product and meet the weights'
 //! integer levels in 8-bit multiplies, as llama.cpp computes; faster, and
-//! not exact.
+//! not exact. For many activation rows on a CPU with AVX-512 VNNI the
+//! integer product runs on 16-row panels (module `intgemm`).
 //!
 //! Embedding tables use the same interface: a lookup widens only the rows
 //! of the step's tokens.
@@ -26,6 +27,8 @@ pub mod float;
 pub mod gelu;
 pub mod int8;
 pub mod intdot;
+#[cfg(target_arch = "x86_64")]
+mod intgemm;
 pub mod kquant;
 pub mod legacy;
 pub mod pool;
@@ -147,12 +150,13 @@ pub fn matmul_with(w: &dyn WeightMatrix, x: &[f32], n: usize, precision: Precisi
     if n == 0 || rows == 0 {
         return y;
     }
-    // Many activation rows (prefill) go through dequantized tiles and f32
-    // `gemm` in either precision: faster than the integer kernels there
-    // (see the matmul bench), and exact.
+    // Many activation rows (prefill) take the integer panels where the CPU
+    // has VNNI; elsewhere dequantized tiles and f32 `gemm` are faster than
+    // the portable integer kernels there (see the matmul bench).
     let integer = match (precision, w.integer()) {
         (Precision::Int8Activations, Some(k))
-            if n < GEMM_MIN_ROWS && cols.is_multiple_of(k.act_block().values()) =>
+            if (n < GEMM_MIN_ROWS || intdot::has_vnni())
+                && cols.is_multiple_of(k.act_block().values()) =>
         {
             Some((k, QuantizedActs::quantize(x, n, cols, k.act_block())))
         }
