@@ -233,7 +233,6 @@ pub(crate) fn decode_k(
 ) -> (f32, f32) {
     match kind {
         KindK::Q4K | KindK::Q5K => {
-            let scales = &blk[4..16];
             let (qs, qh) = if kind == KindK::Q4K {
                 (&blk[16..144], None)
             } else {
@@ -251,14 +250,7 @@ pub(crate) fn decode_k(
                     u[64 * j + 32 + l] = hi;
                 }
             }
-            for s in 0..8 {
-                let (d, m) = scale_min(s, scales);
-                sc[2 * s] = d;
-                sc[2 * s + 1] = d;
-                mn[2 * s] = m;
-                mn[2 * s + 1] = m;
-            }
-            (half(blk, 0), half(blk, 2))
+            scales_k(kind, blk, sc, mn)
         }
         KindK::Q6K => {
             for n in 0..2 {
@@ -272,6 +264,30 @@ pub(crate) fn decode_k(
                     o[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
                 }
             }
+            scales_k(kind, blk, sc, mn)
+        }
+    }
+}
+
+/// The scales of super-block `blk`: `(d, dmin)`, and the integer scale and
+/// min (0 for Q6_K) of every 16 values.
+#[inline(always)]
+pub(crate) fn scales_k(
+    kind: KindK,
+    blk: &[u8],
+    sc: &mut [i32; 16],
+    mn: &mut [i32; 16],
+) -> (f32, f32) {
+    match kind {
+        KindK::Q4K | KindK::Q5K => {
+            for s in 0..8 {
+                let (d, m) = scale_min(s, &blk[4..16]);
+                sc[2 * s..2 * s + 2].fill(d);
+                mn[2 * s..2 * s + 2].fill(m);
+            }
+            (half(blk, 0), half(blk, 2))
+        }
+        KindK::Q6K => {
             for (s, &b) in sc.iter_mut().zip(&blk[192..208]) {
                 *s = i32::from(b as i8);
             }

@@ -18,7 +18,7 @@
 use std::ops::Range;
 
 use crate::acts::QuantizedActs;
-use crate::intdot::{decode32, k_bytes, scale_min, Kind32, KindK, Row};
+use crate::intdot::{decode32, k_bytes, scales_k, Kind32, KindK, Row};
 
 /// Weight rows per panel: one 512-bit register of 32-bit sums.
 pub const PANEL_ROWS: usize = 16;
@@ -37,7 +37,8 @@ struct Panel {
     scale: Vec<f32>,
     /// `[cols / sub][16]`.
     off: Vec<f32>,
-    /// The rows as decoded, `[16][cols]`, before interleaving.
+    /// The rows as decoded, `[16][cols]`, before interleaving (the 32-value
+    /// formats only; the k-quants are gathered from their own bytes).
     staging: Vec<u8>,
 }
 
@@ -50,7 +51,7 @@ impl Panel {
             levels: vec![0; cols * PANEL_ROWS],
             scale: vec![0.0; groups],
             off: vec![0.0; groups],
-            staging: vec![0; cols * PANEL_ROWS],
+            staging: Vec::new(),
         }
     }
 
@@ -111,6 +112,7 @@ impl Panel {
     fn fill_32<'a>(&mut self, kind: Kind32, rows: Range<usize>, row_of: &dyn Fn(usize) -> Row<'a>) {
         let mut v = [0i16; 32];
         let filled = rows.len();
+        self.staging.resize(self.cols * PANEL_ROWS, 0);
         for (r, row) in rows.map(row_of).enumerate() {
             for b in 0..self.cols / 32 {
                 let (d, m) = decode32(kind, &row, b, &mut v);
@@ -125,28 +127,6 @@ impl Panel {
         }
         self.clear_from(filled);
         self.interleave();
-    }
-}
-
-/// The scales of super-block `blk`: `(d, dmin)`, and the integer scale
-/// (and Q4_K/Q5_K min) of every 16 values, as [`crate::intdot`] decodes them.
-fn scales_k(kind: KindK, blk: &[u8], sc: &mut [i32; 16], mn: &mut [i32; 16]) -> (f32, f32) {
-    let half = |at: usize| crate::f16_to_f32(u16::from_le_bytes([blk[at], blk[at + 1]]));
-    match kind {
-        KindK::Q4K | KindK::Q5K => {
-            for s in 0..8 {
-                let (d, m) = scale_min(s, &blk[4..16]);
-                sc[2 * s..2 * s + 2].fill(d);
-                mn[2 * s..2 * s + 2].fill(m);
-            }
-            (half(0), half(2))
-        }
-        KindK::Q6K => {
-            for (s, &b) in sc.iter_mut().zip(&blk[192..208]) {
-                *s = i32::from(b as i8);
-            }
-            (half(208), 0.0)
-        }
     }
 }
 
