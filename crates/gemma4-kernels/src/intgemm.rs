@@ -225,12 +225,17 @@ mod vnni {
         let idx: [i32; PANEL_ROWS] = std::array::from_fn(|r| (r * stride) as i32);
         // SAFETY: 16 i32s.
         let idx = unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) };
-        let mask = if take >= PANEL_ROWS {
+        (idx, lanes(take))
+    }
+
+    /// The mask of the first `take` of 16 lanes.
+    #[inline]
+    fn lanes(take: usize) -> __mmask16 {
+        if take >= PANEL_ROWS {
             !0
         } else {
             (1u16 << take) - 1
-        };
-        (idx, mask)
+        }
     }
 
     /// The 4 bytes at `at` of each of the panel's rows (`take` rows of
@@ -438,11 +443,7 @@ mod vnni {
                 acc[k] = _mm512_fmadd_ps(part[k], da, acc[k]);
             }
         }
-        let mask: __mmask16 = if at.take == PANEL_ROWS {
-            !0
-        } else {
-            (1u16 << at.take) - 1
-        };
+        let mask = lanes(at.take);
         for (k, acc) in acc.iter().enumerate() {
             let start = (at.t0 + k) * at.len + at.i0;
             assert!(start + at.take <= out.len());
