@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use gemma4_engine::EngineConfig;
+use gemma4_server::media::MaxItems;
 use gemma4_server::{ModelContext, Server, ServerConfig, ServerError};
 use gemma4_text::ChatTemplate;
 use tokio::net::TcpListener;
@@ -87,10 +88,10 @@ pub struct Args {
     /// otherwise: 70, 140, 280, 560 or 1120 (more reads finer detail).
     #[arg(long, default_value_t = 280, value_parser = parse_soft_tokens)]
     max_soft_tokens: usize,
-    /// Most media items per prompt, as `image=N,audio=M` (either may be left
-    /// out: 8 each).
-    #[arg(long, default_value = "image=8,audio=8", value_parser = parse_mm_limit)]
-    limit_mm_per_prompt: (usize, usize),
+    /// Most media items per prompt, as `image=N,audio=M,video=K` (any may be
+    /// left out: 8 images, 8 audio clips, 2 videos).
+    #[arg(long, default_value = "image=8,audio=8,video=2", value_parser = parse_mm_limit)]
+    limit_mm_per_prompt: MaxItems,
     /// Let `image_url` parts name http(s) URLs, fetched by the server (off:
     /// only `data:` URIs are read). Each fetch is bounded by
     /// --media-fetch-timeout, --max-media-bytes and 3 redirects.
@@ -219,8 +220,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
     let media = MediaArgs {
         mmproj: args.mmproj.clone(),
         max_soft_tokens: args.max_soft_tokens,
-        max_images: args.limit_mm_per_prompt.0,
-        max_audio: args.limit_mm_per_prompt.1,
+        max_items: args.limit_mm_per_prompt,
         remote: args
             .allow_remote_media
             .then(|| -> Result<_> {
@@ -276,27 +276,24 @@ fn parse_soft_tokens(s: &str) -> std::result::Result<usize, String> {
         .map_err(|e| e.to_string())
 }
 
-fn parse_mm_limit(s: &str) -> std::result::Result<(usize, usize), String> {
-    let (mut images, mut audio) = (8, 8);
+fn parse_mm_limit(s: &str) -> std::result::Result<MaxItems, String> {
+    let mut max = MaxItems::default();
     for item in s.split(',') {
-        match item.split_once('=') {
-            Some(("image", n)) => {
-                images = n
-                    .trim()
-                    .parse()
-                    .map_err(|_| format!("image={n}: not a number"))?
-            }
-            Some(("audio", n)) => {
-                audio = n
-                    .trim()
-                    .parse()
-                    .map_err(|_| format!("audio={n}: not a number"))?
-            }
-            Some(("video", _)) => return Err("video input is not supported by this server".into()),
-            _ => return Err(format!("{item:?}: expected image=N,audio=M")),
+        let (kind, n) = item
+            .split_once('=')
+            .ok_or_else(|| format!("{item:?}: expected image=N,audio=M,video=K"))?;
+        let n: usize = n
+            .trim()
+            .parse()
+            .map_err(|_| format!("{item}: not a number"))?;
+        match kind.trim() {
+            "image" => max.images = n,
+            "audio" => max.audio = n,
+            "video" => max.videos = n,
+            _ => return Err(format!("{item:?}: expected image=N,audio=M,video=K")),
         }
     }
-    Ok((images, audio))
+    Ok(max)
 }
 
 /// Media settings for the loading thread.
@@ -304,8 +301,7 @@ struct MediaArgs {
     /// The multimodal projector file the towers come from, if one is named.
     mmproj: Option<std::path::PathBuf>,
     max_soft_tokens: usize,
-    max_images: usize,
-    max_audio: usize,
+    max_items: MaxItems,
     /// Bounds of image fetches by URL, when they are allowed.
     remote: Option<gemma4_server::remote_media::RemoteMediaLimits>,
 }
@@ -347,18 +343,15 @@ fn load(
         loaded_encoders.push(a.describe());
     }
     eprintln!(
-        "{}; {} soft tokens per image; at most {} images and {} audio clips per prompt",
+        "{}; {} soft tokens per image; at most {} images, {} audio clips and {} videos per prompt",
         loaded_encoders.join("; "),
         media.max_soft_tokens,
-        media.max_images,
-        media.max_audio
+        media.max_items.images,
+        media.max_items.audio,
+        media.max_items.videos,
     );
-    let mut encoders = gemma4_server::media::Media::new(
-        images,
-        audio,
-        media.max_soft_tokens,
-        (media.max_images, media.max_audio),
-    );
+    let mut encoders =
+        gemma4_server::media::Media::new(images, audio, media.max_soft_tokens, media.max_items);
     if let Some(limits) = media.remote {
         let remote =
             gemma4_server::remote_media::RemoteMedia::new(limits).map_err(anyhow::Error::msg)?;

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use gemma4_media::audio::decode_wav;
 use gemma4_media::{decode_image, resize::resize_bicubic, DecodeLimits, ImageProcessor};
 use gemma4_model::golden::greedy_with_soft_tokens;
-use gemma4_model::{place_soft_tokens, AudioFeatures, Gemma4, VisionInput};
+use gemma4_model::{place_soft_tokens, AudioFeatures, Gemma4, SoftTokenSource, VisionInput};
 use serde::Deserialize;
 
 /// A golden file with images.
@@ -209,8 +209,10 @@ pub fn verify(
         let placed = place_soft_tokens(
             &p.ids,
             hidden,
-            (image_token, &images),
-            (audio_token, &audios),
+            &[
+                SoftTokenSource::images(image_token, &images),
+                SoftTokenSource::audio(audio_token, &audios),
+            ],
         )
         .with_context(|| format!("prompt {n}"))?;
         let (logits, ids) =

@@ -12,7 +12,8 @@ use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::mel::log_mel;
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
 use gemma4_model::{
-    load_hf_dir, place_soft_tokens, AudioEncoder, AudioFeatures, ImageEncoder, VisionInput,
+    load_hf_dir, place_soft_tokens, AudioEncoder, AudioFeatures, ImageEncoder, SoftTokenSource,
+    VisionInput,
 };
 use gemma4_text::Tokenizer;
 use serde_json::Value;
@@ -138,8 +139,10 @@ fn media_request(
     let placed = place_soft_tokens(
         ids,
         hidden,
-        (image_token, &images_v),
-        (audio_token, &audios_v),
+        &[
+            SoftTokenSource::images(image_token, &images_v),
+            SoftTokenSource::audio(audio_token, &audios_v),
+        ],
     )
     .expect("one soft token per placeholder");
     let mut h = DefaultHasher::new();

@@ -13,15 +13,19 @@
 //!   640-sample frames.
 //! - [`mel`]: the log-mel features the E2B/E4B audio tower reads, value for
 //!   value as the reference feature extractor computes them.
+//! - [`video`]: animated GIF, WebP or PNG → sampled RGB frames with their
+//!   start times, as the reference video processor samples them.
 
 pub mod audio;
 pub mod decode;
 pub mod mel;
 pub mod processor;
 pub mod resize;
+pub mod video;
 
 pub use decode::{decode_image, DecodeLimits, RgbImage};
-pub use processor::{ImageProcessor, ProcessedImage, SUPPORTED_SOFT_TOKENS};
+pub use processor::{ImageProcessor, ProcessedImage, Rescale, SUPPORTED_SOFT_TOKENS};
+pub use video::{decode_video, Video, VideoLimits};
 
 /// What can go wrong with a piece of media; every variant names the problem
 /// in words a client can act on.
@@ -50,6 +54,12 @@ pub enum MediaError {
     TooShort { samples: usize, min: usize },
     #[error("the audio is {seconds:.1} s long; at most {max_seconds} s are accepted")]
     TooLong { seconds: f64, max_seconds: f64 },
+    #[error("the video format is not supported: {0} (send an animated GIF, WebP or PNG)")]
+    UnsupportedVideo(&'static str),
+    #[error("the video could not be decoded: {0}")]
+    VideoDecode(String),
+    #[error("the video has too many frames: at most {max_frames} frames and {max_pixels} decoded pixels in all are accepted")]
+    TooManyFrames { max_frames: usize, max_pixels: u64 },
     #[error("an image of {width}×{height} cannot be resized into whole {side}-pixel blocks")]
     Degenerate { width: u32, height: u32, side: u32 },
 }

@@ -12,6 +12,25 @@ pub const SUPPORTED_SOFT_TOKENS: [usize; 5] = [70, 140, 280, 560, 1120];
 /// (which is not always the same float as dividing by 255).
 const RESCALE: f32 = (1.0f64 / 255.0) as f32;
 
+/// How bytes become `[0, 1]`: the reference image processor multiplies by
+/// the f32 nearest to 1/255; its video processor fuses the rescale into a
+/// normalisation and divides by 255 (the two differ in the last bit for some
+/// bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rescale {
+    TimesReciprocal,
+    Divide,
+}
+
+impl Rescale {
+    fn apply(self, b: u8) -> f32 {
+        match self {
+            Self::TimesReciprocal => f32::from(b) * RESCALE,
+            Self::Divide => f32::from(b) / 255.0,
+        }
+    }
+}
+
 /// The processor's settings (`patch_size`, `pooling_kernel_size`,
 /// `max_soft_tokens` of `processor_config.json` / the vision config).
 #[derive(Debug, Clone, Copy)]
@@ -95,33 +114,48 @@ impl ImageProcessor {
 
     /// Resizes, rescales and cuts the image into patches.
     pub fn process(&self, img: &RgbImage) -> Result<ProcessedImage> {
-        let (tw, th) = self.target_size(img.width, img.height)?;
-        let resized = resize_bicubic(img, tw, th);
-        Ok(self.patchify(&resized))
+        self.process_with(img, false, Rescale::TimesReciprocal)
     }
 
     /// [`process`](Self::process) for the 12B's encoder-free embedder: each
     /// `pooling × pooling` block of patches merged into one patch of
     /// `patch · pooling` pixels (one soft token each), positions in block units.
     pub fn process_merged(&self, img: &RgbImage) -> Result<ProcessedImage> {
+        self.process_with(img, true, Rescale::TimesReciprocal)
+    }
+
+    /// Resizes, rescales and cuts an image or a video frame into patches
+    /// (`merged`: the 12B's 3×3-merged patches).
+    pub fn process_with(
+        &self,
+        img: &RgbImage,
+        merged: bool,
+        rescale: Rescale,
+    ) -> Result<ProcessedImage> {
         let (tw, th) = self.target_size(img.width, img.height)?;
         let resized = resize_bicubic(img, tw, th);
-        let mut out = cut(&resized, self.patch_size * self.pooling);
-        out.soft_tokens = out.positions.len();
-        Ok(out)
+        Ok(if merged {
+            let mut out = cut(&resized, self.patch_size * self.pooling, rescale);
+            out.soft_tokens = out.positions.len();
+            out
+        } else {
+            let mut out = cut(&resized, self.patch_size, rescale);
+            out.soft_tokens = out.positions.len() / (self.pooling * self.pooling);
+            out
+        })
     }
 
     /// Cuts an image already of a valid size into patches (row-major patch
     /// order; within a patch, pixel rows then columns then channels).
     pub fn patchify(&self, img: &RgbImage) -> ProcessedImage {
-        let mut out = cut(img, self.patch_size);
+        let mut out = cut(img, self.patch_size, Rescale::TimesReciprocal);
         out.soft_tokens = out.positions.len() / (self.pooling * self.pooling);
         out
     }
 }
 
 /// `p × p` patches of an image whose sides are multiples of `p`, rescaled.
-fn cut(img: &RgbImage, p: usize) -> ProcessedImage {
+fn cut(img: &RgbImage, p: usize, rescale: Rescale) -> ProcessedImage {
     let (w, h) = (img.width as usize, img.height as usize);
     let (pw, ph) = (w / p, h / p);
     let mut patches = Vec::with_capacity(pw * ph * p * p * 3);
@@ -133,7 +167,7 @@ fn cut(img: &RgbImage, p: usize) -> ProcessedImage {
                 patches.extend(
                     img.pixels[row..row + p * 3]
                         .iter()
-                        .map(|&b| f32::from(b) * RESCALE),
+                        .map(|&b| rescale.apply(b)),
                 );
             }
             positions.push((px as u32, py as u32));

@@ -522,50 +522,88 @@ impl PlacedSoftTokens {
     }
 }
 
-/// Gives each run of `image_token` ids in `ids` the next of `images`, and
-/// each run of `audio_token` ids the next of `audios` (each `[tokens ·
-/// hidden]` values), checking that every run gets exactly its rows.
+/// One kind of media in a prompt: its placeholder id and its items' soft
+/// tokens, in prompt order (each `[tokens · hidden]` values; a video gives
+/// one item per frame, each frame being its own run of placeholders).
+#[derive(Debug, Clone, Copy)]
+pub struct SoftTokenSource<'a> {
+    pub token: u32,
+    pub items: &'a [&'a [f32]],
+    /// What an item is called in errors ("image", "audio clip", "video frame").
+    pub kind: &'static str,
+    /// Whether an item's run is a vision block (its soft tokens see each
+    /// other where the model's image attention is bidirectional).
+    pub vision: bool,
+}
+
+impl<'a> SoftTokenSource<'a> {
+    pub fn images(token: u32, items: &'a [&'a [f32]]) -> Self {
+        Self {
+            token,
+            items,
+            kind: "image",
+            vision: true,
+        }
+    }
+
+    pub fn audio(token: u32, items: &'a [&'a [f32]]) -> Self {
+        Self {
+            token,
+            items,
+            kind: "audio clip",
+            vision: false,
+        }
+    }
+
+    /// A prompt's video frames, in order (each frame its own run).
+    pub fn video_frames(token: u32, items: &'a [&'a [f32]]) -> Self {
+        Self {
+            token,
+            items,
+            kind: "video frame",
+            vision: true,
+        }
+    }
+}
+
+/// Gives each run of a source's placeholder ids the source's next item,
+/// checking that every run gets exactly its rows.
 pub fn place_soft_tokens(
     ids: &[u32],
     hidden: usize,
-    (image_token, images): (u32, &[&[f32]]),
-    (audio_token, audios): (u32, &[&[f32]]),
+    sources: &[SoftTokenSource<'_>],
 ) -> Result<PlacedSoftTokens> {
     let mut out = PlacedSoftTokens::default();
-    let (mut next_image, mut next_audio) = (images.iter(), audios.iter());
+    let mut next: Vec<_> = sources.iter().map(|s| s.items.iter()).collect();
     let mut i = 0;
     while i < ids.len() {
         let t = ids[i];
-        if t != image_token && t != audio_token {
+        let Some(k) = sources.iter().position(|s| s.token == t) else {
             i += 1;
             continue;
-        }
-        let end = i + ids[i..].iter().take_while(|&&x| x == t).count();
-        let (source, kind) = if t == image_token {
-            (next_image.next(), "image")
-        } else {
-            (next_audio.next(), "audio clip")
         };
-        let values = source.ok_or_else(|| {
+        let end = i + ids[i..].iter().take_while(|&&x| x == t).count();
+        let kind = sources[k].kind;
+        let values = next[k].next().ok_or_else(|| {
             ModelError::Input(format!(
                 "the prompt holds more {kind} placeholders than {kind}s"
             ))
         })?;
         if values.len() != (end - i) * hidden {
             return Err(ModelError::Input(format!(
-                "an {kind} of {} soft tokens meets a run of {} placeholders at {i}",
+                "a {kind} of {} soft tokens meets a run of {} placeholders at {i}",
                 values.len() / hidden.max(1),
                 end - i
             )));
         }
-        if t == image_token {
+        if sources[k].vision {
             out.blocks.push((i, end));
         }
         out.rows.extend(i..end);
         out.embeds.extend_from_slice(values);
         i = end;
     }
-    if next_image.next().is_some() || next_audio.next().is_some() {
+    if next.iter_mut().any(|items| items.next().is_some()) {
         return Err(ModelError::Input(
             "more media than placeholders in the prompt".into(),
         ));

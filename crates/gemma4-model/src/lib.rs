@@ -31,7 +31,8 @@ pub use cache::{KvCache, KvStore};
 pub use config::{ImageAttention, TextConfig};
 pub use error::{ConfigError, ModelError, Result, WeightError};
 pub use gemma4::{
-    place_soft_tokens, BatchSeq, ForwardTrace, Gemma4, LogitsFor, PlacedSoftTokens, SoftTokens,
+    place_soft_tokens, BatchSeq, ForwardTrace, Gemma4, LogitsFor, PlacedSoftTokens,
+    SoftTokenSource, SoftTokens,
 };
 pub use gguf_source::GgufSource;
 pub use loader::{LoadPolicy, LoadReport, Progress, Quant, Weights};

@@ -41,7 +41,13 @@ pub struct VisionConfig {
     pub clipped_linears: bool,
     pub standardize: bool,
     pub tokens: MediaTokens,
+    /// A video frame's soft-token placeholder (`video_token_id`); a frame sits
+    /// between the image's begin and end ids.
+    pub video_soft: u32,
 }
+
+/// Gemma 4's `<|video|>` id.
+pub const DEFAULT_VIDEO_TOKEN: u32 = 258_884;
 
 /// The token ids of one media item in the prompt: `begin`, one `soft`
 /// placeholder per soft token, `end` (`<|image>`, `<|image|>`, `<image|>`
@@ -63,6 +69,17 @@ impl MediaTokens {
             &["boi_token_id"],
             &["eoi_token_id"],
             (258_880, 255_999, 258_882),
+        )
+    }
+
+    /// A video frame's ids: `video_token_id` between the image's begin and end.
+    pub fn video(json: &Value) -> Self {
+        Self::read(
+            json,
+            &["video_token_id"],
+            &["boi_token_id"],
+            &["eoi_token_id"],
+            (DEFAULT_VIDEO_TOKEN, 255_999, 258_882),
         )
     }
 
@@ -190,10 +207,11 @@ impl ImageEncoder {
         let weights = Weights::new(src, crate::LoadPolicy::default());
         let unified = v.get("model_type").and_then(Value::as_str) == Some("gemma4_unified_vision");
         let encoder = if unified {
-            let cfg = crate::vision_unified::UnifiedVisionConfig::from_hf_json(
+            let mut cfg = crate::vision_unified::UnifiedVisionConfig::from_hf_json(
                 v,
                 MediaTokens::image(json),
             )?;
+            cfg.video_soft = MediaTokens::video(json).soft;
             Self::Unified(crate::vision_unified::UnifiedVisionEmbedder::load(
                 cfg,
                 text_hidden,
@@ -211,6 +229,19 @@ impl ImageEncoder {
         match self {
             Self::Tower(t) => t.config().tokens,
             Self::Unified(u) => u.config().tokens,
+        }
+    }
+
+    /// A video frame's ids: the image's begin and end around `<|video|>`
+    /// placeholders (frames are encoded as images are).
+    pub fn video_tokens(&self) -> MediaTokens {
+        let soft = match self {
+            Self::Tower(t) => t.config().video_soft,
+            Self::Unified(u) => u.config().video_soft,
+        };
+        MediaTokens {
+            soft,
+            ..self.tokens()
         }
     }
 
@@ -310,6 +341,7 @@ impl VisionConfig {
             clipped_linears: flag("use_clipped_linears"),
             standardize: flag("standardize"),
             tokens: MediaTokens::image(json),
+            video_soft: MediaTokens::video(json).soft,
         };
         if !cfg.head_dim.is_multiple_of(4)
             || cfg.num_kv_heads == 0

@@ -27,6 +27,8 @@ pub struct UnifiedVisionConfig {
     pub position_table_size: usize,
     pub rms_norm_eps: f64,
     pub tokens: MediaTokens,
+    /// A video frame's soft-token placeholder (`video_token_id`).
+    pub video_soft: u32,
 }
 
 impl UnifiedVisionConfig {
@@ -55,6 +57,7 @@ impl UnifiedVisionConfig {
                 .and_then(Value::as_f64)
                 .unwrap_or(1e-6),
             tokens,
+            video_soft: crate::vision::DEFAULT_VIDEO_TOKEN,
         })
     }
 }

@@ -19,6 +19,7 @@ use gemma4_media::mel::{audio_soft_tokens, log_mel, mel_frames, MEL_BINS};
 use gemma4_model::golden::{greedy_with_soft_tokens, DEFAULT_TOLERANCE};
 use gemma4_model::{
     place_soft_tokens, AudioEncoder, AudioFeatures, ImageEncoder, KvCache, LoadPolicy, LogitsFor,
+    SoftTokenSource,
 };
 use serde_json::Value;
 
@@ -123,9 +124,15 @@ fn prompts_match(variant: &str) {
             .into_iter()
             .map(|i| clips[i].as_slice())
             .collect();
-        let placed =
-            place_soft_tokens(&ids, hidden, (image_token, &images), (audio_token, &audios))
-                .unwrap_or_else(|e| panic!("{variant} prompt {n}: {e}"));
+        let placed = place_soft_tokens(
+            &ids,
+            hidden,
+            &[
+                SoftTokenSource::images(image_token, &images),
+                SoftTokenSource::audio(audio_token, &audios),
+            ],
+        )
+        .unwrap_or_else(|e| panic!("{variant} prompt {n}: {e}"));
         let greedy: Vec<u32> = p["greedy"]
             .as_array()
             .unwrap()

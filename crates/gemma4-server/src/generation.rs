@@ -58,6 +58,7 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt
         (Some(first), None) => {
             let what = match first.kind {
                 MediaKind::Image => "no vision tower; it cannot read image_url parts",
+                MediaKind::Video => "no vision tower; it cannot read video_url parts",
                 MediaKind::Audio => "no audio encoder; it cannot read input_audio parts",
             };
             return Err(ApiError::bad_request(format!("this model has {what}"))
@@ -97,15 +98,16 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt
     let (pieces, kinds) = crate::media::split_placeholders(&text);
     if !kinds.iter().eq(items.iter().map(|i| &i.kind)) {
         return Err(ApiError::bad_request(format!(
-            "the rendered prompt holds {} media placeholders for {} media parts (is {} or {} written in the text?)",
+            "the rendered prompt holds {} media placeholders for {} media parts (is {}, {} or {} written in the text?)",
             kinds.len(),
             items.len(),
             crate::media::IMAGE_PLACEHOLDER,
+            crate::media::VIDEO_PLACEHOLDER,
             crate::media::AUDIO_PLACEHOLDER,
         ))
         .with_param("messages"));
     }
-    let pieces = pieces
+    let pieces = crate::media::lay_out_frames(&pieces, &items)
         .iter()
         .enumerate()
         .map(|(i, piece)| encode(piece, i == 0 && !has_bos))
@@ -113,10 +115,7 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt
     let counts = items
         .iter()
         .map(|item| MediaTokensJson {
-            kind: match item.kind {
-                MediaKind::Image => "image",
-                MediaKind::Audio => "audio",
-            },
+            kind: item.kind.noun(),
             soft_tokens: item.soft_tokens,
         })
         .collect();

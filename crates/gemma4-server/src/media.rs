@@ -1,8 +1,12 @@
-//! Images and audio in chat requests: `data:` URIs and base64 WAV, FLAC or MP3 decoded
-//! with limits, processed as the reference processor does, and encoded by
-//! the checkpoint's encoders (the vision and audio towers, or the 12B's
+//! Images, video and audio in chat requests: `data:` URIs (images; animated
+//! GIF, WebP or PNG video) and base64 WAV, FLAC or MP3 decoded with limits,
+//! processed as the reference processor does, and encoded by the
+//! checkpoint's encoders (the vision and audio towers, or the 12B's
 //! encoder-free image and audio embedders) into the soft tokens that replace
-//! each placeholder of the rendered prompt.
+//! each placeholder of the rendered prompt. A video's sampled frames are
+//! encoded as images and laid out as the reference processor lays them out:
+//! `MM:SS <|image>` + N × `<|video|>` + `<image|>` per frame, frames joined by
+//! a space.
 
 use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::Arc;
@@ -10,7 +14,11 @@ use std::sync::Arc;
 use base64::Engine as _;
 use gemma4_engine::SoftPrompt;
 use gemma4_media::audio::{decode_audio, frames, Audio};
-use gemma4_media::{decode_image, mel, DecodeLimits, ImageProcessor, MediaError, RgbImage};
+use gemma4_media::video::{DEFAULT_VIDEO_FRAMES, VIDEO_SOFT_TOKENS};
+use gemma4_media::{
+    decode_image, decode_video, mel, DecodeLimits, ImageProcessor, MediaError, Rescale, RgbImage,
+    VideoLimits,
+};
 use gemma4_model::{AudioEncoder, AudioFeatures, ImageEncoder, MediaTokens, VisionInput};
 
 use crate::error::ApiError;
@@ -20,6 +28,8 @@ use crate::openai::request::{MediaKind, MediaPart};
 pub const IMAGE_PLACEHOLDER: &str = "<|image|>";
 /// What the template writes where an audio clip goes.
 pub const AUDIO_PLACEHOLDER: &str = "<|audio|>";
+/// What the template writes where a video goes.
+pub const VIDEO_PLACEHOLDER: &str = "<|video|>";
 /// Longest audio clip (750 soft tokens of 40 ms, as the reference caps them).
 pub const MAX_AUDIO_SECONDS: f64 = 30.0;
 
@@ -29,13 +39,33 @@ pub struct Media {
     pub audio: Option<AudioEncoder>,
     /// Soft tokens per image unless a request asks otherwise (70 … 1120).
     pub default_soft_tokens: usize,
-    /// Most images and most audio clips one request may hold.
-    pub max_items: (usize, usize),
+    /// Most items of each kind one request may hold.
+    pub max_items: MaxItems,
     pub limits: DecodeLimits,
+    pub video_limits: VideoLimits,
     /// Fetches images by http(s) URL; `None` (the default) refuses them.
     pub remote: Option<crate::remote_media::RemoteMedia>,
     /// Keys the media digest (per process, so no client can aim at a collision).
     hash_keys: std::collections::hash_map::RandomState,
+}
+
+/// The most images, audio clips and videos one prompt may hold
+/// (`--limit-mm-per-prompt`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MaxItems {
+    pub images: usize,
+    pub audio: usize,
+    pub videos: usize,
+}
+
+impl Default for MaxItems {
+    fn default() -> Self {
+        Self {
+            images: 8,
+            audio: 8,
+            videos: 2,
+        }
+    }
 }
 
 /// One item's soft tokens and where they go.
@@ -46,7 +76,22 @@ pub struct Encoded {
     /// `[soft_tokens, hidden]`, row-major.
     pub embeds: Vec<f32>,
     pub soft_tokens: usize,
+    /// A video's frames: each one's `MM:SS` and soft tokens (empty for
+    /// images and audio, which are one run each).
+    pub frames: Vec<(String, usize)>,
     digest: u64,
+}
+
+impl Encoded {
+    /// The item's runs of soft tokens: one per image or clip, one per
+    /// video frame.
+    fn runs(&self) -> Vec<usize> {
+        if self.frames.is_empty() {
+            vec![self.soft_tokens]
+        } else {
+            self.frames.iter().map(|f| f.1).collect()
+        }
+    }
 }
 
 impl Media {
@@ -54,7 +99,7 @@ impl Media {
         images: Option<ImageEncoder>,
         audio: Option<AudioEncoder>,
         default_soft_tokens: usize,
-        max_items: (usize, usize),
+        max_items: MaxItems,
     ) -> Self {
         Self {
             images,
@@ -62,6 +107,7 @@ impl Media {
             default_soft_tokens,
             max_items,
             limits: DecodeLimits::default(),
+            video_limits: VideoLimits::default(),
             remote: None,
             hash_keys: Default::default(),
         }
@@ -73,12 +119,13 @@ impl Media {
         self
     }
 
-    /// Refuses a request with more images or clips than the server takes
-    /// (before anything is fetched or decoded).
+    /// Refuses a request with more images, clips or videos than the server
+    /// takes (before anything is fetched or decoded).
     pub fn check_counts(&self, parts: &[MediaPart]) -> Result<(), ApiError> {
         for (kind, name, max) in [
-            (MediaKind::Image, "images", self.max_items.0),
-            (MediaKind::Audio, "audio clips", self.max_items.1),
+            (MediaKind::Image, "images", self.max_items.images),
+            (MediaKind::Audio, "audio clips", self.max_items.audio),
+            (MediaKind::Video, "videos", self.max_items.videos),
         ] {
             let n = parts.iter().filter(|p| p.kind == kind).count();
             if n > max {
@@ -114,6 +161,7 @@ impl Media {
                     ApiError::internal(format!("the media encoder failed: {e}"))
                 };
                 let mut h = self.hash_keys.build_hasher();
+                let mut frames = Vec::new();
                 let (tokens, embeds, soft_tokens) = match part.kind {
                     MediaKind::Image => {
                         let encoder = self.images.as_ref().ok_or_else(|| {
@@ -165,12 +213,50 @@ impl Media {
                             .map_err(|e| internal(e.into()))?;
                         (encoder.tokens(), embeds, soft_tokens)
                     }
+                    MediaKind::Video => {
+                        let encoder = self.images.as_ref().ok_or_else(|| {
+                            bad(
+                                "this model has no vision tower; it cannot read video_url parts"
+                                    .into(),
+                            )
+                        })?;
+                        let bytes = data_uri_bytes(&part.data, "video").map_err(bad)?;
+                        let video = decode_video(&bytes, &self.video_limits, DEFAULT_VIDEO_FRAMES)
+                            .map_err(|e| bad(e.to_string()))?;
+                        let frame_processor = ImageProcessor::new(VIDEO_SOFT_TOKENS)
+                            .map_err(|e| bad(e.to_string()))?;
+                        let mut embeds = Vec::new();
+                        for (frame, stamp) in video.frames.iter().zip(video.timestamps()) {
+                            let processed = frame_processor
+                                .process_with(
+                                    frame,
+                                    encoder.takes_merged_patches(),
+                                    Rescale::Divide,
+                                )
+                                .map_err(|e| bad(e.to_string()))?;
+                            (frame.width, frame.height, &stamp).hash(&mut h);
+                            frame.pixels.hash(&mut h);
+                            embeds.extend(
+                                encoder
+                                    .encode(VisionInput {
+                                        patches: &processed.patches,
+                                        positions: &processed.positions,
+                                    })
+                                    .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
+                                    .map_err(internal)?,
+                            );
+                            frames.push((stamp, processed.soft_tokens));
+                        }
+                        let soft_tokens = frames.iter().map(|f| f.1).sum();
+                        (encoder.video_tokens(), embeds, soft_tokens)
+                    }
                 };
                 Ok(Encoded {
                     kind: part.kind,
                     tokens,
                     embeds,
                     soft_tokens,
+                    frames,
                     digest: h.finish(),
                 })
             })
@@ -178,29 +264,15 @@ impl Media {
     }
 
     fn load_image(&self, url: &str) -> Result<RgbImage, String> {
-        let Some(rest) = url.strip_prefix("data:") else {
-            return if url.starts_with("http://") || url.starts_with("https://") {
-                Err("fetching images over http(s) is off on this server (it starts with --allow-remote-media); send the image as a data: URI".into())
-            } else {
-                Err("the image must be a data: URI (data:image/png;base64,…)".into())
-            };
-        };
-        let Some((header, payload)) = rest.split_once(',') else {
-            return Err("a data: URI needs a comma before its data".into());
-        };
-        if !header.ends_with(";base64") {
-            return Err("the data: URI must be base64 (data:image/…;base64,…)".into());
-        }
-        let bytes = base64::engine::general_purpose::STANDARD
-            .decode(payload.trim())
-            .map_err(|e| format!("the data: URI is not valid base64: {e}"))?;
+        let bytes = data_uri_bytes(url, "image")?;
         decode_image(&bytes, self.limits).map_err(|e| e.to_string())
     }
 
     /// Splices each item's soft tokens into the tokenized prompt: `pieces`
-    /// are the text between placeholders (one more than `items`). An image
-    /// becomes `<|image>`, N × `<|image|>`, `<image|>` (one attention block on
-    /// models with bidirectional image attention); a clip `<|audio>`,
+    /// are the text between runs (see [`lay_out_frames`]: one more than the
+    /// items' runs). An image becomes `<|image>`, N × `<|image|>`, `<image|>`
+    /// (one attention block on models with bidirectional image attention); a
+    /// video frame the same around N × `<|video|>`; a clip `<|audio>`,
     /// N × `<|audio|>`, `<audio|>`.
     pub fn splice(
         &self,
@@ -212,24 +284,26 @@ impl Media {
         let mut embeds = Vec::new();
         let mut blocks = Vec::new();
         let mut key = self.hash_keys.build_hasher();
-        let mut items = items.into_iter();
-        for (i, piece) in pieces.into_iter().enumerate() {
-            if i > 0 {
-                if let Some(item) = items.next() {
-                    let MediaTokens { soft, begin, end } = item.tokens;
-                    ids.push(begin);
-                    let span = (ids.len(), ids.len() + item.soft_tokens);
-                    if item.kind == MediaKind::Image {
-                        blocks.push(span);
-                    }
-                    rows.extend(span.0..span.1);
-                    ids.extend(std::iter::repeat_n(soft, item.soft_tokens));
-                    ids.push(end);
-                    embeds.extend(item.embeds);
-                    item.digest.hash(&mut key);
+        let mut pieces = pieces.into_iter();
+        ids.extend(pieces.next().unwrap_or_default());
+        for item in items {
+            let MediaTokens { soft, begin, end } = item.tokens;
+            for (r, run) in item.runs().into_iter().enumerate() {
+                if r > 0 {
+                    ids.extend(pieces.next().unwrap_or_default());
                 }
+                ids.push(begin);
+                let span = (ids.len(), ids.len() + run);
+                if item.kind != MediaKind::Audio {
+                    blocks.push(span);
+                }
+                rows.extend(span.0..span.1);
+                ids.extend(std::iter::repeat_n(soft, run));
+                ids.push(end);
             }
-            ids.extend(piece);
+            embeds.extend(item.embeds);
+            item.digest.hash(&mut key);
+            ids.extend(pieces.next().unwrap_or_default());
         }
         let soft = SoftPrompt {
             rows,
@@ -239,6 +313,59 @@ impl Media {
         };
         (ids, Arc::new(soft))
     }
+}
+
+/// The text between the items' runs, as the reference processor lays a
+/// video out: the piece before a video gets its first frame's `MM:SS `, and
+/// each further frame adds a piece ` MM:SS ` (each frame's soft tokens sit
+/// between `<|image>` and `<image|>`, which split the text when it is
+/// tokenized). `pieces` has one more entry than `items`.
+pub fn lay_out_frames(pieces: &[&str], items: &[Encoded]) -> Vec<String> {
+    let mut out = Vec::with_capacity(pieces.len());
+    let mut pieces = pieces.iter();
+    let mut current = pieces.next().map_or_else(String::new, |p| (*p).to_owned());
+    for item in items {
+        for (f, (stamp, _)) in item.frames.iter().enumerate() {
+            if f > 0 {
+                out.push(std::mem::replace(&mut current, " ".into()));
+            }
+            current.push_str(stamp);
+            current.push(' ');
+        }
+        out.push(std::mem::replace(
+            &mut current,
+            pieces.next().map_or_else(String::new, |p| (*p).to_owned()),
+        ));
+    }
+    out.push(current);
+    out
+}
+
+/// The bytes of a `data:` URI (`what` names the media in errors).
+fn data_uri_bytes(url: &str, what: &str) -> Result<Vec<u8>, String> {
+    let Some(rest) = url.strip_prefix("data:") else {
+        return if url.starts_with("http://") || url.starts_with("https://") {
+            Err(format!("fetching media over http(s) is off on this server (it starts with --allow-remote-media); send the {what} as a data: URI"))
+        } else {
+            Err(format!(
+                "the {what} must be a data: URI (data:{}/…;base64,…)",
+                if what == "video" {
+                    "image/gif"
+                } else {
+                    "image/png"
+                }
+            ))
+        };
+    };
+    let Some((header, payload)) = rest.split_once(',') else {
+        return Err("a data: URI needs a comma before its data".into());
+    };
+    if !header.ends_with(";base64") {
+        return Err("the data: URI must be base64 (data:…;base64,…)".into());
+    }
+    base64::engine::general_purpose::STANDARD
+        .decode(payload.trim())
+        .map_err(|e| format!("the data: URI is not valid base64: {e}"))
 }
 
 /// A clip's features as the checkpoint's audio encoder reads them: log-mel
@@ -267,6 +394,11 @@ pub fn split_placeholders(text: &str) -> (Vec<&str>, Vec<MediaKind>) {
                 rest.find(AUDIO_PLACEHOLDER),
                 AUDIO_PLACEHOLDER,
                 MediaKind::Audio,
+            ),
+            (
+                rest.find(VIDEO_PLACEHOLDER),
+                VIDEO_PLACEHOLDER,
+                MediaKind::Video,
             ),
         ]
         .into_iter()

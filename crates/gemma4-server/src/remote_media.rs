@@ -52,17 +52,20 @@ impl RemoteMedia {
         self.limits
     }
 
-    /// Replaces every http(s) image URL of `parts` by a `data:` URI of the
-    /// fetched bytes; a failed fetch is a 400 naming the part.
+    /// Replaces every http(s) image or video URL of `parts` by a `data:` URI
+    /// of the fetched bytes; a failed fetch is a 400 naming the part.
     pub async fn fetch_all(&self, parts: &mut [MediaPart]) -> Result<(), ApiError> {
-        for part in parts.iter_mut().filter(|p| p.kind == MediaKind::Image) {
+        for part in parts.iter_mut().filter(|p| p.kind != MediaKind::Audio) {
             if !is_remote(&part.data) {
                 continue;
             }
-            let bytes = self.fetch(&part.data).await.map_err(|why| {
-                ApiError::bad_request(format!("`{}`: {why}", part.param))
-                    .with_param(part.param.clone())
-            })?;
+            let bytes = self
+                .fetch(&part.data, part.kind.noun())
+                .await
+                .map_err(|why| {
+                    ApiError::bad_request(format!("`{}`: {why}", part.param))
+                        .with_param(part.param.clone())
+                })?;
             part.data = format!(
                 "data:application/octet-stream;base64,{}",
                 base64::engine::general_purpose::STANDARD.encode(bytes)
@@ -71,31 +74,31 @@ impl RemoteMedia {
         Ok(())
     }
 
-    async fn fetch(&self, url: &str) -> Result<Vec<u8>, String> {
+    async fn fetch(&self, url: &str, what: &str) -> Result<Vec<u8>, String> {
         let limits = self.limits;
         let seconds = limits.timeout.as_secs_f64();
         let failed = |e: reqwest::Error| {
             if e.is_timeout() {
-                format!("the image did not arrive within {seconds} s")
+                format!("the {what} did not arrive within {seconds} s")
             } else if e.is_redirect() {
                 format!(
-                    "fetching the image took more than {} redirects",
+                    "fetching the {what} took more than {} redirects",
                     limits.max_redirects
                 )
             } else if e.is_builder() {
                 format!("not a URL the server can fetch: {e}")
             } else {
-                format!("the image could not be fetched: {e}")
+                format!("the {what} could not be fetched: {e}")
             }
         };
         let mut response = self.client.get(url).send().await.map_err(failed)?;
         let status = response.status();
         if !status.is_success() {
-            return Err(format!("fetching the image answered HTTP {status}"));
+            return Err(format!("fetching the {what} answered HTTP {status}"));
         }
         let too_large = |n: u64| {
             format!(
-                "the image is {n} bytes or more; at most {} are fetched",
+                "the {what} is {n} bytes or more; at most {} are fetched",
                 limits.max_bytes
             )
         };

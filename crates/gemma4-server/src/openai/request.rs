@@ -245,8 +245,8 @@ pub struct ChatRequest {
     /// `Some(k)`: return each token's log-probability and `k` alternatives.
     pub logprobs: Option<usize>,
     pub streaming: Streaming,
-    /// The `image_url` and `input_audio` parts of the messages, in the
-    /// order the template renders them.
+    /// The `image_url`, `video_url` and `input_audio` parts of the
+    /// messages, in the order the template renders them.
     pub media: Vec<MediaPart>,
     /// `mm_processor_kwargs.max_soft_tokens`: this request's soft-token
     /// budget per image (the server's default otherwise).
@@ -258,7 +258,7 @@ pub struct ChatRequest {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MediaPart {
     pub kind: MediaKind,
-    /// An image's URL (a `data:` URI), or an audio clip's base64 data.
+    /// An image's or video's URL (a `data:` URI), or an audio clip's base64 data.
     pub data: String,
     pub param: String,
 }
@@ -268,6 +268,19 @@ pub enum MediaKind {
     Image,
     /// `input_audio` (WAV, MP3 or FLAC, told apart by their bytes).
     Audio,
+    /// `video_url` (an animated GIF, WebP or PNG).
+    Video,
+}
+
+impl MediaKind {
+    /// The word for one item, in errors and `usage`.
+    pub fn noun(self) -> &'static str {
+        match self {
+            Self::Image => "image",
+            Self::Audio => "audio",
+            Self::Video => "video",
+        }
+    }
 }
 
 /// Whether the model may, must, or must not call tools.
@@ -491,15 +504,18 @@ fn check_messages(v: Option<&Value>, media: &mut Vec<MediaPart>) -> Result<Value
 
 /// A content array as the template takes it: text parts only are joined
 /// into one string (templates that take strings need it); with media, the
-/// parts stay a list, each `image_url` part becoming `{"type": "image"}` and
-/// each `input_audio` part `{"type": "audio"}` (as the reference processor
-/// hands them to the template), their data recorded in order.
+/// parts stay a list, each `image_url` part becoming `{"type": "image"}`,
+/// each `video_url` part `{"type": "video"}` and each `input_audio` part
+/// `{"type": "audio"}` (as the reference processor hands them to the
+/// template), their data recorded in order.
 fn content_parts(parts: &[Value], at: &str, media: &mut Vec<MediaPart>) -> Result<Value, ApiError> {
     let kind = |p: &Value| p.get("type").and_then(Value::as_str).map(str::to_owned);
-    if !parts
-        .iter()
-        .any(|p| matches!(kind(p).as_deref(), Some("image_url" | "input_audio")))
-    {
+    if !parts.iter().any(|p| {
+        matches!(
+            kind(p).as_deref(),
+            Some("image_url" | "video_url" | "input_audio")
+        )
+    }) {
         return join_text_parts(parts, at).map(Value::String);
     }
     let bad = |msg: String, param: String| Err(ApiError::bad_request(msg).with_param(param));
@@ -507,31 +523,36 @@ fn content_parts(parts: &[Value], at: &str, media: &mut Vec<MediaPart>) -> Resul
     for (j, part) in parts.iter().enumerate() {
         let here = format!("{at}[{j}]");
         match kind(part).as_deref() {
-            Some("image_url") => {
-                let url = match part.get("image_url") {
+            Some(field @ ("image_url" | "video_url")) => {
+                let url = match part.get(field) {
                     Some(Value::String(u)) => u.clone(),
                     Some(Value::Object(o)) => match o.get("url") {
                         Some(Value::String(u)) => u.clone(),
                         _ => {
                             return bad(
-                                format!("`{here}.image_url.url` must be a string (a data: URI)"),
-                                format!("{here}.image_url.url"),
+                                format!("`{here}.{field}.url` must be a string (a data: URI)"),
+                                format!("{here}.{field}.url"),
                             )
                         }
                     },
                     _ => {
                         return bad(
-                            format!("`{here}.image_url` must be an object with a \"url\""),
-                            format!("{here}.image_url"),
+                            format!("`{here}.{field}` must be an object with a \"url\""),
+                            format!("{here}.{field}"),
                         )
                     }
                 };
+                let kind = if field == "image_url" {
+                    MediaKind::Image
+                } else {
+                    MediaKind::Video
+                };
                 media.push(MediaPart {
-                    kind: MediaKind::Image,
+                    kind,
                     data: url,
-                    param: format!("{here}.image_url.url"),
+                    param: format!("{here}.{field}.url"),
                 });
-                out.push(serde_json::json!({"type": "image"}));
+                out.push(serde_json::json!({"type": kind.noun()}));
             }
             Some("input_audio") => {
                 let audio = part.get("input_audio");
@@ -585,7 +606,7 @@ fn text_part<'a>(part: &'a Value, here: &str) -> Result<&'a str, ApiError> {
             ),
         },
         Some(other) => Err(ApiError::bad_request(format!(
-            "`{here}` is a {other:?} part; this server accepts text, image_url and input_audio parts"
+            "`{here}` is a {other:?} part; this server accepts text, image_url, video_url and input_audio parts"
         ))
         .with_param(here)),
         None => Err(ApiError::bad_request(format!(
@@ -856,7 +877,7 @@ mod tests {
             ),
             (
                 r#"{"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {}}]}]}"#,
-                "is a \"video_url\" part; this server accepts text, image_url and input_audio parts",
+                "`messages[0].content[0].video_url.url` must be a string",
             ),
             (
                 r#"{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],

@@ -27,14 +27,16 @@ pub struct UsageJson {
 pub struct PromptTokensDetails {
     pub image_tokens: usize,
     pub audio_tokens: usize,
+    /// All of a video's frames' soft tokens.
+    pub video_tokens: usize,
     /// Each item in prompt order.
     pub media: Vec<MediaTokensJson>,
 }
 
-/// One image's or audio clip's soft tokens.
+/// One image's, audio clip's or video's soft tokens.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MediaTokensJson {
-    /// `image` or `audio`.
+    /// `image`, `audio` or `video`.
     #[serde(rename = "type")]
     pub kind: &'static str,
     pub soft_tokens: usize,
@@ -71,6 +73,7 @@ impl UsageJson {
             self.prompt_tokens_details = Some(PromptTokensDetails {
                 image_tokens: total("image"),
                 audio_tokens: total("audio"),
+                video_tokens: total("video"),
                 media: media.to_vec(),
             });
         }
