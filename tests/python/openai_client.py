@@ -457,20 +457,22 @@ def scenario_responses(args):
     return out
 
 
-def data_uri(path):
+def data_uri(path, mime="image/png"):
     import base64
 
     with open(path, "rb") as f:
-        return "data:image/png;base64," + base64.b64encode(f.read()).decode()
+        return f"data:{mime};base64," + base64.b64encode(f.read()).decode()
 
 
 def scenario_images(args):
-    """A chat turn with images as data URIs, whole and streamed, and bad media."""
+    """A chat turn with images and videos as data URIs (and audio), whole and streamed, and bad media."""
     c = client(args)
     import base64
 
     content = [{"type": "text", "text": args.prompt[0]}] + [
         {"type": "image_url", "image_url": {"url": data_uri(path)}} for path in args.image
+    ] + [
+        {"type": "video_url", "video_url": {"url": data_uri(path, "image/gif")}} for path in args.video
     ]
     for path in args.audio:
         with open(path, "rb") as f:
@@ -543,6 +545,7 @@ def main():
     p.add_argument("--prompt", action="append", default=[], help="repeatable")
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--image", action="append", default=[], help="PNG path, repeatable (images scenario)")
+    p.add_argument("--video", action="append", default=[], help="animated GIF path, repeatable (images scenario)")
     p.add_argument("--audio", action="append", default=[], help="WAV, MP3 or FLAC path, repeatable (images scenario)")
     p.add_argument("--count", type=int, default=4, help="simultaneous requests (queue scenario)")
     p.add_argument("--budget", type=int, default=12, help="thinking_token_budget (protocol scenario)")

@@ -291,3 +291,142 @@ fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
     let err = dense.submit(r).err().expect("refused").to_string();
     assert!(err.contains("does not fit one step"), "{err}");
 }
+
+/// The fixture's chat turns with a video (alone, and after image 1) and its
+/// text-only turns, as engine requests, with their reference tokens.
+fn video_requests(variant: &str) -> Vec<(GenerationRequest, Vec<u32>)> {
+    use gemma4_media::video::{decode_video, DEFAULT_VIDEO_FRAMES, VIDEO_SOFT_TOKENS};
+    use gemma4_media::{Rescale, VideoLimits};
+
+    let dir = fixture(variant);
+    let golden: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("video_golden.json")).expect("video_golden.json"),
+    )
+    .expect("json");
+    let hidden = gemma4_model::TextConfig::from_dir(&dir)
+        .unwrap()
+        .hidden_size;
+    let encoder = ImageEncoder::load_dir(&dir, hidden).unwrap().unwrap();
+    let gif = std::fs::read(dir.join(golden["video"].as_str().unwrap())).unwrap();
+    let video = decode_video(&gif, &VideoLimits::default(), DEFAULT_VIDEO_FRAMES).unwrap();
+    let proc = ImageProcessor::new(VIDEO_SOFT_TOKENS).unwrap();
+    let frames: Vec<Vec<f32>> = video
+        .frames
+        .iter()
+        .map(|frame| {
+            let p = proc
+                .process_with(frame, encoder.takes_merged_patches(), Rescale::Divide)
+                .unwrap();
+            encoder
+                .encode(VisionInput {
+                    patches: &p.patches,
+                    positions: &p.positions,
+                })
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        })
+        .collect();
+    let (images, image_token) = image_features(variant);
+    let ints = |v: &Value| -> Vec<u32> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
+    };
+    let mut out = Vec::new();
+    for (k, chat) in golden["chats"].as_array().unwrap().iter().enumerate() {
+        let ids = ints(&chat["ids"]);
+        let media: Vec<&str> = chat["media"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m.as_str().unwrap())
+            .collect();
+        let image_rows: Vec<&[f32]> = if media.contains(&"image") {
+            vec![images[1].as_slice()]
+        } else {
+            Vec::new()
+        };
+        let frame_rows: Vec<&[f32]> = if media.contains(&"video") {
+            frames.iter().map(Vec::as_slice).collect()
+        } else {
+            Vec::new()
+        };
+        let placed = place_soft_tokens(
+            &ids,
+            hidden,
+            &[
+                SoftTokenSource::images(image_token, &image_rows),
+                SoftTokenSource::video_frames(encoder.video_tokens().soft, &frame_rows),
+            ],
+        )
+        .unwrap();
+        let soft_prompt = (!placed.rows.is_empty()).then(|| {
+            Arc::new(SoftPrompt {
+                rows: placed.rows,
+                embeds: placed.embeds,
+                blocks: placed.blocks,
+                content_key: 100 + k as u64,
+            })
+        });
+        let request = GenerationRequest {
+            prompt_ids: ids,
+            params: SamplingParams {
+                max_tokens: 12,
+                ..Default::default()
+            },
+            deadline: None,
+            soft_prompt,
+        };
+        out.push((request, ints(&chat["greedy"])));
+    }
+    let plain = &golden["plain"];
+    out.push((
+        GenerationRequest {
+            prompt_ids: ints(&plain["ids"]),
+            params: SamplingParams {
+                max_tokens: 12,
+                ..Default::default()
+            },
+            deadline: None,
+            soft_prompt: None,
+        },
+        ints(&plain["greedy"]),
+    ));
+    out
+}
+
+#[test]
+fn video_and_text_only_prompts_batched_and_chunked_keep_the_reference_tokens() {
+    for variant in ["e-style", "dense", "unified"] {
+        let requests = video_requests(variant);
+        let model = load_hf_dir(&fixture(variant)).expect("model");
+        let bidirectional = model.config().image_attention.is_bidirectional();
+        let tokenizer = Arc::new(Tokenizer::from_dir(&fixture(variant)).expect("tokenizer"));
+        let config = EngineConfig {
+            max_num_seqs: 4,
+            max_model_len: 2432,
+            block_size: 16,
+            // Frames of 63 soft tokens: chunks of 48 cut through them on a
+            // causal model; with bidirectional frames, chunks of 96 end
+            // before a frame they cannot hold whole.
+            max_batch_tokens: if bidirectional { 96 } else { 48 },
+            ..Default::default()
+        };
+        let engine = start(model, tokenizer, config).expect("engine");
+        // All four at once: two video prompts and two text-only ones share
+        // the steps.
+        let streams: Vec<_> = requests
+            .iter()
+            .map(|(r, _)| engine.submit(r.clone()).expect("submit"))
+            .collect();
+        for (k, ((_, greedy), s)) in requests.iter().zip(streams).enumerate() {
+            let (ids, _) = s.blocking_finish().expect("finished");
+            assert_eq!(&ids, greedy, "{variant} request {k}");
+        }
+    }
+}

@@ -1,8 +1,9 @@
-//! Images and audio through `gemma4 serve` with the official `openai`
+//! Images, video and audio through `gemma4 serve` with the official `openai`
 //! client, on the vision fixtures (`tests/fixtures/vision/*`): a chat turn
 //! with two images (and, on the 12B and the E-style checkpoint with both
-//! towers, an audio clip) keeps the reference's prompt length and greedy
-//! tokens, whole and streamed; bad media gets a 400 that names the problem.
+//! towers, an audio clip), and turns with a video, keep the reference's
+//! prompt length and greedy tokens, whole and streamed; bad media gets a 400
+//! that names the problem.
 
 use base64::Engine as _;
 use serde_json::{json, Value};
@@ -302,12 +303,53 @@ fn chat_through_the_client_with(
     serve_args: &[&str],
 ) -> Option<Value> {
     let dir = fixture_of(variant);
+    let golden = chat_golden_of(variant);
+    let index_paths = |key: &str, path: &dyn Fn(&Value) -> String| -> Vec<String> {
+        golden[key]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|i| dir.join(path(i)).display().to_string())
+            .collect()
+    };
+    let case = ChatCase {
+        text: golden["messages_text"].as_str().unwrap().into(),
+        images: index_paths("images", &|i| format!("../images/{i}.png")),
+        videos: Vec::new(),
+        audios: index_paths("audios", &|i| format!("../audio/{i}.{audio_ext}")),
+        ids: golden["ids"].clone(),
+        greedy: golden["greedy"].clone(),
+    };
+    chat_case_through_the_client(variant, &case, serve_args)
+}
+
+/// A chat turn of a golden file: its text, its media files in the order
+/// the client sends them (text, images, videos, audio), and the reference's
+/// prompt ids and greedy tokens.
+struct ChatCase {
+    text: String,
+    images: Vec<String>,
+    videos: Vec<String>,
+    audios: Vec<String>,
+    ids: Value,
+    greedy: Value,
+}
+
+/// A chat turn through the openai client, whole and streamed: the reply is
+/// the reference's greedy tokens as text, `usage` counts the reference's
+/// prompt and each item's soft tokens; the client's report.
+fn chat_case_through_the_client(
+    variant: &str,
+    case: &ChatCase,
+    serve_args: &[&str],
+) -> Option<Value> {
+    let dir = fixture_of(variant);
     let mut args = vec!["--max-soft-tokens", "70"];
     args.extend_from_slice(serve_args);
     let server = ServerProc::start(&dir, &args, &[]);
-    let golden = chat_golden_of(variant);
-    // Chat content never holds the thought-channel markers (the output
-    // processor reads them out); the rest is the reference's tokens as text.
+    // Chat content never holds the thought-channel or tool-declaration
+    // markers (the output processor reads them out); the rest is the
+    // reference's tokens as text.
     let marker = |m: &str| {
         server
             .post(
@@ -317,8 +359,9 @@ fn chat_through_the_client_with(
             .json()["tokens"][0]
             .clone()
     };
-    let markers = [marker("<channel|>"), marker("<|channel>")];
-    let content_ids: Vec<&Value> = golden["greedy"]
+    let markers = ["<channel|>", "<|channel>", "<|tool>", "<tool|>"].map(marker);
+    let content_ids: Vec<&Value> = case
+        .greedy
         .as_array()
         .unwrap()
         .iter()
@@ -332,27 +375,22 @@ fn chat_through_the_client_with(
         "--scenario".to_string(),
         "images".into(),
         "--prompt".into(),
-        golden["messages_text"].as_str().unwrap().into(),
+        case.text.clone(),
         "--max-tokens".into(),
         "12".into(),
     ];
-    for i in golden["images"].as_array().unwrap() {
-        args.extend([
-            "--image".into(),
-            dir.join(format!("../images/{i}.png")).display().to_string(),
-        ]);
-    }
-    for i in golden["audios"].as_array().into_iter().flatten() {
-        args.extend([
-            "--audio".into(),
-            dir.join(format!("../audio/{i}.{audio_ext}"))
-                .display()
-                .to_string(),
-        ]);
+    for (flag, paths) in [
+        ("--image", &case.images),
+        ("--video", &case.videos),
+        ("--audio", &case.audios),
+    ] {
+        for path in paths {
+            args.extend([flag.to_string(), path.clone()]);
+        }
     }
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let out = openai_client(&server.url(), &args)?;
-    let prompt_tokens = golden["ids"].as_array().unwrap().len() as u64;
+    let prompt_tokens = case.ids.as_array().unwrap().len() as u64;
     assert_eq!(
         out["usage"]["prompt_tokens"], prompt_tokens,
         "{variant}: {out}"
@@ -366,22 +404,29 @@ fn chat_through_the_client_with(
     );
     assert_eq!(out["stream_usage"]["prompt_tokens"], prompt_tokens);
     // Each item's soft tokens, in order, as the reference laid them out: the
-    // runs of placeholder ids in its prompt.
+    // runs of placeholder ids in its prompt (a video's frames, one run each,
+    // are one item).
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config"))
             .expect("json");
     let mut runs: Vec<(&str, u64)> = Vec::new();
     let mut previous = None;
-    for id in golden["ids"].as_array().unwrap() {
+    for id in case.ids.as_array().unwrap() {
         let kind = if *id == config["image_token_id"] {
             Some("image")
         } else if *id == config["audio_token_id"] {
             Some("audio")
+        } else if *id == config["video_token_id"] {
+            Some("video")
         } else {
             None
         };
+        let last_kind = runs.last().map(|r| r.0);
         match (kind, previous) {
             (Some(k), Some(p)) if k == p => runs.last_mut().expect("a run").1 += 1,
+            (Some("video"), _) if last_kind == Some("video") => {
+                runs.last_mut().expect("a run").1 += 1
+            }
             (Some(k), _) => runs.push((k, 1)),
             _ => {}
         }
@@ -395,11 +440,12 @@ fn chat_through_the_client_with(
     let details = json!({
         "image_tokens": total("image"),
         "audio_tokens": total("audio"),
+        "video_tokens": total("video"),
         "media": media,
     });
     for usage in [&out["usage"], &out["stream_usage"]] {
         // The client's own model adds its other fields (as nulls).
-        for key in ["image_tokens", "audio_tokens", "media"] {
+        for key in ["image_tokens", "audio_tokens", "video_tokens", "media"] {
             assert_eq!(
                 usage["prompt_tokens_details"][key], details[key],
                 "{variant}: {key}"
@@ -407,6 +453,51 @@ fn chat_through_the_client_with(
         }
     }
     Some(out)
+}
+
+#[test]
+fn chats_with_a_video_keep_the_reference_tokens_through_the_openai_client() {
+    // The E-style fixture (causal) and the dense one (each frame's soft
+    // tokens see each other): the video alone, then after an image.
+    for variant in ["e-style", "dense"] {
+        let dir = fixture_of(variant);
+        let text = std::fs::read_to_string(dir.join("video_golden.json")).expect("golden");
+        let golden: Value = serde_json::from_str(&text).expect("json");
+        let video = dir
+            .join(golden["video"].as_str().unwrap())
+            .display()
+            .to_string();
+        let image = dir
+            .join(golden["image"].as_str().unwrap())
+            .display()
+            .to_string();
+        for chat in golden["chats"].as_array().unwrap() {
+            let media: Vec<&str> = chat["media"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m.as_str().unwrap())
+                .collect();
+            if !media.contains(&"video") {
+                continue;
+            }
+            let case = ChatCase {
+                text: chat["text"].as_str().unwrap().into(),
+                images: media
+                    .iter()
+                    .filter(|m| **m == "image")
+                    .map(|_| image.clone())
+                    .collect(),
+                videos: vec![video.clone()],
+                audios: Vec::new(),
+                ids: chat["ids"].clone(),
+                greedy: chat["greedy"].clone(),
+            };
+            if chat_case_through_the_client(variant, &case, &[]).is_none() {
+                return;
+            }
+        }
+    }
 }
 
 /// Every bad-media case of the client's report got its 400.
@@ -448,8 +539,9 @@ fn crc32(bytes: &[u8]) -> u32 {
 #[test]
 fn bad_media_and_limits_get_a_400_naming_the_problem() {
     let dir = vision_fixture();
-    let server = ServerProc::start(&dir, &["--limit-mm-per-prompt", "image=1"], &[]);
+    let server = ServerProc::start(&dir, &["--limit-mm-per-prompt", "image=1,video=1"], &[]);
     let png = std::fs::read(dir.join("../images/0.png")).expect("png");
+    let gif = std::fs::read(dir.join("../video/0.gif")).expect("gif");
     // A PNG whose header claims 20000×20000: refused before decoding.
     let mut bomb = png.clone();
     bomb[16..20].copy_from_slice(&20_000u32.to_be_bytes());
@@ -482,6 +574,45 @@ fn bad_media_and_limits_get_a_400_naming_the_problem() {
             e["message"].as_str().unwrap_or_default().contains(words),
             "{e}"
         );
+    }
+    // Bad videos: a second one past the limit, an MP4 (not decoded here), a
+    // cut GIF, a still PNG whose header claims a huge canvas.
+    let video_chat = |uris: &[String]| {
+        let mut content = vec![json!({"type": "text", "text": "x"})];
+        content.extend(
+            uris.iter()
+                .map(|u| json!({"type": "video_url", "video_url": {"url": u}})),
+        );
+        json!({"messages": [{"role": "user", "content": content}], "max_tokens": 1})
+    };
+    let gif_uri = |bytes: &[u8]| {
+        format!(
+            "data:image/gif;base64,{}",
+            base64::engine::general_purpose::STANDARD.encode(bytes)
+        )
+    };
+    let mp4 = b"\0\0\0\x18ftypmp42\0\0\0\0mp42isom\0\0\0\x08free";
+    for (body, words) in [
+        (
+            video_chat(&[gif_uri(&gif), gif_uri(&gif)]),
+            "at most 1 per prompt",
+        ),
+        (video_chat(&[gif_uri(mp4)]), "MP4"),
+        (video_chat(&[gif_uri(&gif[..gif.len() / 2])]), "video"),
+        (video_chat(&[gif_uri(&bomb)]), "20000×20000"),
+        (
+            video_chat(&["https://example.com/clip.gif".into()]),
+            "--allow-remote-media",
+        ),
+    ] {
+        let r = server.post("/v1/chat/completions", &body);
+        assert_eq!(r.status, 400, "{words}: {}", r.body);
+        let e = openai_error(&r);
+        let message = e["message"].as_str().unwrap_or_default();
+        assert!(message.contains(words), "{words}: {e}");
+        if words != "at most 1 per prompt" {
+            assert_eq!(e["param"], "messages[0].content[1].video_url.url", "{e}");
+        }
     }
     // Audio on a checkpoint without an audio path is refused by name.
     let audio = json!({"messages": [{"role": "user", "content": [
@@ -530,6 +661,16 @@ fn bad_media_and_limits_get_a_400_naming_the_problem() {
             .as_str()
             .unwrap_or_default()
             .contains("no vision tower"),
+        "{e}"
+    );
+    let r = text_only.post("/v1/chat/completions", &video_chat(&[gif_uri(&gif)]));
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = openai_error(&r);
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("cannot read video_url parts"),
         "{e}"
     );
 }
