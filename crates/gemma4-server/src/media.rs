@@ -417,3 +417,61 @@ pub fn split_placeholders(text: &str) -> (Vec<&str>, Vec<MediaKind>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn item(kind: MediaKind, soft: u32, frames: &[(&str, usize)]) -> Encoded {
+        let runs: Vec<usize> = if frames.is_empty() {
+            vec![2]
+        } else {
+            frames.iter().map(|f| f.1).collect()
+        };
+        let soft_tokens = runs.iter().sum();
+        Encoded {
+            kind,
+            tokens: MediaTokens {
+                soft,
+                begin: 90,
+                end: 91,
+            },
+            embeds: vec![0.5; soft_tokens],
+            soft_tokens,
+            frames: frames.iter().map(|(t, n)| ((*t).to_owned(), *n)).collect(),
+            digest: 7,
+        }
+    }
+
+    #[test]
+    fn a_video_is_laid_out_frame_by_frame_with_its_timestamps() {
+        let text = "user\n<|image|>Look:<|video|>ok";
+        let (pieces, kinds) = split_placeholders(text);
+        assert_eq!(kinds, vec![MediaKind::Image, MediaKind::Video]);
+        let items = vec![
+            item(MediaKind::Image, 80, &[]),
+            item(
+                MediaKind::Video,
+                81,
+                &[("00:00", 1), ("00:02", 1), ("01:05", 1)],
+            ),
+        ];
+        let laid = lay_out_frames(&pieces, &items);
+        assert_eq!(
+            laid,
+            vec!["user\n", "Look:00:00 ", " 00:02 ", " 01:05 ", "ok"]
+        );
+        // Each piece "tokenized" as its length, to see where it lands.
+        let pieces: Vec<Vec<u32>> = laid.iter().map(|p| vec![p.len() as u32]).collect();
+        let media = Media::new(None, None, 280, MaxItems::default());
+        let (ids, soft) = media.splice(pieces, items);
+        assert_eq!(
+            ids,
+            vec![5, 90, 80, 80, 91, 11, 90, 81, 91, 7, 90, 81, 91, 7, 90, 81, 91, 2]
+        );
+        assert_eq!(soft.rows, vec![2, 3, 7, 11, 15]);
+        // The image and each frame are blocks of their own.
+        assert_eq!(soft.blocks, vec![(2, 4), (7, 8), (11, 12), (15, 16)]);
+        assert_eq!(soft.embeds.len(), 5);
+    }
+}

@@ -116,10 +116,17 @@ fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_refe
     // The Responses API takes `input_audio` parts the same way.
     let wav_bytes = std::fs::read(fixture_of("audio").join("0.wav")).expect("clip");
     let responses = |content: Value| responses_input_tokens(&server, content);
-    let text_only = responses(json!(""));
-    let with_clip = responses(json!([{"type": "input_audio",
+    let (text_only, no_media) = responses(json!(""));
+    assert_eq!(no_media, Value::Null);
+    let (with_clip, details) = responses(json!([{"type": "input_audio",
         "input_audio": {"data": b64(&wav_bytes), "format": "wav"}}]));
     assert_eq!(with_clip, text_only + 35);
+    // <|audio>, 33 soft tokens, <audio|>; counted as chat counts them.
+    assert_eq!(
+        details,
+        json!({"image_tokens": 0, "audio_tokens": 33, "video_tokens": 0,
+               "media": [{"type": "audio", "soft_tokens": 33}]})
+    );
 }
 
 /// A plain HTTP server on a local port for the remote-media test: `/img.png`
@@ -258,15 +265,18 @@ fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
 
 /// `usage.input_tokens` of a one-token `/v1/responses` reply to a user turn
 /// with this content.
-fn responses_input_tokens(server: &ServerProc, content: Value) -> u64 {
+/// `/v1/responses` with one user message of this content: its input
+/// tokens, and the media counts of `usage.input_tokens_details` (null
+/// without media).
+fn responses_input_tokens(server: &ServerProc, content: Value) -> (u64, Value) {
     let r = server.post(
         "/v1/responses",
         &json!({"input": [{"role": "user", "content": content}], "max_output_tokens": 1}),
     );
     assert_eq!(r.status, 200, "{}", r.body);
-    r.json()["usage"]["input_tokens"]
-        .as_u64()
-        .expect("input_tokens")
+    let usage = &r.json()["usage"];
+    let tokens = usage["input_tokens"].as_u64().expect("input_tokens");
+    (tokens, usage["input_tokens_details"].clone())
 }
 
 /// A 16 kHz mono 16-bit WAV file of these samples.
@@ -642,11 +652,17 @@ fn bad_media_and_limits_get_a_400_naming_the_problem() {
 
     // The Responses API takes `input_image` parts the same way.
     let responses = |content: Value| responses_input_tokens(&server, content);
-    let text_only = responses(json!([{"type": "input_text", "text": "x"}]));
-    let with_image = responses(json!([{"type": "input_text", "text": "x"},
+    let (text_only, _) = responses(json!([{"type": "input_text", "text": "x"}]));
+    let (with_image, details) = responses(json!([{"type": "input_text", "text": "x"},
                                       {"type": "input_image", "image_url": data_uri(&png)}]));
     // <|image>, the soft tokens, <image|> in place of the placeholder.
     assert!(with_image > text_only + 60, "{text_only} vs {with_image}");
+    let soft = details["image_tokens"].as_u64().expect("image_tokens");
+    assert_eq!(with_image, text_only + soft + 2, "{details}");
+    assert_eq!(
+        details["media"],
+        json!([{"type": "image", "soft_tokens": soft}])
+    );
 
     // A model without a vision tower says so.
     let text_only = ServerProc::start(&root().join("tests/fixtures/oracle/e-style"), &[], &[]);

@@ -33,6 +33,26 @@ pub struct PromptTokensDetails {
     pub media: Vec<MediaTokensJson>,
 }
 
+impl PromptTokensDetails {
+    /// The prompt's media, item by item and summed by kind (`None` without
+    /// media).
+    pub fn of(media: &[MediaTokensJson]) -> Option<Self> {
+        let total = |kind: &str| {
+            media
+                .iter()
+                .filter(|m| m.kind == kind)
+                .map(|m| m.soft_tokens)
+                .sum()
+        };
+        (!media.is_empty()).then(|| Self {
+            image_tokens: total("image"),
+            audio_tokens: total("audio"),
+            video_tokens: total("video"),
+            media: media.to_vec(),
+        })
+    }
+}
+
 /// One image's, audio clip's or video's soft tokens.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct MediaTokensJson {
@@ -62,21 +82,7 @@ impl UsageJson {
 
     /// With the prompt's media counted item by item (nothing without media).
     pub fn with_media(mut self, media: &[MediaTokensJson]) -> Self {
-        if !media.is_empty() {
-            let total = |kind: &str| {
-                media
-                    .iter()
-                    .filter(|m| m.kind == kind)
-                    .map(|m| m.soft_tokens)
-                    .sum()
-            };
-            self.prompt_tokens_details = Some(PromptTokensDetails {
-                image_tokens: total("image"),
-                audio_tokens: total("audio"),
-                video_tokens: total("video"),
-                media: media.to_vec(),
-            });
-        }
+        self.prompt_tokens_details = PromptTokensDetails::of(media);
         self
     }
 

@@ -7,7 +7,7 @@ use gemma4_text::OutputEvent;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::openai::response::SYSTEM_FINGERPRINT;
+use crate::openai::response::{PromptTokensDetails, SYSTEM_FINGERPRINT};
 
 #[derive(Debug)]
 enum Kind {
@@ -81,11 +81,13 @@ pub enum Ending {
 }
 
 /// Token counts of the turn.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct TurnUsage {
     pub input: usize,
     pub output: usize,
     pub reasoning: usize,
+    /// The input's media, item by item (`None` without media).
+    pub media: Option<PromptTokensDetails>,
 }
 
 /// The turn being assembled.
@@ -327,6 +329,17 @@ impl Assembler {
 
     /// The response object with the items so far.
     pub fn response(&self, status: &str, error: Option<&ApiError>, usage: TurnUsage) -> Value {
+        let mut usage_json = json!({
+            "input_tokens": usage.input,
+            "output_tokens": usage.output,
+            "total_tokens": usage.input + usage.output,
+            "output_tokens_details": {"reasoning_tokens": usage.reasoning},
+        });
+        if let (Some(media), Some(u)) = (usage.media, usage_json.as_object_mut()) {
+            // Each image's, clip's and video's soft tokens, as chat's
+            // `prompt_tokens_details` has them.
+            u.insert("input_tokens_details".into(), json!(media));
+        }
         json!({
             "id": self.id,
             "object": "response",
@@ -341,12 +354,7 @@ impl Assembler {
             },
             "output": self.items.iter().map(Item::json).collect::<Vec<_>>(),
             "system_fingerprint": SYSTEM_FINGERPRINT,
-            "usage": {
-                "input_tokens": usage.input,
-                "output_tokens": usage.output,
-                "total_tokens": usage.input + usage.output,
-                "output_tokens_details": {"reasoning_tokens": usage.reasoning},
-            },
+            "usage": usage_json,
         })
     }
 }

@@ -23,6 +23,7 @@ use crate::drain::ActiveGuard;
 use crate::error::ApiError;
 use crate::fields::Fields;
 use crate::generation::{finish_error, Generation};
+use crate::openai::response::PromptTokensDetails;
 use crate::openai::ChatRequest;
 use crate::routes::{submit_chat, unix_now};
 use crate::server::AppState;
@@ -327,6 +328,7 @@ impl Turn {
             input: self.generation.prompt_tokens,
             output: self.output_tokens,
             reasoning: self.generation.reasoning_tokens(),
+            media: PromptTokensDetails::of(&self.generation.prompt_media),
         }
     }
 
