@@ -48,6 +48,22 @@ pub fn load_media_encoders(
     Option<gemma4_model::ImageEncoder>,
     Option<gemma4_model::AudioEncoder>,
 )> {
+    let (images, audio) = load_media_encoders_measured(path, mmproj, text_hidden)?;
+    Ok((images.map(|(e, _)| e), audio.map(|(e, _)| e)))
+}
+
+/// An encoder with what its load kept resident.
+pub type Measured<E> = Option<(E, gemma4_model::LoadReport)>;
+
+/// [`load_media_encoders`], with what each load kept resident.
+pub fn load_media_encoders_measured(
+    path: &Path,
+    mmproj: Option<&Path>,
+    text_hidden: usize,
+) -> Result<(
+    Measured<gemma4_model::ImageEncoder>,
+    Measured<gemma4_model::AudioEncoder>,
+)> {
     if let Some(file) = mmproj {
         let context = || format!("cannot load the multimodal projector {}", file.display());
         // Media token ids from the checkpoint's config.json, else Gemma 4's.
@@ -66,14 +82,16 @@ pub fn load_media_encoders(
                 file.display()
             );
         }
-        return Ok((images.map(|(e, _)| e), audio.map(|(e, _)| e)));
+        return Ok((images, audio));
     }
     if !path.is_dir() {
         return Ok((None, None));
     }
     let context = || format!("cannot load the media encoders of {}", path.display());
-    let images = gemma4_model::ImageEncoder::load_dir(path, text_hidden).with_context(context)?;
-    let audio = gemma4_model::AudioEncoder::load_dir(path, text_hidden).with_context(context)?;
+    let images =
+        gemma4_model::ImageEncoder::load_dir_measured(path, text_hidden).with_context(context)?;
+    let audio =
+        gemma4_model::AudioEncoder::load_dir_measured(path, text_hidden).with_context(context)?;
     Ok((images, audio))
 }
 

@@ -34,6 +34,10 @@ pub struct Args {
     /// Print the resident-memory prediction as JSON instead of the tables.
     #[arg(long)]
     json: bool,
+    /// A llama.cpp multimodal projector file whose towers `serve --mmproj`
+    /// would load beside the model (counted in the resident prediction).
+    #[arg(long)]
+    mmproj: Option<std::path::PathBuf>,
     /// KV-cache element type: bf16, f32 or int8 [default: bf16 for the tables (the
     /// published figures), f32 (what `serve` uses by default) for the resident prediction].
     #[arg(long, value_parser = |s: &str| s.parse::<KvDtype>())]
@@ -111,17 +115,15 @@ fn resident_of_load(
         512,
         args.kv_dtype.unwrap_or(KvDtype::F32),
     );
-    // The towers load as stored whatever --quant asks (as `serve` loads them).
-    if path.is_dir() {
-        let context = || format!("cannot measure the media encoders of {}", path.display());
-        let hidden = cfg.hidden_size;
-        let images =
-            gemma4_model::ImageEncoder::load_dir_measured(path, hidden).with_context(context)?;
-        let audio =
-            gemma4_model::AudioEncoder::load_dir_measured(path, hidden).with_context(context)?;
-        estimate.media = images.map_or(0, |(_, r)| r.resident_bytes)
-            + audio.map_or(0, |(_, r)| r.resident_bytes);
-    }
+    // The towers load as stored whatever --quant asks (as `serve` loads them,
+    // from the checkpoint or from --mmproj).
+    let (images, audio) = crate::model_io::load_media_encoders_measured(
+        path,
+        args.mmproj.as_deref(),
+        cfg.hidden_size,
+    )?;
+    estimate.media =
+        images.map_or(0, |(_, r)| r.resident_bytes) + audio.map_or(0, |(_, r)| r.resident_bytes);
     Ok(Some(estimate))
 }
 

@@ -386,6 +386,40 @@ fn plan_prints_the_published_kv_sizes() {
     );
 }
 
+#[test]
+fn plan_counts_the_towers_of_the_checkpoint_or_of_an_mmproj_file() {
+    let media_bytes = |args: &[&str]| -> u64 {
+        let (out, text) = run(bin().args(["plan", "--json"]).args(args));
+        assert!(out.status.success(), "{text}");
+        let json: serde_json::Value = serde_json::from_str(text.trim()).expect("json");
+        json["media_encoders_bytes"]
+            .as_u64()
+            .expect("media_encoders_bytes")
+    };
+    let fixtures = root().join("tests/fixtures");
+    let text_only = fixtures.join("oracle/e-style").display().to_string();
+    let with_towers = fixtures.join("vision/e-audio").display().to_string();
+    let mmproj = fixtures
+        .join("vision/e-audio-mmproj.gguf")
+        .display()
+        .to_string();
+    assert_eq!(media_bytes(&["--model", &text_only]), 0);
+    let stored = media_bytes(&["--model", &with_towers]);
+    assert!(stored > 0);
+    // The same towers from the projector file (f16 matrices where the
+    // checkpoint has bf16, and f32 norms): about the same bytes.
+    let projected = media_bytes(&["--model", &text_only, "--mmproj", &mmproj]);
+    assert!(
+        projected >= stored && projected < stored * 3 / 2,
+        "{projected} vs {stored}"
+    );
+    // A file that is not a projector is refused by name.
+    let (out, text) = run(bin()
+        .args(["plan", "--json", "--model", &text_only, "--mmproj"])
+        .arg(fixtures.join("vision/e-audio/config.json")));
+    assert!(!out.status.success(), "{text}");
+}
+
 /// Real weights: the demo model answers with Paris (needs GEMMA4_DEMO_GGUF; required under CI).
 #[test]
 fn demo_model_answers_paris() {
