@@ -13,6 +13,7 @@ mod model_io;
 mod plan;
 mod serve;
 mod verify;
+mod verify_video;
 mod verify_vision;
 
 use std::process::ExitCode;

@@ -26,17 +26,30 @@ pub struct Args {
     mmproj: Option<PathBuf>,
 }
 
+/// A golden file with images and audio, or with a video.
+enum MediaGolden {
+    Vision(crate::verify_vision::VisionGolden),
+    Video(crate::verify_video::VideoGolden),
+}
+
 pub fn run(args: Args) -> Result<ExitCode> {
     let path = args.model.path()?;
-    if let Some(golden) = crate::verify_vision::VisionGolden::read(&args.golden)? {
+    // Golden files with media are checked stage by stage.
+    let media = match crate::verify_vision::VisionGolden::read(&args.golden)? {
+        Some(g) => Some(MediaGolden::Vision(g)),
+        None => crate::verify_video::VideoGolden::read(&args.golden)?.map(MediaGolden::Video),
+    };
+    if let Some(golden) = media {
         let (model, _) = crate::model_io::load_model(&path, args.model.policy())?;
-        let all_match = crate::verify_vision::verify(
-            &model,
-            (&path, args.mmproj.as_deref()),
-            &args.golden,
-            &golden,
-            args.tolerance,
-        )?;
+        let towers = (path.as_path(), args.mmproj.as_deref());
+        let all_match = match &golden {
+            MediaGolden::Vision(g) => {
+                crate::verify_vision::verify(&model, towers, &args.golden, g, args.tolerance)?
+            }
+            MediaGolden::Video(g) => {
+                crate::verify_video::verify(&model, towers, &args.golden, g, args.tolerance)?
+            }
+        };
         println!("SEQ_MATCH {all_match}");
         return Ok(if all_match {
             ExitCode::SUCCESS

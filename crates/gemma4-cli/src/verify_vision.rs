@@ -51,15 +51,21 @@ impl VisionGolden {
 }
 
 /// Golden tensors by name (f32 or u8), read once.
-struct Tensors(Vec<u8>);
+pub struct Tensors(Vec<u8>);
 
 impl Tensors {
+    pub fn read(path: &Path) -> Result<Self> {
+        Ok(Self(std::fs::read(path).with_context(|| {
+            format!("cannot read the golden tensors {}", path.display())
+        })?))
+    }
+
     fn get(&self, name: &str) -> Result<Option<(safetensors::Dtype, Vec<u8>)>> {
         let st = safetensors::SafeTensors::deserialize(&self.0).context("golden tensors")?;
         Ok(st.tensor(name).ok().map(|t| (t.dtype(), t.data().to_vec())))
     }
 
-    fn f32s(&self, name: &str) -> Result<Vec<f32>> {
+    pub fn f32s(&self, name: &str) -> Result<Vec<f32>> {
         match self.get(name)? {
             Some((safetensors::Dtype::F32, bytes)) => Ok(bytes
                 .chunks_exact(4)
@@ -70,7 +76,7 @@ impl Tensors {
     }
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     a.iter()
         .zip(b)
         .map(|(x, y)| (x - y).abs())
@@ -80,7 +86,7 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 /// Soft tokens against the reference's: the largest difference, and whether
 /// it is within what f32 against f32 gives (the same operations summed in
 /// another order: 1e-4 of the largest value).
-fn close_to_reference(ours: &[f32], want: &[f32]) -> (f32, bool) {
+pub fn close_to_reference(ours: &[f32], want: &[f32]) -> (f32, bool) {
     let scale = want.iter().fold(0f32, |m, x| m.max(x.abs())).max(1.0);
     let diff = if ours.len() == want.len() {
         max_abs_diff(ours, want)
@@ -102,10 +108,7 @@ pub fn verify(
         crate::model_io::load_media_encoders(checkpoint, mmproj, model.config().hidden_size)?;
     let encoder =
         images.context("the golden file holds images, but the model has no vision tower")?;
-    let tensors = Tensors(
-        std::fs::read(golden_path.with_file_name("golden_tensors.safetensors"))
-            .context("golden_tensors.safetensors beside the golden file")?,
-    );
+    let tensors = Tensors::read(&golden_path.with_file_name("golden_tensors.safetensors"))?;
     let processor = ImageProcessor::new(golden.max_soft_tokens)?;
     let dir = golden_path.parent().unwrap_or(Path::new("."));
     let mut all = true;

@@ -176,6 +176,60 @@ fn verify_checks_images_stage_by_stage() {
 }
 
 #[test]
+fn verify_checks_video_stage_by_stage() {
+    let vision = root().join("tests/fixtures/vision");
+    let video_golden = |dir: &Path| {
+        run(bin()
+            .args(["verify", "--model"])
+            .arg(dir)
+            .arg("--golden")
+            .arg(dir.join("video_golden.json")))
+    };
+    for v in ["e-style", "dense", "unified"] {
+        let (out, text) = video_golden(&vision.join(v));
+        assert!(out.status.success(), "{v}: {text}");
+        // The frames, their soft tokens, and three chat turns.
+        assert_eq!(
+            text.lines().filter(|l| l.starts_with("MATCH")).count(),
+            5,
+            "{v}: {text}"
+        );
+    }
+    // The video with its frames in reverse order: the decoded frames depart
+    // first, and no prompt runs.
+    let tmp = std::env::temp_dir().join(format!("gemma4-cli-{}-video", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let copy = copy_files(&vision.join("e-style"), &tmp.join("e-style"), &[]);
+    std::fs::create_dir_all(tmp.join("video")).expect("mkdir");
+    std::fs::copy(vision.join("images/1.png"), {
+        std::fs::create_dir_all(tmp.join("images")).expect("mkdir");
+        tmp.join("images/1.png")
+    })
+    .expect("copy image");
+    let gif = std::fs::read(vision.join("video/0.gif")).expect("gif");
+    let frames = image::AnimationDecoder::into_frames(
+        image::codecs::gif::GifDecoder::new(std::io::Cursor::new(&gif)).expect("gif"),
+    )
+    .collect_frames()
+    .expect("frames");
+    let mut reversed = Vec::new();
+    {
+        let mut enc = image::codecs::gif::GifEncoder::new(&mut reversed);
+        enc.encode_frames(frames.into_iter().rev()).expect("encode");
+    }
+    std::fs::write(tmp.join("video/0.gif"), reversed).expect("write gif");
+    let (out, text) = video_golden(&copy);
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("DIFF  video frames=32 of 40"), "{text}");
+    assert!(text.contains("stage=decoded frame 0"), "{text}");
+    assert!(
+        text.lines().any(|l| l.starts_with("SEQ_MATCH false")),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+#[test]
 fn verify_fails_and_names_the_first_departing_layer() {
     // Another variant's golden file: same format, different model.
     let dir = copy_dir(&fixture("e-style"), "wrong-golden", &[]);

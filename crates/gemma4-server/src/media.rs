@@ -17,7 +17,7 @@ use gemma4_media::audio::{decode_audio, frames, Audio};
 use gemma4_media::video::{DEFAULT_VIDEO_FRAMES, VIDEO_SOFT_TOKENS};
 use gemma4_media::{
     decode_image, decode_video, mel, DecodeLimits, ImageProcessor, MediaError, Rescale, RgbImage,
-    VideoLimits,
+    Video, VideoLimits,
 };
 use gemma4_model::{AudioEncoder, AudioFeatures, ImageEncoder, MediaTokens, VisionInput};
 
@@ -223,29 +223,18 @@ impl Media {
                         let bytes = data_uri_bytes(&part.data, "video").map_err(bad)?;
                         let video = decode_video(&bytes, &self.video_limits, DEFAULT_VIDEO_FRAMES)
                             .map_err(|e| bad(e.to_string()))?;
-                        let frame_processor = ImageProcessor::new(VIDEO_SOFT_TOKENS)
-                            .map_err(|e| bad(e.to_string()))?;
-                        let mut embeds = Vec::new();
-                        for (frame, stamp) in video.frames.iter().zip(video.timestamps()) {
-                            let processed = frame_processor
-                                .process_with(
-                                    frame,
-                                    encoder.takes_merged_patches(),
-                                    Rescale::Divide,
-                                )
-                                .map_err(|e| bad(e.to_string()))?;
-                            (frame.width, frame.height, &stamp).hash(&mut h);
+                        for frame in &video.frames {
+                            (frame.width, frame.height).hash(&mut h);
                             frame.pixels.hash(&mut h);
-                            embeds.extend(
-                                encoder
-                                    .encode(VisionInput {
-                                        patches: &processed.patches,
-                                        positions: &processed.positions,
-                                    })
-                                    .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
-                                    .map_err(internal)?,
-                            );
-                            frames.push((stamp, processed.soft_tokens));
+                        }
+                        let mut embeds = Vec::new();
+                        for frame in encode_video_frames(encoder, &video).map_err(|e| match e {
+                            FrameError::Media(e) => bad(e.to_string()),
+                            FrameError::Encoder(e) => internal(e),
+                        })? {
+                            (&frame.timestamp, frame.soft_tokens).hash(&mut h);
+                            embeds.extend(frame.embeds);
+                            frames.push((frame.timestamp, frame.soft_tokens));
                         }
                         let soft_tokens = frames.iter().map(|f| f.1).sum();
                         (encoder.video_tokens(), embeds, soft_tokens)
@@ -366,6 +355,58 @@ fn data_uri_bytes(url: &str, what: &str) -> Result<Vec<u8>, String> {
     base64::engine::general_purpose::STANDARD
         .decode(payload.trim())
         .map_err(|e| format!("the data: URI is not valid base64: {e}"))
+}
+
+/// One video frame, processed and encoded.
+pub struct EncodedFrame {
+    /// Its start as the prompt writes it (`MM:SS`).
+    pub timestamp: String,
+    pub soft_tokens: usize,
+    /// `[soft_tokens, hidden]`, row-major.
+    pub embeds: Vec<f32>,
+}
+
+/// Why a video's frames could not be encoded.
+#[derive(Debug, thiserror::Error)]
+pub enum FrameError {
+    /// The frame cannot be processed (the client's video).
+    #[error(transparent)]
+    Media(#[from] MediaError),
+    /// The encoder failed (the server's fault).
+    #[error(transparent)]
+    Encoder(#[from] gemma4_model::ModelError),
+}
+
+/// A video's sampled frames as the reference video processor lays them out
+/// (resized within its soft-token budget per frame, bytes divided by 255)
+/// and encoded as images, in order.
+pub fn encode_video_frames(
+    encoder: &ImageEncoder,
+    video: &Video,
+) -> Result<Vec<EncodedFrame>, FrameError> {
+    let processor = ImageProcessor::new(VIDEO_SOFT_TOKENS)?;
+    video
+        .frames
+        .iter()
+        .zip(video.timestamps())
+        .map(|(frame, timestamp)| {
+            let processed =
+                processor.process_with(frame, encoder.takes_merged_patches(), Rescale::Divide)?;
+            let embeds = encoder
+                .encode(VisionInput {
+                    patches: &processed.patches,
+                    positions: &processed.positions,
+                })?
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(gemma4_model::ModelError::from)?;
+            Ok(EncodedFrame {
+                timestamp,
+                soft_tokens: processed.soft_tokens,
+                embeds,
+            })
+        })
+        .collect()
 }
 
 /// A clip's features as the checkpoint's audio encoder reads them: log-mel
