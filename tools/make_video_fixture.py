@@ -27,7 +27,9 @@ Writes into the fixture directory:
 Needs the same packages as make_vision_fixture.py:
   python tools/make_video_fixture.py tests/fixtures/vision/e-style
   python tools/make_video_fixture.py tests/fixtures/vision/dense
+  python tools/make_video_fixture.py tests/fixtures/vision/moe
   python tools/make_video_fixture.py tests/fixtures/vision/unified
+  python tools/make_video_fixture.py tests/fixtures/vision/e-audio
 """
 
 import json

@@ -185,7 +185,7 @@ fn verify_checks_video_stage_by_stage() {
             .arg("--golden")
             .arg(dir.join("video_golden.json")))
     };
-    for v in ["e-style", "dense", "unified"] {
+    for v in ["e-style", "dense", "moe", "unified", "e-audio"] {
         let (out, text) = video_golden(&vision.join(v));
         assert!(out.status.success(), "{v}: {text}");
         // The frames, their soft tokens, and three chat turns.

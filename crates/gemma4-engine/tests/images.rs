@@ -402,7 +402,7 @@ fn video_requests(variant: &str) -> Vec<(GenerationRequest, Vec<u32>)> {
 
 #[test]
 fn video_and_text_only_prompts_batched_and_chunked_keep_the_reference_tokens() {
-    for variant in ["e-style", "dense", "unified"] {
+    for variant in VARIANTS {
         let requests = video_requests(variant);
         let model = load_hf_dir(&fixture(variant)).expect("model");
         let bidirectional = model.config().image_attention.is_bidirectional();

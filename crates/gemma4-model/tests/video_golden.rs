@@ -1,7 +1,8 @@
 //! Video against transformers in float32, on the vision fixtures with video
 //! goldens (`video_golden.json`, written by `tools/make_video_fixture.py`):
-//! E-style (causal), dense (each frame's soft tokens see each other on
-//! sliding layers) and the 12B's encoder-free path. The test video is an
+//! E-style (causal), dense and MoE (each frame's soft tokens see each other
+//! on sliding layers), the 12B's encoder-free path and E-style with both
+//! towers. The test video is an
 //! animated GIF of 40 frames at 4 fps; the reference samples 32 of them.
 //! Checked: the sampled indices and timestamps, each sampled frame's decoded
 //! and resized bytes, all frames' soft tokens after `embed_vision`, then chat
@@ -19,7 +20,7 @@ use serde_json::Value;
 
 use common::{encode_image, max_abs_diff, tensor, vision_fixture};
 
-const VARIANTS: [&str; 3] = ["e-style", "dense", "unified"];
+const VARIANTS: [&str; 5] = ["e-style", "dense", "moe", "unified", "e-audio"];
 
 fn ints(v: &Value) -> Vec<u64> {
     v.as_array()
