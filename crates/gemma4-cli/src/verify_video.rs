@@ -11,12 +11,11 @@ use anyhow::{Context, Result};
 use gemma4_media::resize::resize_bicubic;
 use gemma4_media::video::{decode_video, DEFAULT_VIDEO_FRAMES, VIDEO_SOFT_TOKENS};
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor, VideoLimits};
-use gemma4_model::golden::greedy_with_soft_tokens;
 use gemma4_model::{place_soft_tokens, Gemma4, SoftTokenSource, VisionInput};
 use gemma4_server::media::encode_video_frames;
 use serde::Deserialize;
 
-use crate::verify_vision::{close_to_reference, max_abs_diff, Tensors};
+use crate::verify_vision::{check_prompt, close_to_reference, Tensors};
 
 /// A golden file with a video.
 #[derive(Debug, Deserialize)]
@@ -161,27 +160,13 @@ pub fn verify(
         )
         .with_context(|| format!("chat {k}"))?;
         let soft = (!placed.rows.is_empty()).then(|| placed.as_soft_tokens());
-        let (logits, ids) = greedy_with_soft_tokens(model, &chat.ids, soft, chat.greedy.len())?;
-        let diff = max_abs_diff(&logits, &tensors.f32s(&format!("logits.video.{k}"))?);
-        let same = ids
-            .iter()
-            .zip(&chat.greedy)
-            .take_while(|(a, b)| a == b)
-            .count();
-        let ok = diff <= tolerance && same == chat.greedy.len();
-        all &= ok;
-        println!(
-            "{} chat={k} media={:?} tokens={} greedy={same}/{} max_abs_logit_diff={diff:.3e}{}",
-            if ok { "MATCH" } else { "DIFF " },
-            chat.media,
-            chat.ids.len(),
-            chat.greedy.len(),
-            if ok {
-                ""
-            } else {
-                " stage=text model with merged embeddings"
-            }
-        );
+        all &= check_prompt(
+            model,
+            (&chat.ids, soft),
+            (&chat.greedy, &tensors.f32s(&format!("logits.video.{k}"))?),
+            tolerance,
+            &format!("chat={k} media={:?}", chat.media),
+        )?;
     }
     Ok(all)
 }

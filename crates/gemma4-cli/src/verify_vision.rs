@@ -96,6 +96,34 @@ pub fn close_to_reference(ours: &[f32], want: &[f32]) -> (f32, bool) {
     (diff, diff <= 1e-4 * scale)
 }
 
+/// Runs one prompt with its encoder rows and prints a `MATCH`/`DIFF` line
+/// against the reference's last-position logits and greedy tokens; returns
+/// whether it matched.
+pub fn check_prompt(
+    model: &Gemma4,
+    (ids, soft): (&[u32], Option<gemma4_model::SoftTokens<'_>>),
+    (greedy, logits_want): (&[u32], &[f32]),
+    tolerance: f32,
+    label: &str,
+) -> Result<bool> {
+    let (logits, ours) = greedy_with_soft_tokens(model, ids, soft, greedy.len())?;
+    let diff = max_abs_diff(&logits, logits_want);
+    let same = ours.iter().zip(greedy).take_while(|(a, b)| a == b).count();
+    let ok = diff <= tolerance && same == greedy.len();
+    println!(
+        "{} {label} tokens={} greedy={same}/{} max_abs_logit_diff={diff:.3e}{}",
+        if ok { "MATCH" } else { "DIFF " },
+        ids.len(),
+        greedy.len(),
+        if ok {
+            ""
+        } else {
+            " stage=text model with merged embeddings"
+        }
+    );
+    Ok(ok)
+}
+
 /// Checks every stage; returns whether everything matched.
 pub fn verify(
     model: &Gemma4,
@@ -218,29 +246,13 @@ pub fn verify(
             ],
         )
         .with_context(|| format!("prompt {n}"))?;
-        let (logits, ids) =
-            greedy_with_soft_tokens(model, &p.ids, Some(placed.as_soft_tokens()), p.greedy.len())?;
-        let diff = max_abs_diff(&logits, &tensors.f32s(&format!("logits.{n}"))?);
-        let same = ids
-            .iter()
-            .zip(&p.greedy)
-            .take_while(|(a, b)| a == b)
-            .count();
-        let ok = diff <= tolerance && same == p.greedy.len();
-        all &= ok;
-        println!(
-            "{} prompt={n} images={:?} audio={:?} tokens={} greedy={same}/{} max_abs_logit_diff={diff:.3e}{}",
-            if ok { "MATCH" } else { "DIFF " },
-            p.images,
-            p.audios,
-            p.ids.len(),
-            p.greedy.len(),
-            if ok {
-                ""
-            } else {
-                " stage=text model with merged embeddings"
-            }
-        );
+        all &= check_prompt(
+            model,
+            (&p.ids, Some(placed.as_soft_tokens())),
+            (&p.greedy, &tensors.f32s(&format!("logits.{n}"))?),
+            tolerance,
+            &format!("prompt={n} images={:?} audio={:?}", p.images, p.audios),
+        )?;
     }
     Ok(all)
 }

@@ -75,19 +75,24 @@ fn image_features(variant: &str) -> (Vec<Vec<f32>>, u32) {
                 proc.process(&img)
             }
             .unwrap();
-            encoder
-                .encode(VisionInput {
-                    patches: &p.patches,
-                    positions: &p.positions,
-                })
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
+            encode(&encoder, &p)
         })
         .collect();
     (features, image_token)
+}
+
+/// A processed image's (or video frame's) soft tokens, `[tokens · hidden]`.
+fn encode(encoder: &ImageEncoder, p: &gemma4_media::ProcessedImage) -> Vec<f32> {
+    encoder
+        .encode(VisionInput {
+            patches: &p.patches,
+            positions: &p.positions,
+        })
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap()
 }
 
 /// The fixture's audio clip as soft tokens (the 12B's frame embedder or the
@@ -317,16 +322,7 @@ fn video_requests(variant: &str) -> Vec<(GenerationRequest, Vec<u32>)> {
             let p = proc
                 .process_with(frame, encoder.takes_merged_patches(), Rescale::Divide)
                 .unwrap();
-            encoder
-                .encode(VisionInput {
-                    patches: &p.patches,
-                    positions: &p.positions,
-                })
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
+            encode(&encoder, &p)
         })
         .collect();
     let (images, image_token) = image_features(variant);

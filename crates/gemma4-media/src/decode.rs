@@ -87,7 +87,8 @@ pub fn decode_image(bytes: &[u8], limits: DecodeLimits) -> Result<RgbImage> {
     })
 }
 
-fn check_size(width: u32, height: u32, limits: DecodeLimits) -> Result<()> {
+/// Refuses an empty canvas or one over the limits (from its header).
+pub(crate) fn check_size(width: u32, height: u32, limits: DecodeLimits) -> Result<()> {
     if width == 0 || height == 0 {
         return Err(MediaError::Empty);
     }

@@ -135,7 +135,7 @@ fn frames<'a>(
         ($decoder:expr) => {{
             let mut d = $decoder;
             let size = d.dimensions();
-            check_canvas(size, limits)?;
+            crate::decode::check_size(size.0, size.1, limits.canvas)?;
             d.set_limits(decoder_limits).map_err(bad)?;
             Ok((size, d))
         }};
@@ -154,25 +154,6 @@ fn frames<'a>(
             Ok((size, d.apng().map_err(bad)?.into_frames()))
         }
     }
-}
-
-fn check_canvas((width, height): (u32, u32), limits: &VideoLimits) -> Result<()> {
-    let l = limits.canvas;
-    if width == 0 || height == 0 {
-        return Err(MediaError::Empty);
-    }
-    if width > l.max_side
-        || height > l.max_side
-        || u64::from(width) * u64::from(height) > l.max_pixels
-    {
-        return Err(MediaError::TooLarge {
-            width,
-            height,
-            max_pixels: l.max_pixels,
-            max_side: l.max_side,
-        });
-    }
-    Ok(())
 }
 
 fn delay_ms(frame: &Frame) -> f64 {

@@ -15,10 +15,10 @@ use gemma4_media::resize::resize_bicubic;
 use gemma4_media::video::{decode_video, DEFAULT_VIDEO_FRAMES, VIDEO_SOFT_TOKENS};
 use gemma4_media::{ImageProcessor, Rescale, VideoLimits};
 use gemma4_model::golden::{greedy_with_soft_tokens, DEFAULT_TOLERANCE};
-use gemma4_model::{place_soft_tokens, ImageEncoder, LoadPolicy, SoftTokenSource, VisionInput};
+use gemma4_model::{place_soft_tokens, ImageEncoder, LoadPolicy, SoftTokenSource};
 use serde_json::Value;
 
-use common::{encode_image, max_abs_diff, tensor, vision_fixture};
+use common::{encode_image, encode_processed, max_abs_diff, tensor, vision_fixture};
 
 const VARIANTS: [&str; 5] = ["e-style", "dense", "moe", "unified", "e-audio"];
 
@@ -101,16 +101,7 @@ fn video_matches(variant: &str) {
             p.soft_tokens as u64,
             golden["soft_tokens_per_frame"].as_u64().unwrap()
         );
-        let soft: Vec<f32> = encoder
-            .encode(VisionInput {
-                patches: &p.patches,
-                positions: &p.positions,
-            })
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+        let soft = encode_processed(&encoder, &p);
         features.extend_from_slice(&soft);
         per_frame.push(soft);
     }

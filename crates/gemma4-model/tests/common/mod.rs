@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
+use gemma4_media::{decode_image, DecodeLimits, ImageProcessor, ProcessedImage};
 use gemma4_model::{ImageEncoder, VisionInput};
 
 /// `tests/fixtures/vision/<name>` (a variant, `images` or `audio`).
@@ -45,6 +45,11 @@ pub fn encode_image(encoder: &ImageEncoder, index: usize) -> Vec<f32> {
         proc.process(&img)
     }
     .expect("process");
+    encode_processed(encoder, &processed)
+}
+
+/// A processed image's (or video frame's) soft tokens, `[tokens · hidden]`.
+pub fn encode_processed(encoder: &ImageEncoder, processed: &ProcessedImage) -> Vec<f32> {
     let out = encoder
         .encode(VisionInput {
             patches: &processed.patches,
