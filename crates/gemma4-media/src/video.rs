@@ -36,12 +36,17 @@ pub struct VideoLimits {
 }
 
 impl Default for VideoLimits {
-    /// 3,600 frames (six minutes at 10 fps) and 2 gigapixels decoded in all.
+    /// A canvas of at most 3840×2160 pixels (the sampled frames are held at
+    /// full size until they are resized: 32 of them are 800 MB at most),
+    /// 3,600 frames (six minutes at 10 fps) and 1 gigapixel decoded in all.
     fn default() -> Self {
         Self {
-            canvas: DecodeLimits::default(),
+            canvas: DecodeLimits {
+                max_pixels: 3_840 * 2_160,
+                max_side: 8_192,
+            },
             max_frames: 3_600,
-            max_decoded_pixels: 2_000_000_000,
+            max_decoded_pixels: 1_000_000_000,
         }
     }
 }
@@ -294,6 +299,15 @@ mod tests {
         assert!(matches!(
             decode_video(b"hello", &VideoLimits::default(), 32),
             Err(MediaError::UnsupportedVideo(_))
+        ));
+        // A canvas over the video limits is refused from the header: a
+        // small GIF whose logical screen claims 4000×2200.
+        let mut big = gif(1, 4, 3, 100);
+        big[6..8].copy_from_slice(&4000u16.to_le_bytes());
+        big[8..10].copy_from_slice(&2200u16.to_le_bytes());
+        assert!(matches!(
+            decode_video(&big, &VideoLimits::default(), 32),
+            Err(MediaError::TooLarge { width: 4000, .. })
         ));
         let mut cut = gif(3, 4, 3, 100);
         cut.truncate(cut.len() - 20);
