@@ -161,6 +161,20 @@ fn frames<'a>(
     }
 }
 
+/// Whether the file holds an animation (a still PNG or WebP is one frame).
+fn is_animated(bytes: &[u8], kind: Container) -> Result<bool> {
+    Ok(match kind {
+        Container::Gif => true,
+        Container::WebP => WebPDecoder::new(Cursor::new(bytes))
+            .map_err(bad)?
+            .has_animation(),
+        Container::Png => PngDecoder::new(Cursor::new(bytes))
+            .map_err(bad)?
+            .is_apng()
+            .map_err(bad)?,
+    })
+}
+
 fn delay_ms(frame: &Frame) -> f64 {
     let (n, d) = frame.delay().numer_denom_ms();
     let ms = f64::from(n) / f64::from(d.max(1));
@@ -175,6 +189,14 @@ fn delay_ms(frame: &Frame) -> f64 {
 /// and keeps `num_frames` frames sampled as the reference samples them.
 pub fn decode_video(bytes: &[u8], limits: &VideoLimits, num_frames: usize) -> Result<Video> {
     let kind = container(bytes)?;
+    if !is_animated(bytes, kind)? {
+        return Ok(Video {
+            total_frames: 1,
+            indices: vec![0],
+            frames: vec![crate::decode_image(bytes, limits.canvas)?],
+            start_seconds: vec![0.0],
+        });
+    }
     // Pass 1: count the frames and their start times, within the limits.
     let ((width, height), all) = frames(bytes, kind, limits)?;
     let per_frame = u64::from(width) * u64::from(height);
@@ -280,6 +302,18 @@ mod tests {
         // Frame 5's blue channel is 5 · 20 (GIF keeps these exact colours).
         assert_eq!(v.frames[2].pixels[2], 100);
         assert_eq!((v.frames[0].width, v.frames[0].height), (4, 3));
+    }
+
+    #[test]
+    fn a_still_png_is_a_one_frame_video() {
+        let img = image::RgbImage::from_fn(6, 4, |x, y| image::Rgb([x as u8, y as u8, 9]));
+        let mut png = Vec::new();
+        img.write_to(&mut Cursor::new(&mut png), image::ImageFormat::Png)
+            .unwrap();
+        let v = decode_video(&png, &VideoLimits::default(), 32).unwrap();
+        assert_eq!((v.total_frames, v.indices.clone()), (1, vec![0]));
+        assert_eq!(v.frames[0].pixels, img.into_raw());
+        assert_eq!(v.timestamps(), vec!["00:00"]);
     }
 
     #[test]
