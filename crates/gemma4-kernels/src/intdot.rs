@@ -8,8 +8,9 @@
 //! One kernel per block family: the 32-value formats (Q8_0, Q4_0, Q4_1,
 //! Q5_0, Q5_1, our int8 and q4 layouts) share one loop over a per-format
 //! block decoder, the k-quants (Q4_K, Q5_K, Q6_K) have one each. Each is
-//! written twice: with AVX-512 VNNI intrinsics (chosen at run time), and
-//! portably (the reference in tests; compiled for AVX2 where present).
+//! written three times: with AVX-512 VNNI intrinsics, with AVX2 intrinsics
+//! ([`crate::intdot_avx2`]; chosen at run time, in that order), and portably
+//! (the reference in tests).
 //! Every kernel decodes a weight block once for up to [`GROUP`] activation
 //! rows.
 
@@ -42,7 +43,7 @@ pub enum Kind32 {
 
 impl Kind32 {
     /// Every kind, indexed by the const parameter of the kernels.
-    const ALL: [Kind32; 7] = [
+    pub(crate) const ALL: [Kind32; 7] = [
         Kind32::Q8_0,
         Kind32::Q4_0,
         Kind32::Q4_1,
@@ -64,7 +65,7 @@ impl Kind32 {
         }
     }
     /// Whether values are `d · u + m` with unsigned `u` (else `d · v`, signed `v`).
-    const fn affine(self) -> bool {
+    pub(crate) const fn affine(self) -> bool {
         matches!(self, Kind32::Q4_1 | Kind32::Q5_1)
     }
 }
@@ -384,6 +385,28 @@ pub fn has_vnni() -> bool {
     }
 }
 
+/// Whether the AVX2 integer kernels ([`crate::intdot_avx2`]) can run here;
+/// they serve where the VNNI ones cannot.
+#[inline]
+pub fn has_avx2() -> bool {
+    #[cfg(test)]
+    if FORCE_PORTABLE.with(|f| f.get()) {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        static AVX2: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *AVX2.get_or_init(|| {
+            crate::dispatch::level() != crate::dispatch::Level::Portable
+                && is_x86_feature_detected!("f16c")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
 /// `out[t · rows.len() + i] = Σ_c acts[t, c] · W[rows.start + i, c]` for a
 /// matrix of 32-value blocks whose row `r` is `row_of(r)`, with the fastest
 /// kernel this CPU has.
@@ -405,10 +428,17 @@ pub fn matrix32<'a>(
         }
         return;
     }
+    let avx2 = has_avx2();
     let len = rows.len();
     for (i, r) in rows.enumerate() {
         let row = row_of(r);
         for_groups(acts.n, len, i, out, |ts, part| {
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                // SAFETY: `has_avx2` detected the features the kernel needs.
+                return unsafe { crate::intdot_avx2::dots32(kind, &row, acts, ts, part) };
+            }
+            let _ = avx2;
             dots32_portable(kind, &row, acts, ts, part)
         });
     }
@@ -436,10 +466,17 @@ pub fn matrix_k(
         }
         return;
     }
+    let avx2 = has_avx2();
     let len = rows.len();
     for (i, r) in rows.enumerate() {
         let row = row_of(r);
         for_groups(acts.n, len, i, out, |ts, part| {
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                // SAFETY: `has_avx2` detected the features the kernel needs.
+                return unsafe { crate::intdot_avx2::dots_k(kind, row, acts, ts, part) };
+            }
+            let _ = avx2;
             dots_k_portable(kind, row, acts, ts, part)
         });
     }

@@ -28,6 +28,8 @@ pub mod gelu;
 pub mod int8;
 pub mod intdot;
 #[cfg(target_arch = "x86_64")]
+mod intdot_avx2;
+#[cfg(target_arch = "x86_64")]
 mod intgemm;
 pub mod kquant;
 pub mod legacy;

@@ -1,0 +1,290 @@
+//! The integer dot products with AVX2, for CPUs without AVX-512 VNNI: the
+//! 8-bit products by `vpmaddubsw` (unsigned weight levels directly, signed
+//! ones as |w| with the weight's sign moved onto the activation; −128 stays
+//! 128 unsigned) and `vpmaddwd`,
+//! the scales applied once per block and activation row. A weight block is
+//! unpacked into registers once for up to [`GROUP`] activation rows; the
+//! k-quants' levels are unpacked from their packed bytes with shifts and
+//! masks, never through a byte array.
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use crate::acts::QuantizedActs;
+use crate::intdot::{k_bytes, scales_k, Kind32, KindK, Row, GROUP};
+
+#[inline(always)]
+unsafe fn hsum_ps(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+}
+
+#[inline(always)]
+unsafe fn hsum_epi32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)))
+}
+
+/// Eight i32 sums of four products each: unsigned `u` by signed `a`.
+#[inline(always)]
+unsafe fn dot_u8(u: __m256i, a: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1))
+}
+
+/// 16 bytes of nibbles as 32 bytes: the low nibbles, then the high ones (the
+/// order [`decode32`] gives).
+#[inline(always)]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    let q = _mm_loadu_si128(p as *const __m128i);
+    let both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// An f16 at `p` as f32 (F16C).
+#[inline(always)]
+unsafe fn half_at(p: *const u8) -> f32 {
+    let h = u16::from_le_bytes([*p, *p.add(1)]);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
+}
+
+/// Block `b` of `row` as 32 bytes (signed levels, or unsigned ones for the
+/// affine kinds) and `(d, m)` with `w = d · v + m`.
+#[inline(always)]
+unsafe fn block32<const K: usize>(row: &Row, b: usize) -> (__m256i, f32, f32) {
+    let kind = Kind32::ALL[K];
+    let blk = row.data.as_ptr().add(b * kind.bytes());
+    match kind {
+        Kind32::Q8_0 => (
+            _mm256_loadu_si256(blk.add(2) as *const __m256i),
+            half_at(blk),
+            0.0,
+        ),
+        Kind32::Int8 => (_mm256_loadu_si256(blk as *const __m256i), row.scale, 0.0),
+        Kind32::Q4_0 => (
+            _mm256_sub_epi8(nibbles(blk.add(2)), _mm256_set1_epi8(8)),
+            half_at(blk),
+            0.0,
+        ),
+        Kind32::Q4 => (
+            _mm256_sub_epi8(nibbles(blk), _mm256_set1_epi8(8)),
+            *row.scales.get_unchecked(b),
+            0.0,
+        ),
+        Kind32::Q4_1 => (nibbles(blk.add(4)), half_at(blk), half_at(blk.add(2))),
+        Kind32::Q5_0 => {
+            let u = _mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2)));
+            (_mm256_sub_epi8(u, _mm256_set1_epi8(16)), half_at(blk), 0.0)
+        }
+        Kind32::Q5_1 => (
+            _mm256_or_si256(nibbles(blk.add(8)), fifth_bits(blk.add(4))),
+            half_at(blk),
+            half_at(blk.add(2)),
+        ),
+    }
+}
+
+/// The 32 bits at `p` (little-endian) as 32 bytes: 16 where value i's bit
+/// is set, else 0.
+#[inline(always)]
+unsafe fn fifth_bits(p: *const u8) -> __m256i {
+    let bits = u32::from_le_bytes([*p, *p.add(1), *p.add(2), *p.add(3)]);
+    // Byte i of the register gets byte i / 8 of the bits (within each lane).
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits as i32),
+        _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        ),
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+    _mm256_and_si256(set, _mm256_set1_epi8(16))
+}
+
+/// `out[k] = Σ w · x` of one weight row of 32-value blocks with the
+/// activation rows `ts` (at most [`GROUP`]).
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dots32(
+    kind: Kind32,
+    row: &Row,
+    acts: &QuantizedActs,
+    ts: Range<usize>,
+    out: &mut [f32],
+) {
+    macro_rules! by_rows {
+        ($k:literal) => {
+            match ts.len() {
+                1 => dots32_t::<1, $k>(row, acts, ts.start, out),
+                2 => dots32_t::<2, $k>(row, acts, ts.start, out),
+                3 => dots32_t::<3, $k>(row, acts, ts.start, out),
+                _ => dots32_t::<4, $k>(row, acts, ts.start, out),
+            }
+        };
+    }
+    match kind {
+        Kind32::Q8_0 => by_rows!(0),
+        Kind32::Q4_0 => by_rows!(1),
+        Kind32::Q4_1 => by_rows!(2),
+        Kind32::Q5_0 => by_rows!(3),
+        Kind32::Q5_1 => by_rows!(4),
+        Kind32::Int8 => by_rows!(5),
+        Kind32::Q4 => by_rows!(6),
+    }
+}
+
+/// [`dots32`] for `T` activation rows from `t0` and the kind `Kind32::ALL[K]`.
+#[inline(always)]
+unsafe fn dots32_t<const T: usize, const K: usize>(
+    row: &Row,
+    acts: &QuantizedActs,
+    t0: usize,
+    out: &mut [f32],
+) {
+    const { assert!(T <= GROUP) };
+    let kind = Kind32::ALL[K];
+    let blocks = acts.cols / 32;
+    let qs: [*const i8; T] = std::array::from_fn(|k| acts.row(t0 + k).as_ptr());
+    let scales: [*const f32; T] =
+        std::array::from_fn(|k| acts.scales[(t0 + k) * blocks..].as_ptr());
+    let mut acc = [_mm256_setzero_ps(); T];
+    let mut offsets = [0f32; T];
+    for b in 0..blocks {
+        let (w, d, m) = block32::<K>(row, b);
+        // The weight's sign moves onto the activations once per block.
+        let w_abs = _mm256_sign_epi8(w, w);
+        for k in 0..T {
+            let a = _mm256_loadu_si256(qs[k].add(32 * b) as *const __m256i);
+            let s = if kind.affine() {
+                dot_u8(w, a)
+            } else {
+                dot_u8(w_abs, _mm256_sign_epi8(a, w))
+            };
+            let da = *scales[k].add(b);
+            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * da), acc[k]);
+            if kind.affine() {
+                let qsum = acts.sum16(t0 + k, 2 * b) + acts.sum16(t0 + k, 2 * b + 1);
+                offsets[k] += da * m * qsum as f32;
+            }
+        }
+    }
+    for k in 0..T {
+        out[k] = hsum_ps(acc[k]) + offsets[k];
+    }
+}
+
+/// The 256 levels of a k-quant super-block as eight registers of 32
+/// unsigned bytes, in value order (as [`crate::intdot::decode_k`] lays them).
+#[inline(always)]
+unsafe fn levels_k(kind: KindK, blk: &[u8]) -> [__m256i; 8] {
+    let load = |at: usize| _mm256_loadu_si256(blk.as_ptr().add(at) as *const __m256i);
+    let low = _mm256_set1_epi8(0x0F);
+    let lo = |q: __m256i| _mm256_and_si256(q, low);
+    let hi = |q: __m256i| _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+    // Bits `shift` and `shift + 1` of each byte, moved to bits 4 and 5.
+    let two_bits = |q: __m256i, shift: i32| {
+        let b = _mm256_and_si256(
+            _mm256_srl_epi16(q, _mm_cvtsi32_si128(shift)),
+            _mm256_set1_epi8(3),
+        );
+        _mm256_slli_epi16(b, 4)
+    };
+    // Bit `shift` of each byte, moved to bit 4.
+    let one_bit = |q: __m256i, shift: i32| {
+        let b = _mm256_and_si256(
+            _mm256_srl_epi16(q, _mm_cvtsi32_si128(shift)),
+            _mm256_set1_epi8(1),
+        );
+        _mm256_slli_epi16(b, 4)
+    };
+    let mut u = [_mm256_setzero_si256(); 8];
+    match kind {
+        KindK::Q4K => {
+            for j in 0..4 {
+                let q = load(16 + 32 * j);
+                u[2 * j] = lo(q);
+                u[2 * j + 1] = hi(q);
+            }
+        }
+        KindK::Q5K => {
+            let qh = load(16);
+            for j in 0..4 {
+                let q = load(48 + 32 * j);
+                u[2 * j] = _mm256_or_si256(lo(q), one_bit(qh, 2 * j as i32));
+                u[2 * j + 1] = _mm256_or_si256(hi(q), one_bit(qh, 2 * j as i32 + 1));
+            }
+        }
+        KindK::Q6K => {
+            for n in 0..2 {
+                let (ql0, ql1, qh) = (load(64 * n), load(64 * n + 32), load(128 + 32 * n));
+                u[4 * n] = _mm256_or_si256(lo(ql0), two_bits(qh, 0));
+                u[4 * n + 1] = _mm256_or_si256(lo(ql1), two_bits(qh, 2));
+                u[4 * n + 2] = _mm256_or_si256(hi(ql0), two_bits(qh, 4));
+                u[4 * n + 3] = _mm256_or_si256(hi(ql1), two_bits(qh, 6));
+            }
+        }
+    }
+    u
+}
+
+/// `out[k] = Σ w · x` of one row of k-quant super-blocks with the activation
+/// rows `ts` (at most [`GROUP`]). The integer sums are exact, so the result
+/// is the portable kernel's to the bit.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dots_k(
+    kind: KindK,
+    row: &[u8],
+    acts: &QuantizedActs,
+    ts: Range<usize>,
+    out: &mut [f32],
+) {
+    let bytes = k_bytes(kind);
+    let n = ts.len();
+    let rows: [*const i8; GROUP] =
+        std::array::from_fn(|k| acts.row(ts.start + k.min(n.saturating_sub(1))).as_ptr());
+    let mut acc = [0f32; GROUP];
+    let (mut sc, mut mn) = ([0i32; 16], [0i32; 16]);
+    for (s, blk) in row.chunks_exact(bytes).enumerate() {
+        let (d, dmin) = scales_k(kind, blk, &mut sc, &mut mn);
+        let u = levels_k(kind, blk);
+        // Each register of levels covers two groups of 16: their scales, as
+        // the eight 16-bit pairs of each half.
+        let scales: [__m256i; 8] = std::array::from_fn(|c| {
+            _mm256_set_m128i(
+                _mm_set1_epi16(sc[2 * c + 1] as i16),
+                _mm_set1_epi16(sc[2 * c] as i16),
+            )
+        });
+        for k in 0..n {
+            let t = ts.start + k;
+            let a = rows[k].add(256 * s);
+            let mut sums = _mm256_setzero_si256();
+            for c in 0..8 {
+                let av = _mm256_loadu_si256(a.add(32 * c) as *const __m256i);
+                let p = _mm256_maddubs_epi16(u[c], av);
+                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(p, scales[c]));
+            }
+            let mut isum = hsum_epi32(sums);
+            let mut msum = 0i32;
+            for g in 0..16 {
+                let gsum = acts.sum16(t, 16 * s + g);
+                if kind == KindK::Q6K {
+                    isum -= 32 * sc[g] * gsum;
+                }
+                msum += mn[g] * gsum;
+            }
+            let da = acts.scale(t, s);
+            acc[k] += da * (d * isum as f32 - dmin * msum as f32);
+        }
+    }
+    out[..n].copy_from_slice(&acc[..n]);
+}
