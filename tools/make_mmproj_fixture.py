@@ -10,8 +10,17 @@ convolution kernel `[D, 3, p, p]`, the audio query scale with its softplus appli
 depthwise kernel as `[C, K]`, scalars as one-element vectors; matrices in f16, vectors,
 norms, tables and the audio convolutions in f32.
 
+A 12B checkpoint (`Gemma4UnifiedForConditionalGeneration`) is written as the converter's
+`Gemma4UnifiedVisionAudioModel` writes it: projector types `gemma4uv` and `gemma4ua`, the
+tower settings as zeros (`mm_embed_dim` as the vision width, `audio_embed_dim` as the audio
+width), `model.vision_embedder.patch_ln1`/`patch_ln2`/`pos_norm` as `v.patch_norm.1`…`3`,
+`patch_dense` as `v.patch_embd` with its columns (and `patch_ln1`'s values) reordered from
+pixels of 3 channels to 3 planes of pixels (ggml's im2col order), `pos_embedding`
+`[T, 2, D]` as `v.position_embd.weight` `[2, T, D]`.
+
   pip install gguf numpy
   python tools/make_mmproj_fixture.py tests/fixtures/vision/e-audio tests/fixtures/vision/e-audio-mmproj.gguf
+  python tools/make_mmproj_fixture.py tests/fixtures/vision/unified tests/fixtures/vision/unified-mmproj.gguf
 """
 
 import json
@@ -66,7 +75,18 @@ def field_of(rest: str) -> str:
     return "weight" if rest in ("linear.weight", "weight", "") else rest
 
 
+UNIFIED_NORMS = {"patch_ln1": 1, "patch_ln2": 2, "pos_norm": 3}
+
+
 def gguf_name(name: str):
+    m = re.fullmatch(r"model\.vision_embedder\.(\w+)\.?(.*)", name)
+    if m:
+        module, field = m.groups()
+        if module == "pos_embedding":
+            return "v.position_embd.weight"
+        if module == "patch_dense":
+            return f"v.patch_embd.{field}"
+        return f"v.patch_norm.{UNIFIED_NORMS[module]}.{field}"
     if name == "model.embed_vision.embedding_projection.weight":
         return "mm.input_projection.weight"
     if name == "model.embed_audio.embedding_projection.weight":
@@ -107,10 +127,79 @@ def gguf_name(name: str):
     raise KeyError(name)
 
 
+def channels_first(t: np.ndarray) -> np.ndarray:
+    """Each row's p·p pixels of 3 values → 3 planes of p·p values."""
+    rows = t.reshape(-1, t.shape[-1] // 3, 3)
+    return rows.transpose(0, 2, 1).reshape(t.shape)
+
+
+def write_tensors(w: GGUFWriter, tensors: dict) -> None:
+    for name in sorted(tensors):
+        if not re.match(r"model\.(vision_tower|audio_tower|embed_vision|embed_audio|vision_embedder)\.", name):
+            continue
+        t = tensors[name].astype(np.float32)
+        g = gguf_name(name)
+        if g == "v.patch_embd.weight" and t.ndim == 2 and name.startswith("model.vision_tower."):
+            d, n = t.shape
+            p = int(round((n // 3) ** 0.5))
+            t = t.reshape(d, p, p, 3).transpose(0, 3, 1, 2)
+        elif name == "model.vision_embedder.patch_dense.weight" \
+                or name.startswith("model.vision_embedder.patch_ln1."):
+            t = channels_first(t)
+        elif name == "model.vision_embedder.pos_embedding":
+            t = t.transpose(1, 0, 2)
+        elif g.endswith("per_dim_scale.weight"):
+            t = np.log1p(np.exp(t.astype(np.float64))).astype(np.float32)
+        elif g.endswith("conv_dw.weight"):
+            t = t.reshape(t.shape[0], t.shape[-1])
+        if t.ndim == 0:
+            t = t.reshape(1)
+        keep_f32 = (t.ndim != 2 and g != "v.patch_embd.weight") or not g.endswith(".weight") \
+            or "norm" in g or g.startswith("a.conv1d") or "conv_dw" in g or g == "a.input_projection.weight"
+        w.add_tensor(g, np.ascontiguousarray(t if keep_f32 else t.astype(np.float16)))
+
+
+def main_unified(cfg: dict, tensors: dict, out: Path) -> None:
+    v, a = cfg["vision_config"], cfg["audio_config"]
+    hidden = cfg["text_config"]["hidden_size"]
+    w = GGUFWriter(str(out), "clip")
+    w.add_string("general.type", "mmproj")
+    w.add_uint32("general.file_type", 1)
+    w.add_bool("clip.has_vision_encoder", True)
+    w.add_uint32("clip.vision.projection_dim", hidden)
+    w.add_uint32("clip.vision.image_size", 224)
+    w.add_uint32("clip.vision.patch_size", v.get("patch_size", 16))
+    w.add_uint32("clip.vision.embedding_length", v["mm_embed_dim"])
+    w.add_uint32("clip.vision.feed_forward_length", 0)
+    w.add_uint32("clip.vision.block_count", 0)
+    w.add_uint32("clip.vision.attention.head_count", 0)
+    w.add_bool("clip.has_audio_encoder", True)
+    w.add_uint32("clip.audio.projection_dim", hidden)
+    w.add_uint32("clip.audio.embedding_length", a.get("audio_embed_dim", 640))
+    w.add_uint32("clip.audio.feed_forward_length", 0)
+    w.add_uint32("clip.audio.block_count", 0)
+    w.add_uint32("clip.audio.attention.head_count", 0)
+    w.add_string("clip.vision.projector_type", "gemma4uv")
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
+    w.add_string("clip.audio.projector_type", "gemma4ua")
+    # The converter writes the E-style default; llama.cpp reads 640-sample frames.
+    w.add_uint32("clip.audio.num_mel_bins", 128)
+    w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-6)
+    write_tensors(w, tensors)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"wrote {out}")
+
+
 def main(src: Path, out: Path) -> None:
     cfg = json.loads((src / "config.json").read_text())
-    v, a = cfg["vision_config"], cfg["audio_config"]
     tensors = bf16_file_as_f32(src / "model.safetensors")
+    if cfg.get("model_type") == "gemma4_unified":
+        main_unified(cfg, tensors, out)
+        return
+    v, a = cfg["vision_config"], cfg["audio_config"]
     w = GGUFWriter(str(out), "clip")
     w.add_string("general.type", "mmproj")
     w.add_bool("clip.has_vision_encoder", True)
@@ -132,24 +221,7 @@ def main(src: Path, out: Path) -> None:
     w.add_uint32("clip.audio.attention.head_count", a["num_attention_heads"])
     w.add_uint32("clip.audio.num_mel_bins", 128)
     w.add_float32("clip.audio.attention.layer_norm_epsilon", a.get("rms_norm_eps", 1e-6))
-    for name in sorted(tensors):
-        if not re.match(r"model\.(vision_tower|audio_tower|embed_vision|embed_audio)\.", name):
-            continue
-        t = tensors[name].astype(np.float32)
-        g = gguf_name(name)
-        if g == "v.patch_embd.weight":
-            d, n = t.shape
-            p = int(round((n // 3) ** 0.5))
-            t = t.reshape(d, p, p, 3).transpose(0, 3, 1, 2)
-        elif g.endswith("per_dim_scale.weight"):
-            t = np.log1p(np.exp(t.astype(np.float64))).astype(np.float32)
-        elif g.endswith("conv_dw.weight"):
-            t = t.reshape(t.shape[0], t.shape[-1])
-        if t.ndim == 0:
-            t = t.reshape(1)
-        keep_f32 = (t.ndim != 2 and g != "v.patch_embd.weight") or not g.endswith(".weight") \
-            or "norm" in g or g.startswith("a.conv1d") or "conv_dw" in g or g == "a.input_projection.weight"
-        w.add_tensor(g, np.ascontiguousarray(t if keep_f32 else t.astype(np.float16)))
+    write_tensors(w, tensors)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

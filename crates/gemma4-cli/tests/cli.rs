@@ -124,6 +124,24 @@ fn verify_checks_images_stage_by_stage() {
         .arg(dir.join("golden.json")));
     assert!(!out.status.success(), "{text}");
     assert!(text.contains("not a multimodal projector"), "{text}");
+    // The 12B's encoder-free embedders from a projector file, for its image
+    // and audio golden and its video golden (the video id from config.json).
+    let dir = vision.join("unified");
+    for (golden, matches) in [("golden.json", 9), ("video_golden.json", 5)] {
+        let (out, text) = run(bin()
+            .args(["verify", "--model"])
+            .arg(&dir)
+            .arg("--mmproj")
+            .arg(vision.join("unified-mmproj.gguf"))
+            .arg("--golden")
+            .arg(dir.join(golden)));
+        assert!(out.status.success(), "unified mmproj {golden}: {text}");
+        assert_eq!(
+            text.lines().filter(|l| l.starts_with("MATCH")).count(),
+            matches,
+            "unified mmproj {golden}: {text}"
+        );
+    }
     // Images 0 and 2 become the same number of soft tokens: swapped, the
     // first stage to depart is the processor's output.
     let tmp = std::env::temp_dir().join(format!("gemma4-cli-{}-vision", std::process::id()));

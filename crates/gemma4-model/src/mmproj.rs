@@ -1,18 +1,24 @@
 //! llama.cpp's multimodal projector files (`mmproj` GGUF, architecture
-//! `clip`) for Gemma 4: the vision tower (`gemma4v`) and the audio tower
-//! (`gemma4a`) as its converter writes them beside a text GGUF.
+//! `clip`) for Gemma 4 as its converter writes them beside a text GGUF: the
+//! vision tower (`gemma4v`) and the audio tower (`gemma4a`) of E2B/E4B, 31B
+//! and 26B-A4B, and the 12B's encoder-free image and audio embedders
+//! (`gemma4uv`, `gemma4ua`).
 //!
 //! The towers are written once, against the Hugging Face names; this source
 //! answers those names from the file's (`v.blk.N.attn_q.weight` for
-//! `vision_tower.encoder.layers.N.self_attn.q_proj.linear.weight`, and so
+//! `vision_tower.encoder.layers.N.self_attn.q_proj.linear.weight`,
+//! `v.patch_norm.3.weight` for `vision_embedder.pos_norm.weight`, and so
 //! on) and undoes what the converter changed: the patch embedding stored as
-//! a convolution kernel (channels first), the audio query scale stored with
-//! its softplus applied, scalars stored as one-element vectors, the
-//! depthwise kernel without its middle axis. The settings the converter does
-//! not write (head width, KV heads, clipping, standardisation) are read from
-//! the tensors; those llama.cpp fixes in code (the vision RoPE base 100, 3×3
+//! a convolution kernel (channels first), the 12B's patch projection and
+//! first patch norm with their pixel values reordered channels first, its
+//! position table with the x and y tables as the outer axis, the audio query
+//! scale stored with its softplus applied, scalars stored as one-element
+//! vectors, the depthwise kernel without its middle axis. The settings the
+//! converter does not write (head width, KV heads, clipping,
+//! standardisation, the 12B's table size and frame width) are read from the
+//! tensors; those llama.cpp fixes in code (the vision RoPE base 100, 3×3
 //! pooling, the audio chunk of 12 with 12 past positions and a logit cap of
-//! 50) are the published configuration's.
+//! 50, the 12B's audio norm epsilon) are the published configuration's.
 
 use std::path::Path;
 
@@ -35,9 +41,14 @@ pub struct MmprojSource {
 enum Fix {
     /// The same values; the shape may be written differently.
     None,
-    /// `[D, 3, p, p]` (a convolution kernel) back to `[D, p·p·3]` (rows of
-    /// pixels, channels last), as the reference's patch embedding reads.
-    PatchKernel,
+    /// Each row's pixel values stored channels first (`[D, 3, p, p]`, a
+    /// convolution kernel; `[D, 3·p·p]` or `[3·p·p]` as the 12B's patch
+    /// projection and first patch norm are written) back to channels last
+    /// (`p·p` pixels of 3 values), as the reference's patch embedding reads.
+    ChannelsFirst,
+    /// `[2, T, D]` (the x table, then the y table) back to `[T, 2, D]` (per
+    /// position, its x and y rows), the 12B's position table.
+    PositionTables,
     /// Stored as `softplus(x)`; the tower applies softplus itself.
     Softplus,
 }
@@ -99,6 +110,7 @@ impl MmprojSource {
             "image_token_id",
             "boi_token_id",
             "eoi_token_id",
+            "video_token_id",
             "audio_token_id",
             "boa_token_id",
             "eoa_token_index",
@@ -109,24 +121,26 @@ impl MmprojSource {
             }
         }
         if self.has("vision") {
-            match self.projector("vision").as_deref() {
-                Some("gemma4v") => out["vision_config"] = self.vision_config()?,
+            out["vision_config"] = match self.projector("vision").as_deref() {
+                Some("gemma4v") => self.vision_config()?,
+                Some("gemma4uv") => self.unified_vision_config()?,
                 other => return Err(self.unsupported("vision", other)),
-            }
+            };
         }
         if self.has("audio") {
-            match self.projector("audio").as_deref() {
-                Some("gemma4a") => out["audio_config"] = self.audio_config()?,
+            out["audio_config"] = match self.projector("audio").as_deref() {
+                Some("gemma4a") => self.audio_config()?,
+                Some("gemma4ua") => self.unified_audio_config()?,
                 other => return Err(self.unsupported("audio", other)),
-            }
+            };
         }
         Ok(out)
     }
 
     fn unsupported(&self, modality: &str, kind: Option<&str>) -> ModelError {
         ModelError::Input(format!(
-            "{}: the {modality} projector `{}` is not supported (supported: gemma4v, gemma4a; \
-             the 12B's encoder-free embedders load from its safetensors checkpoint)",
+            "{}: the {modality} projector `{}` is not supported (supported: gemma4v, gemma4a, \
+             gemma4uv, gemma4ua)",
             self.gguf.path().display(),
             kind.unwrap_or("none")
         ))
@@ -157,6 +171,54 @@ impl MmprojSource {
             "standardize": self.gguf.dims("v.std_bias").is_some(),
             "rope_parameters": {"rope_type": "axial", "rope_theta": 100.0},
         }))
+    }
+
+    /// The 12B's encoder-free image embedder: 48-pixel patches (the file's
+    /// patch size times the merge factor, as llama.cpp reads it), the table
+    /// size from the position table.
+    fn unified_vision_config(&self) -> Result<Value> {
+        let width = self.require("clip.vision.embedding_length")?;
+        let table = self.dims("v.position_embd.weight")?;
+        let [2, positions, d] = table[..] else {
+            return Err(self.bad_shape("v.position_embd.weight", &table, "[2, T, D]"));
+        };
+        if d != width {
+            return Err(self.bad_shape("v.position_embd.weight", &table, "[2, T, D]"));
+        }
+        Ok(json!({
+            "model_type": "gemma4_unified_vision",
+            "patch_size": self.require("clip.vision.patch_size")?,
+            "pooling_kernel_size": self
+                .gguf
+                .meta_usize("clip.vision.projector.scale_factor")
+                .unwrap_or(3),
+            "mm_embed_dim": width,
+            "output_proj_dims": width,
+            "mm_posemb_size": positions,
+            "rms_norm_eps": self.eps("vision"),
+        }))
+    }
+
+    /// The 12B's encoder-free audio embedder: the frame width is the
+    /// projection's input width (640 in the published model).
+    fn unified_audio_config(&self) -> Result<Value> {
+        let proj = self.dims("mm.a.input_projection.weight")?;
+        let [_, frame] = proj[..] else {
+            return Err(self.bad_shape("mm.a.input_projection.weight", &proj, "[H, frame]"));
+        };
+        Ok(json!({
+            "model_type": "gemma4_unified_audio",
+            "audio_embed_dim": frame,
+            // llama.cpp reads 1e-6 whatever the file says.
+            "rms_norm_eps": 1e-6,
+        }))
+    }
+
+    fn bad_shape(&self, name: &str, found: &[usize], expected: &str) -> ModelError {
+        ModelError::Input(format!(
+            "{}: `{name}` has shape {found:?}, expected {expected}",
+            self.gguf.path().display()
+        ))
     }
 
     fn audio_config(&self) -> Result<Value> {
@@ -221,8 +283,37 @@ impl WeightSource for MmprojSource {
                 t.shape = shape.to_vec();
                 t
             }
-            Fix::PatchKernel => {
-                let [d, c, p, q] = dims[..] else {
+            Fix::ChannelsFirst => {
+                let bad = || WeightError::Shape {
+                    name: g.clone(),
+                    expected: shape.to_vec(),
+                    found: dims.clone(),
+                };
+                // Rows and channels of the stored layout.
+                let (rows, channels) = match dims[..] {
+                    [d, c, _, _] => (d, c),
+                    [d, _] => (d, 3),
+                    [_] => (1, 3),
+                    _ => return Err(bad().into()),
+                };
+                let row = elements / rows.max(1);
+                if rows == 0 || channels == 0 || !row.is_multiple_of(channels) {
+                    return Err(bad().into());
+                }
+                let pixels = row / channels;
+                let v = t.to_f32()?;
+                let mut out = vec![0f32; v.len()];
+                for (dst, src) in out.chunks_exact_mut(row).zip(v.chunks_exact(row)) {
+                    for ch in 0..channels {
+                        for px in 0..pixels {
+                            dst[px * channels + ch] = src[ch * pixels + px];
+                        }
+                    }
+                }
+                f32_tensor(out)
+            }
+            Fix::PositionTables => {
+                let [2, positions, d] = dims[..] else {
                     return Err(WeightError::Shape {
                         name: g,
                         expected: shape.to_vec(),
@@ -230,16 +321,20 @@ impl WeightSource for MmprojSource {
                     }
                     .into());
                 };
+                if shape != [positions, 2, d] {
+                    return Err(WeightError::Shape {
+                        name: g,
+                        expected: shape.to_vec(),
+                        found: dims,
+                    }
+                    .into());
+                }
                 let v = t.to_f32()?;
                 let mut out = vec![0f32; v.len()];
-                for o in 0..d {
-                    for ch in 0..c {
-                        for y in 0..p {
-                            for x in 0..q {
-                                out[o * c * p * q + (y * q + x) * c + ch] =
-                                    v[((o * c + ch) * p + y) * q + x];
-                            }
-                        }
+                for axis in 0..2 {
+                    for p in 0..positions {
+                        out[(p * 2 + axis) * d..][..d]
+                            .copy_from_slice(&v[(axis * positions + p) * d..][..d]);
                     }
                 }
                 f32_tensor(out)
@@ -284,6 +379,9 @@ fn mmproj_name(hf: &str) -> Option<(String, Fix)> {
     if let Some(rest) = hf.strip_prefix("audio_tower.") {
         return audio_name(rest);
     }
+    if let Some(rest) = hf.strip_prefix("vision_embedder.") {
+        return unified_vision_name(rest);
+    }
     let g = match hf {
         "embed_vision.embedding_projection.weight" => "mm.input_projection.weight",
         "embed_audio.embedding_projection.weight" => "mm.a.input_projection.weight",
@@ -305,11 +403,40 @@ fn linear_part<'a>(rest: &'a str, names: &[(&str, &'a str)]) -> Option<(&'a str,
     Some((g, field))
 }
 
+/// The 12B's image embedder (`vision_embedder.*`): its three LayerNorms
+/// are the converter's patch norms 1 to 3 (`pos_norm` the third), the dense
+/// projection the patch embedding.
+fn unified_vision_name(rest: &str) -> Option<(String, Fix)> {
+    let (module, field) = rest.rsplit_once('.').unwrap_or((rest, ""));
+    let (g, fix) = match (module, field) {
+        ("pos_embedding", "") => ("v.position_embd.weight".to_string(), Fix::PositionTables),
+        ("patch_dense", "weight") => ("v.patch_embd.weight".into(), Fix::ChannelsFirst),
+        ("patch_dense", "bias") => ("v.patch_embd.bias".into(), Fix::None),
+        ("patch_ln1" | "patch_ln2" | "pos_norm", "weight" | "bias") => {
+            let n = match module {
+                "patch_ln1" => 1,
+                "patch_ln2" => 2,
+                _ => 3,
+            };
+            // The first norm reads the pixel values, reordered as the
+            // projection's columns are.
+            let fix = if n == 1 {
+                Fix::ChannelsFirst
+            } else {
+                Fix::None
+            };
+            (format!("v.patch_norm.{n}.{field}"), fix)
+        }
+        _ => return None,
+    };
+    Some((g, fix))
+}
+
 fn vision_name(rest: &str) -> Option<(String, Fix)> {
     let plain = |g: &str| Some((g.to_string(), Fix::None));
     match rest {
         "patch_embedder.input_proj.weight" => {
-            return Some(("v.patch_embd.weight".into(), Fix::PatchKernel))
+            return Some(("v.patch_embd.weight".into(), Fix::ChannelsFirst))
         }
         "patch_embedder.position_embedding_table" => return plain("v.position_embd.weight"),
         "std_bias" => return plain("v.std_bias"),
@@ -471,6 +598,16 @@ mod tests {
                 "embed_audio.embedding_projection.weight",
                 "mm.a.input_projection.weight",
             ),
+            ("vision_embedder.patch_ln1.bias", "v.patch_norm.1.bias"),
+            ("vision_embedder.patch_ln2.weight", "v.patch_norm.2.weight"),
+            ("vision_embedder.pos_norm.bias", "v.patch_norm.3.bias"),
+            ("vision_embedder.patch_dense.weight", "v.patch_embd.weight"),
+            ("vision_embedder.patch_dense.bias", "v.patch_embd.bias"),
+            ("vision_embedder.pos_embedding", "v.position_embd.weight"),
+            (
+                "embed_vision.embedding_projection.weight",
+                "mm.input_projection.weight",
+            ),
         ] {
             assert_eq!(mmproj_name(hf).map(|(n, _)| n).as_deref(), Some(g), "{hf}");
         }
@@ -478,6 +615,20 @@ mod tests {
             mmproj_name("audio_tower.layers.0.self_attn.per_dim_scale").map(|(_, f)| f),
             Some(Fix::Softplus)
         );
+        for (hf, fix) in [
+            (
+                "vision_tower.patch_embedder.input_proj.weight",
+                Fix::ChannelsFirst,
+            ),
+            ("vision_embedder.patch_dense.weight", Fix::ChannelsFirst),
+            ("vision_embedder.patch_ln1.weight", Fix::ChannelsFirst),
+            ("vision_embedder.patch_ln2.weight", Fix::None),
+            ("vision_embedder.pos_embedding", Fix::PositionTables),
+        ] {
+            assert_eq!(mmproj_name(hf).map(|(_, f)| f), Some(fix), "{hf}");
+        }
+        assert!(mmproj_name("vision_embedder.patch_ln4.weight").is_none());
+        assert!(mmproj_name("vision_embedder.pos_embedding.weight").is_none());
         assert!(mmproj_name("language_model.layers.0.mlp.up_proj.weight").is_none());
         assert!(mmproj_name("vision_tower.encoder.layers.x.mlp.up_proj.linear.weight").is_none());
     }

@@ -7,8 +7,16 @@
 //! one-element vectors, matrices in f16 — then loaded back, and each image's
 //! and the clip's soft tokens held to the reference's.
 //!
-//! `GEMMA4_MMPROJ_FILE` may name another mmproj of the same fixture (made by
-//! llama.cpp's own converter, say) to hold to the same goldens.
+//! The 12B's fixture (`tests/fixtures/vision/unified`) is written the same
+//! way with its encoder-free embedders (`gemma4uv`, `gemma4ua`): the patch
+//! projection's columns and the first patch norm reordered channels first,
+//! the position table as `[2, T, D]`, `pos_norm` as the third patch norm;
+//! that file and the one `tools/make_mmproj_fixture.py` committed
+//! (`unified-mmproj.gguf`) are held to its image and audio soft tokens.
+//!
+//! `GEMMA4_MMPROJ_FILE` (`GEMMA4_UNIFIED_MMPROJ_FILE`) may name another
+//! mmproj of the E-style (12B) fixture, made by llama.cpp's own converter,
+//! say, to hold to the same goldens.
 
 mod common;
 
@@ -17,10 +25,10 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::gguf_file::{self, Value};
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
-use gemma4_media::audio::decode_wav;
+use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::mel::log_mel;
 use gemma4_model::mmproj::mmproj_tensor_name;
-use gemma4_model::{read_config, AudioEncoder, ImageEncoder};
+use gemma4_model::{read_config, AudioEncoder, AudioFeatures, ImageEncoder};
 
 use common::{encode_image, max_abs_diff, tensor, vision_fixture};
 
@@ -28,9 +36,9 @@ fn vision_dir() -> PathBuf {
     vision_fixture("")
 }
 
-/// The fixture's towers as an mmproj file in the converter's layout.
-fn write_mmproj(dir: &Path) -> PathBuf {
-    let json = read_config(dir).expect("config");
+/// The fixture's tower tensors (below the multimodal root) as the converter
+/// writes them: names, layouts and types.
+fn converter_tensors(dir: &Path) -> Vec<(String, QTensor)> {
     let bytes = std::fs::read(dir.join("model.safetensors")).expect("read");
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
     let mut tensors: Vec<(String, QTensor)> = Vec::new();
@@ -43,6 +51,7 @@ fn write_mmproj(dir: &Path) -> PathBuf {
             "audio_tower.",
             "embed_vision.",
             "embed_audio.",
+            "vision_embedder.",
         ]
         .iter()
         .any(|p| rel.starts_with(p))
@@ -54,14 +63,32 @@ fn write_mmproj(dir: &Path) -> PathBuf {
             .and_then(|t| t.to_dtype(DType::F32))
             .expect("tensor");
         let dims = t.dims().to_vec();
+        // p·p pixels of 3 values (channels last) → 3 planes of p·p.
+        let channels_first = |t: &Tensor, rows: usize| {
+            let pixels = t.elem_count() / rows / 3;
+            t.reshape((rows, pixels, 3))
+                .and_then(|t| t.transpose(1, 2))
+                .and_then(|t| t.contiguous())
+                .and_then(|t| t.reshape(dims.as_slice()))
+                .expect("channels first")
+        };
         if rel == "vision_tower.patch_embedder.input_proj.weight" {
             // [D, p·p·3] (pixels, channels last) → [D, 3, p, p].
             let p = ((dims[1] / 3) as f64).sqrt() as usize;
-            t = t
-                .reshape((dims[0], p, p, 3))
-                .and_then(|t| t.permute((0, 3, 1, 2)))
-                .and_then(|t| t.contiguous())
+            t = channels_first(&t, dims[0])
+                .reshape((dims[0], 3, p, p))
                 .expect("kernel");
+        } else if rel == "vision_embedder.patch_dense.weight" {
+            // The columns reordered as ggml's im2col lays out a patch.
+            t = channels_first(&t, dims[0]);
+        } else if rel.starts_with("vision_embedder.patch_ln1.") {
+            t = channels_first(&t, 1);
+        } else if rel == "vision_embedder.pos_embedding" {
+            // [T, 2, D] → [2, T, D]: the x table, then the y table.
+            t = t
+                .transpose(0, 1)
+                .and_then(|t| t.contiguous())
+                .expect("tables");
         } else if rel.ends_with("self_attn.per_dim_scale") {
             t = (t.exp().expect("exp") + 1.0)
                 .and_then(|t| t.log())
@@ -86,10 +113,35 @@ fn write_mmproj(dir: &Path) -> PathBuf {
         };
         tensors.push((g, QTensor::quantize(&t, dtype).expect("qtensor")));
     }
+    tensors
+}
+
+/// Writes an mmproj file of these tensors and metadata under the temporary
+/// directory.
+fn write_gguf(tag: &str, meta: &[(&str, Value)], tensors: &[(String, QTensor)]) -> PathBuf {
+    let path =
+        std::env::temp_dir().join(format!("gemma4-mmproj-{tag}-{}.gguf", std::process::id()));
+    let mut file = std::fs::File::create(&path).expect("create");
+    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
+    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    gguf_file::write(&mut file, &meta_refs, &tensor_refs).expect("write gguf");
+    path
+}
+
+fn text(s: &str) -> Value {
+    Value::String(s.into())
+}
+
+fn u(x: &serde_json::Value) -> Value {
+    Value::U32(x.as_u64().expect("number") as u32)
+}
+
+/// The fixture's towers as an mmproj file in the converter's layout.
+fn write_mmproj(dir: &Path) -> PathBuf {
+    let json = read_config(dir).expect("config");
+    let tensors = converter_tensors(dir);
     let v = &json["vision_config"];
     let a = &json["audio_config"];
-    let u = |x: &serde_json::Value| Value::U32(x.as_u64().expect("number") as u32);
-    let text = |s: &str| Value::String(s.into());
     let meta: Vec<(&str, Value)> = vec![
         ("general.architecture", text("clip")),
         ("general.type", text("mmproj")),
@@ -118,12 +170,44 @@ fn write_mmproj(dir: &Path) -> PathBuf {
         ),
         ("clip.audio.num_mel_bins", Value::U32(128)),
     ];
-    let path = std::env::temp_dir().join(format!("gemma4-mmproj-{}.gguf", std::process::id()));
-    let mut file = std::fs::File::create(&path).expect("create");
-    let meta_refs: Vec<(&str, &Value)> = meta.iter().map(|(k, v)| (*k, v)).collect();
-    let tensor_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
-    gguf_file::write(&mut file, &meta_refs, &tensor_refs).expect("write gguf");
-    path
+    write_gguf("e", &meta, &tensors)
+}
+
+/// The 12B fixture's encoder-free embedders as an mmproj file in the
+/// converter's layout (`Gemma4UnifiedVisionAudioModel`): the towers'
+/// settings written as zeros, the vision width as `mm_embed_dim`, the
+/// audio width as the frame width, 128 "mel bins" (llama.cpp reads 640).
+fn write_unified_mmproj(dir: &Path) -> PathBuf {
+    let json = read_config(dir).expect("config");
+    let tensors = converter_tensors(dir);
+    let v = &json["vision_config"];
+    let a = &json["audio_config"];
+    let hidden = u(&json["text_config"]["hidden_size"]);
+    let meta: Vec<(&str, Value)> = vec![
+        ("general.architecture", text("clip")),
+        ("general.type", text("mmproj")),
+        ("general.file_type", Value::U32(1)),
+        ("clip.has_vision_encoder", Value::Bool(true)),
+        ("clip.vision.projection_dim", hidden.clone()),
+        ("clip.vision.image_size", Value::U32(224)),
+        ("clip.vision.patch_size", u(&v["patch_size"])),
+        ("clip.vision.embedding_length", u(&v["mm_embed_dim"])),
+        ("clip.vision.feed_forward_length", Value::U32(0)),
+        ("clip.vision.block_count", Value::U32(0)),
+        ("clip.vision.attention.head_count", Value::U32(0)),
+        ("clip.has_audio_encoder", Value::Bool(true)),
+        ("clip.audio.projection_dim", hidden),
+        ("clip.audio.embedding_length", u(&a["audio_embed_dim"])),
+        ("clip.audio.feed_forward_length", Value::U32(0)),
+        ("clip.audio.block_count", Value::U32(0)),
+        ("clip.audio.attention.head_count", Value::U32(0)),
+        ("clip.vision.projector_type", text("gemma4uv")),
+        ("clip.vision.attention.layer_norm_epsilon", Value::F32(1e-6)),
+        ("clip.audio.projector_type", text("gemma4ua")),
+        ("clip.audio.num_mel_bins", Value::U32(128)),
+        ("clip.audio.attention.layer_norm_epsilon", Value::F32(1e-6)),
+    ];
+    write_gguf("unified", &meta, &tensors)
 }
 
 fn golden(dir: &Path, name: &str) -> Vec<f32> {
@@ -180,6 +264,68 @@ fn towers_from_an_mmproj_file_match_the_reference() {
     let _ = std::fs::remove_file(path);
     if let Some(other) = std::env::var_os("GEMMA4_MMPROJ_FILE") {
         check(Path::new(&other));
+    }
+}
+
+/// Every image's and the clip's soft tokens through the 12B fixture's
+/// encoder-free embedders from an mmproj file.
+fn check_unified(mmproj: &Path) {
+    let dir = vision_dir().join("unified");
+    let json = read_config(&dir).expect("config");
+    let hidden = json["text_config"]["hidden_size"].as_u64().unwrap() as usize;
+    let (images, _) = ImageEncoder::load_mmproj(mmproj, hidden, &json)
+        .expect("load vision")
+        .expect("an image embedder");
+    assert!(
+        images.takes_merged_patches(),
+        "not the encoder-free embedder"
+    );
+    assert_eq!(images.tokens().soft, 500);
+    assert_eq!(images.video_tokens().soft, 506);
+    for i in 0..4 {
+        let ours = encode_image(&images, i);
+        let want = golden(&dir, &format!("features.{i}"));
+        let diff = max_abs_diff(&ours, &want);
+        eprintln!(
+            "{}: unified image {i}: max |Δ| {diff:.2e} (largest value {:.2})",
+            mmproj.display(),
+            scale(&want)
+        );
+        assert!(diff <= 1e-4 * scale(&want), "image {i}: {diff}");
+    }
+    let (audio, _) = AudioEncoder::load_mmproj(mmproj, hidden, &json)
+        .expect("load audio")
+        .expect("an audio embedder");
+    assert_eq!(audio.features(), AudioFeatures::Frames(640));
+    assert_eq!(audio.tokens().soft, 503);
+    let wav = std::fs::read(vision_dir().join("audio/0.wav")).expect("wav");
+    let clip = decode_wav(&wav, 30.0).expect("decode");
+    let ours: Vec<f32> = audio
+        .encode(&frames(&clip, 640))
+        .expect("encode")
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+    let want = golden(&dir, "audio_features.0");
+    let diff = max_abs_diff(&ours, &want);
+    eprintln!(
+        "{}: unified audio 0: max |Δ| {diff:.2e} (largest value {:.2})",
+        mmproj.display(),
+        scale(&want)
+    );
+    assert!(diff <= 1e-4 * scale(&want), "audio: {diff}");
+}
+
+#[test]
+fn the_12b_embedders_from_an_mmproj_file_match_the_reference() {
+    let path = write_unified_mmproj(&vision_dir().join("unified"));
+    check_unified(&path);
+    let _ = std::fs::remove_file(path);
+    // The same layout written by `tools/make_mmproj_fixture.py`.
+    check_unified(&vision_dir().join("unified-mmproj.gguf"));
+    if let Some(other) = std::env::var_os("GEMMA4_UNIFIED_MMPROJ_FILE") {
+        check_unified(Path::new(&other));
     }
 }
 
