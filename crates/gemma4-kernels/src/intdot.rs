@@ -430,6 +430,27 @@ pub fn matrix32<'a>(
     }
     let avx2 = has_avx2();
     let len = rows.len();
+    #[cfg(target_arch = "x86_64")]
+    if avx2 && acts.n == 1 {
+        // Decode: weight rows two at a time against the one activation row.
+        let start = rows.start;
+        for i in (0..len).step_by(2) {
+            let mut pair = [0f32; 2];
+            let a = row_of(start + i);
+            let b = if i + 1 < len {
+                row_of(start + i + 1)
+            } else {
+                a
+            };
+            // SAFETY: `has_avx2` detected the features the kernel needs.
+            unsafe { crate::intdot_avx2::dots32_two_rows(kind, [&a, &b], acts, &mut pair) };
+            out[i] = pair[0];
+            if i + 1 < len {
+                out[i + 1] = pair[1];
+            }
+        }
+        return;
+    }
     for (i, r) in rows.enumerate() {
         let row = row_of(r);
         for_groups(acts.n, len, i, out, |ts, part| {

@@ -42,6 +42,9 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
 }
 
+/// How far ahead of the block being read the weights are prefetched.
+const PREFETCH_BYTES: usize = 1024;
+
 /// An f16 at `p` as f32 (F16C).
 #[inline(always)]
 unsafe fn half_at(p: *const u8) -> f32 {
@@ -153,9 +156,17 @@ unsafe fn dots32_t<const T: usize, const K: usize>(
     let qs: [*const i8; T] = std::array::from_fn(|k| acts.row(t0 + k).as_ptr());
     let scales: [*const f32; T] =
         std::array::from_fn(|k| acts.scales[(t0 + k) * blocks..].as_ptr());
-    let mut acc = [_mm256_setzero_ps(); T];
+    // Two accumulators per activation row (even and odd blocks), so that
+    // consecutive blocks' FMAs do not wait on each other.
+    let mut acc = [[_mm256_setzero_ps(); 2]; T];
     let mut offsets = [0f32; T];
+    let ahead = row.data.as_ptr().wrapping_add(PREFETCH_BYTES);
     for b in 0..blocks {
+        // The rows after this one, read next, on their way into the cache.
+        _mm_prefetch(
+            ahead.wrapping_add(b * kind.bytes()) as *const i8,
+            _MM_HINT_T0,
+        );
         let (w, d, m) = block32::<K>(row, b);
         // The weight's sign moves onto the activations once per block.
         let w_abs = _mm256_sign_epi8(w, w);
@@ -167,7 +178,8 @@ unsafe fn dots32_t<const T: usize, const K: usize>(
                 dot_u8(w_abs, _mm256_sign_epi8(a, w))
             };
             let da = *scales[k].add(b);
-            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * da), acc[k]);
+            let lane = &mut acc[k][b & 1];
+            *lane = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * da), *lane);
             if kind.affine() {
                 let qsum = acts.sum16(t0 + k, 2 * b) + acts.sum16(t0 + k, 2 * b + 1);
                 offsets[k] += da * m * qsum as f32;
@@ -175,7 +187,65 @@ unsafe fn dots32_t<const T: usize, const K: usize>(
         }
     }
     for k in 0..T {
-        out[k] = hsum_ps(acc[k]) + offsets[k];
+        out[k] = hsum_ps(_mm256_add_ps(acc[k][0], acc[k][1])) + offsets[k];
+    }
+}
+
+/// `out[i] = Σ w_i · x` of two weight rows of 32-value blocks with the one
+/// activation row (decode): the activation block and its scale are loaded
+/// once for both rows, and the two rows' products overlap.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C; `acts` has one row.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dots32_two_rows(
+    kind: Kind32,
+    rows: [&Row; 2],
+    acts: &QuantizedActs,
+    out: &mut [f32; 2],
+) {
+    match kind {
+        Kind32::Q8_0 => two_rows_t::<0>(rows, acts, out),
+        Kind32::Q4_0 => two_rows_t::<1>(rows, acts, out),
+        Kind32::Q4_1 => two_rows_t::<2>(rows, acts, out),
+        Kind32::Q5_0 => two_rows_t::<3>(rows, acts, out),
+        Kind32::Q5_1 => two_rows_t::<4>(rows, acts, out),
+        Kind32::Int8 => two_rows_t::<5>(rows, acts, out),
+        Kind32::Q4 => two_rows_t::<6>(rows, acts, out),
+    }
+}
+
+#[inline(always)]
+unsafe fn two_rows_t<const K: usize>(rows: [&Row; 2], acts: &QuantizedActs, out: &mut [f32; 2]) {
+    let kind = Kind32::ALL[K];
+    let blocks = acts.cols / 32;
+    let (qs, scales) = (acts.row(0).as_ptr(), acts.scales.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut offsets = [0f32; 2];
+    let ahead = rows.map(|r| r.data.as_ptr().wrapping_add(PREFETCH_BYTES));
+    for b in 0..blocks {
+        let a = _mm256_loadu_si256(qs.add(32 * b) as *const __m256i);
+        let da = *scales.add(b);
+        for i in 0..2 {
+            _mm_prefetch(
+                ahead[i].wrapping_add(b * kind.bytes()) as *const i8,
+                _MM_HINT_T0,
+            );
+            let (w, d, m) = block32::<K>(rows[i], b);
+            let s = if kind.affine() {
+                dot_u8(w, a)
+            } else {
+                dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
+            };
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * da), acc[i]);
+            if kind.affine() {
+                let qsum = acts.sum16(0, 2 * b) + acts.sum16(0, 2 * b + 1);
+                offsets[i] += da * m * qsum as f32;
+            }
+        }
+    }
+    for i in 0..2 {
+        out[i] = hsum_ps(acc[i]) + offsets[i];
     }
 }
 
