@@ -54,6 +54,11 @@ fn exact_mode_matches_the_reference_exactly() {
     }
 }
 
+/// A reference top-2 margin (logits) under which rounding activations to 8
+/// bits may flip the choice: ulp-sized changes (a summation order) become
+/// logit changes of a few tenths there.
+const NEAR_TIE: f32 = 0.25;
+
 /// The top-1 − top-2 logit margin at each step of generating `ids` after
 /// `prompt` (teacher-forced).
 fn margins(model: &Gemma4, prompt: &[u32], ids: &[u32]) -> Vec<f32> {
@@ -109,7 +114,6 @@ fn default_mode_follows_the_reference_and_says_paris() {
     })
     .expect("the same file");
     const FLOORS: [usize; 3] = [11, 24, 24];
-    const NEAR_TIE: f32 = 0.25;
     let mut shown = Vec::new();
     for (p, floor) in golden().prompts.iter().zip(FLOORS) {
         let r = verify_prompt(&default, p, DEFAULT_TOLERANCE).expect("verify");
@@ -248,12 +252,11 @@ fn hugging_face_gemma3_layout_matches_the_reference() {
         serde_json::Value::Object(config).to_string(),
     )
     .expect("config");
-    let model = gemma4_model::load_hf_dir(&dir).expect("load HF layout");
+    let reference = gemma4_model::load_hf_dir(&dir).expect("load HF layout");
     for p in &golden().prompts {
-        let r = verify_prompt(&model, p, DEFAULT_TOLERANCE).expect("verify");
+        let r = verify_prompt(&reference, p, DEFAULT_TOLERANCE).expect("verify");
         assert!(r.seq_match, "{}: {r:?}", p.name);
     }
-    drop(model);
     // Quantized on load: greedy agreement with the reference continuation
     // on real weights (the accuracy table in docs/quantization.md).
     // Floors: the least each mode measured here (docs/quantization.md). The
@@ -277,12 +280,19 @@ fn hugging_face_gemma3_layout_matches_the_reference() {
                 p.name,
                 p.greedy.generated_ids.len()
             ));
-            assert!(
-                leading >= min_leading,
-                "{}: {}",
-                quant.name(),
-                shown.join(", ")
-            );
+            if leading < min_leading {
+                // As the GGUF test: a departure before the floor only at a
+                // near tie of the reference (this load's unquantized f32
+                // weights, held to the reference above).
+                let m = margins(&reference, &p.input_ids, &p.greedy.generated_ids);
+                assert!(
+                    m[leading] < NEAR_TIE,
+                    "{}: departed at step {leading}, where the reference's margin is {:.3}: {}",
+                    quant.name(),
+                    m[leading],
+                    shown.join(", ")
+                );
+            }
         }
         for c in &golden().coherence.expect("coherence prompts").prompts {
             let ids = greedy(&model, &c.input_ids, c.generated_ids.len()).expect("greedy");
