@@ -343,15 +343,35 @@ pub unsafe fn dots_k(
                 let p = _mm256_maddubs_epi16(u[c], av);
                 sums = _mm256_add_epi32(sums, _mm256_madd_epi16(p, scales[c]));
             }
-            let mut isum = hsum_epi32(sums);
-            let mut msum = 0i32;
-            for g in 0..16 {
-                let gsum = acts.sum16(t, 16 * s + g);
-                if kind == KindK::Q6K {
-                    isum -= 32 * sc[g] * gsum;
-                }
-                msum += mn[g] * gsum;
+            // The 16 groups' activation sums, against the mins (and, for
+            // Q6_K, the scales times its offset of 32).
+            let g = acts.sums.as_ptr().add((t * acts.cols + 256 * s) / 16);
+            let (g0, g1) = (
+                _mm256_loadu_si256(g as *const __m256i),
+                _mm256_loadu_si256(g.add(8) as *const __m256i),
+            );
+            if kind == KindK::Q6K {
+                let (s0, s1) = (
+                    _mm256_loadu_si256(sc.as_ptr() as *const __m256i),
+                    _mm256_loadu_si256(sc.as_ptr().add(8) as *const __m256i),
+                );
+                let offset =
+                    _mm256_add_epi32(_mm256_mullo_epi32(g0, s0), _mm256_mullo_epi32(g1, s1));
+                sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(offset, 5));
             }
+            let isum = hsum_epi32(sums);
+            let msum = if kind == KindK::Q6K {
+                0
+            } else {
+                let (m0, m1) = (
+                    _mm256_loadu_si256(mn.as_ptr() as *const __m256i),
+                    _mm256_loadu_si256(mn.as_ptr().add(8) as *const __m256i),
+                );
+                hsum_epi32(_mm256_add_epi32(
+                    _mm256_mullo_epi32(g0, m0),
+                    _mm256_mullo_epi32(g1, m1),
+                ))
+            };
             let da = acts.scale(t, s);
             acc[k] += da * (d * isum as f32 - dmin * msum as f32);
         }
