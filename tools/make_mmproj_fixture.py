@@ -185,6 +185,11 @@ def main_unified(cfg: dict, tensors: dict, out: Path) -> None:
     # The converter writes the E-style default; llama.cpp reads 640-sample frames.
     w.add_uint32("clip.audio.num_mel_bins", 128)
     w.add_float32("clip.audio.attention.layer_norm_epsilon", 1e-6)
+    finish(w, tensors, out)
+
+
+def finish(w: GGUFWriter, tensors, out: Path) -> None:
+    """Writes the tensors after the metadata, and the file."""
     write_tensors(w, tensors)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -221,12 +226,7 @@ def main(src: Path, out: Path) -> None:
     w.add_uint32("clip.audio.attention.head_count", a["num_attention_heads"])
     w.add_uint32("clip.audio.num_mel_bins", 128)
     w.add_float32("clip.audio.attention.layer_norm_epsilon", a.get("rms_norm_eps", 1e-6))
-    write_tensors(w, tensors)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    print(f"wrote {out}")
+    finish(w, tensors, out)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,9 @@ from transformers.models.gemma4.video_processing_gemma4 import Gemma4VideoProces
 from transformers.models.gemma4_unified.image_processing_gemma4_unified import Gemma4UnifiedImageProcessor
 from transformers.models.gemma4_unified.video_processing_gemma4_unified import Gemma4UnifiedVideoProcessor
 
+sys.path.insert(0, str(Path(__file__).parent))
+from make_vision_fixture import resized_bytes  # noqa: E402
+
 SEED = 20261203
 VIDEO_TOKEN = 506
 FRAMES, WIDTH, HEIGHT, DELAY_MS = 40, 120, 90, 250
@@ -82,16 +85,12 @@ def read_frames(path: Path) -> np.ndarray:
         return np.stack([np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(im)])
 
 
-def resized_bytes(pixel_values: torch.Tensor, positions: torch.Tensor, patch: int) -> np.ndarray:
-    valid = (positions != -1).all(dim=-1)
-    pos = positions[valid]
-    pw, ph = int(pos[:, 0].max()) + 1, int(pos[:, 1].max()) + 1
-    patches = pixel_values[valid].reshape(ph, pw, patch, patch, 3)
-    img = patches.permute(0, 2, 1, 3, 4).reshape(ph * patch, pw * patch, 3)
-    out = torch.round(img * 255).to(torch.uint8)
-    # The video processor divides by 255 (its rescale is fused into a normalisation).
-    assert torch.equal(out.float() / 255, img), "video pixels are not bytes / 255"
-    return out.numpy()
+def video_bytes(pixel_values: torch.Tensor, positions: torch.Tensor, patch: int) -> np.ndarray:
+    """A frame's resized bytes (as for images), its values checked to be bytes / 255 exactly:
+    the video processor divides by 255 (its rescale is fused into a normalisation)."""
+    values = pixel_values[(positions != -1).all(dim=-1)]
+    assert torch.equal(torch.round(values * 255) / 255, values), "video pixels are not bytes / 255"
+    return resized_bytes(pixel_values, positions, patch)
 
 
 def main(fixture: Path) -> None:
@@ -124,7 +123,7 @@ def main(fixture: Path) -> None:
     per_frame = int(out["num_soft_tokens_per_video"][0])
     pv, pos = out["pixel_values_videos"], out["video_position_ids"]
     patch = 48 if unified else 16
-    resized = [resized_bytes(pv[i], pos[i], patch) for i in range(len(indices))]
+    resized = [video_bytes(pv[i], pos[i], patch) for i in range(len(indices))]
     with torch.no_grad():
         feats = model.model.get_video_features(
             pv, pos, num_frames_per_video=out["num_frames_per_video"], return_dict=True

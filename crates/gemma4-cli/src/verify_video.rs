@@ -15,7 +15,7 @@ use gemma4_model::{place_soft_tokens, Gemma4, SoftTokenSource, VisionInput};
 use gemma4_server::media::encode_video_frames;
 use serde::Deserialize;
 
-use crate::verify_vision::{check_prompt, close_to_reference, Tensors};
+use crate::verify_vision::{check_prompt, close_to_reference, read_golden, Tensors};
 
 /// A golden file with a video.
 #[derive(Debug, Deserialize)]
@@ -43,16 +43,7 @@ pub struct VideoChat {
 impl VideoGolden {
     /// The file as a video golden, or `None` when it is another format.
     pub fn read(path: &Path) -> Result<Option<Self>> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read golden file {}", path.display()))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not JSON", path.display()))?;
-        if json.get("video").is_none() || json.get("chats").is_none() {
-            return Ok(None);
-        }
-        Ok(Some(serde_json::from_value(json).with_context(|| {
-            format!("{} is not a video golden file", path.display())
-        })?))
+        read_golden(path, &["video", "chats"], "a video golden file")
     }
 }
 

@@ -37,17 +37,31 @@ pub struct VisionPrompt {
 impl VisionGolden {
     /// The file as a golden with images, or `None` when it is another format.
     pub fn read(path: &Path) -> Result<Option<Self>> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read golden file {}", path.display()))?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .with_context(|| format!("{} is not JSON", path.display()))?;
-        if json.get("images").is_none() || json.get("max_soft_tokens").is_none() {
-            return Ok(None);
-        }
-        Ok(Some(serde_json::from_value(json).with_context(|| {
-            format!("{} is not a golden file with images", path.display())
-        })?))
+        read_golden(
+            path,
+            &["images", "max_soft_tokens"],
+            "a golden file with images",
+        )
     }
+}
+
+/// A golden file as `T` when its JSON has every key of `keys` (`None` when
+/// it lacks one: another format); `what` names `T` in errors.
+pub fn read_golden<T: serde::de::DeserializeOwned>(
+    path: &Path,
+    keys: &[&str],
+    what: &str,
+) -> Result<Option<T>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read golden file {}", path.display()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    if keys.iter().any(|k| json.get(k).is_none()) {
+        return Ok(None);
+    }
+    Ok(Some(serde_json::from_value(json).with_context(|| {
+        format!("{} is not {what}", path.display())
+    })?))
 }
 
 /// Golden tensors by name (f32 or u8), read once.

@@ -47,7 +47,7 @@ pub struct VisionConfig {
 }
 
 /// Gemma 4's `<|video|>` id.
-pub const DEFAULT_VIDEO_TOKEN: u32 = 258_884;
+const DEFAULT_VIDEO_TOKEN: u32 = 258_884;
 
 /// The token ids of one media item in the prompt: `begin`, one `soft`
 /// placeholder per soft token, `end` (`<|image>`, `<|image|>`, `<image|>`
@@ -207,11 +207,11 @@ impl ImageEncoder {
         let weights = Weights::new(src, crate::LoadPolicy::default());
         let unified = v.get("model_type").and_then(Value::as_str) == Some("gemma4_unified_vision");
         let encoder = if unified {
-            let mut cfg = crate::vision_unified::UnifiedVisionConfig::from_hf_json(
+            let cfg = crate::vision_unified::UnifiedVisionConfig::from_hf_json(
                 v,
                 MediaTokens::image(json),
+                MediaTokens::video(json).soft,
             )?;
-            cfg.video_soft = MediaTokens::video(json).soft;
             Self::Unified(crate::vision_unified::UnifiedVisionEmbedder::load(
                 cfg,
                 text_hidden,

@@ -32,7 +32,11 @@ pub struct UnifiedVisionConfig {
 }
 
 impl UnifiedVisionConfig {
-    pub fn from_hf_json(v: &Value, tokens: MediaTokens) -> std::result::Result<Self, ConfigError> {
+    pub fn from_hf_json(
+        v: &Value,
+        tokens: MediaTokens,
+        video_soft: u32,
+    ) -> std::result::Result<Self, ConfigError> {
         let num = |key: &str, default: usize| -> std::result::Result<usize, ConfigError> {
             match v.get(key) {
                 None => Ok(default),
@@ -57,7 +61,7 @@ impl UnifiedVisionConfig {
                 .and_then(Value::as_f64)
                 .unwrap_or(1e-6),
             tokens,
-            video_soft: crate::vision::DEFAULT_VIDEO_TOKEN,
+            video_soft,
         })
     }
 }

@@ -232,12 +232,13 @@ fn check(mmproj: &Path) {
     assert_eq!(images.tokens().soft, 500);
     for i in 0..4 {
         let ours = encode_image(&images, i);
-        let want = golden(&dir, &format!("features.{i}"));
-        let diff = max_abs_diff(&ours, &want);
-        eprintln!("mmproj image {i}: max |Δ| {diff:.2e}");
         // As from the safetensors checkpoint: the fixture's bf16 weights are
         // exact in f16 too.
-        assert!(diff <= 1e-4 * scale(&want), "image {i}: {diff}");
+        assert_close(
+            &format!("mmproj image {i}"),
+            &ours,
+            &golden(&dir, &format!("features.{i}")),
+        );
     }
     let (audio, _) = AudioEncoder::load_mmproj(mmproj, hidden, &json)
         .expect("load audio")
@@ -251,10 +252,18 @@ fn check(mmproj: &Path) {
         .unwrap()
         .to_vec1()
         .unwrap();
-    let want = golden(&dir, "audio_features.0");
-    let diff = max_abs_diff(&ours, &want);
-    eprintln!("mmproj audio 0: max |Δ| {diff:.2e}");
-    assert!(diff <= 1e-4 * scale(&want), "audio: {diff}");
+    assert_close("mmproj audio 0", &ours, &golden(&dir, "audio_features.0"));
+}
+
+/// Soft tokens against the reference's: f32 against f32, within 1e-4 of
+/// the largest value.
+fn assert_close(label: &str, ours: &[f32], want: &[f32]) {
+    let diff = max_abs_diff(ours, want);
+    eprintln!(
+        "{label}: max |Δ| {diff:.2e} (largest value {:.2})",
+        scale(want)
+    );
+    assert!(diff <= 1e-4 * scale(want), "{label}: {diff}");
 }
 
 #[test]
@@ -284,14 +293,11 @@ fn check_unified(mmproj: &Path) {
     assert_eq!(images.video_tokens().soft, 506);
     for i in 0..4 {
         let ours = encode_image(&images, i);
-        let want = golden(&dir, &format!("features.{i}"));
-        let diff = max_abs_diff(&ours, &want);
-        eprintln!(
-            "{}: unified image {i}: max |Δ| {diff:.2e} (largest value {:.2})",
-            mmproj.display(),
-            scale(&want)
+        assert_close(
+            &format!("{}: unified image {i}", mmproj.display()),
+            &ours,
+            &golden(&dir, &format!("features.{i}")),
         );
-        assert!(diff <= 1e-4 * scale(&want), "image {i}: {diff}");
     }
     let (audio, _) = AudioEncoder::load_mmproj(mmproj, hidden, &json)
         .expect("load audio")
@@ -307,14 +313,11 @@ fn check_unified(mmproj: &Path) {
         .unwrap()
         .to_vec1()
         .unwrap();
-    let want = golden(&dir, "audio_features.0");
-    let diff = max_abs_diff(&ours, &want);
-    eprintln!(
-        "{}: unified audio 0: max |Δ| {diff:.2e} (largest value {:.2})",
-        mmproj.display(),
-        scale(&want)
+    assert_close(
+        &format!("{}: unified audio 0", mmproj.display()),
+        &ours,
+        &golden(&dir, "audio_features.0"),
     );
-    assert!(diff <= 1e-4 * scale(&want), "audio: {diff}");
 }
 
 #[test]

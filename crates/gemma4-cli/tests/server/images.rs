@@ -577,13 +577,7 @@ fn bad_media_and_limits_get_a_400_naming_the_problem() {
         ),
     ];
     for (body, words) in &cases[..3] {
-        let r = server.post("/v1/chat/completions", body);
-        assert_eq!(r.status, 400, "{body}: {}", r.body);
-        let e = openai_error(&r);
-        assert!(
-            e["message"].as_str().unwrap_or_default().contains(words),
-            "{e}"
-        );
+        refused(&server, body, words);
     }
     // Bad videos: a second one past the limit, an MP4 (not decoded here), a
     // cut GIF, a still PNG whose header claims a huge canvas.
@@ -615,11 +609,7 @@ fn bad_media_and_limits_get_a_400_naming_the_problem() {
             "--allow-remote-media",
         ),
     ] {
-        let r = server.post("/v1/chat/completions", &body);
-        assert_eq!(r.status, 400, "{words}: {}", r.body);
-        let e = openai_error(&r);
-        let message = e["message"].as_str().unwrap_or_default();
-        assert!(message.contains(words), "{words}: {e}");
+        let e = refused(&server, &body, words);
         if words != "at most 1 per prompt" {
             assert_eq!(e["param"], "messages[0].content[1].video_url.url", "{e}");
         }
@@ -629,16 +619,7 @@ fn bad_media_and_limits_get_a_400_naming_the_problem() {
         {"type": "text", "text": "x"},
         {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}],
         "max_tokens": 1});
-    let r = server.post("/v1/chat/completions", &audio);
-    assert_eq!(r.status, 400, "{}", r.body);
-    let e = openai_error(&r);
-    assert!(
-        e["message"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("no audio encoder"),
-        "{e}"
-    );
+    let e = refused(&server, &audio, "no audio encoder");
     assert_eq!(e["param"], "messages[0].content[1].input_audio.data");
     // The placeholder typed as text, without an image, is just text.
     let r = server.post("/v1/chat/completions", &cases[3].0);
@@ -666,27 +647,27 @@ fn bad_media_and_limits_get_a_400_naming_the_problem() {
 
     // A model without a vision tower says so.
     let text_only = ServerProc::start(&root().join("tests/fixtures/oracle/e-style"), &[], &[]);
-    let r = text_only.post(
-        "/v1/chat/completions",
+    refused(
+        &text_only,
         &image_chat(&[data_uri(&png)], json!({})),
+        "no vision tower",
     );
-    assert_eq!(r.status, 400, "{}", r.body);
+    refused(
+        &text_only,
+        &video_chat(&[gif_uri(&gif)]),
+        "cannot read video_url parts",
+    );
+}
+
+/// Posts a chat request that must be refused with a 400 whose message
+/// holds `words`; returns the error object.
+fn refused(server: &ServerProc, body: &Value, words: &str) -> Value {
+    let r = server.post("/v1/chat/completions", body);
+    assert_eq!(r.status, 400, "{words}: {}", r.body);
     let e = openai_error(&r);
     assert!(
-        e["message"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("no vision tower"),
-        "{e}"
+        e["message"].as_str().unwrap_or_default().contains(words),
+        "{words}: {e}"
     );
-    let r = text_only.post("/v1/chat/completions", &video_chat(&[gif_uri(&gif)]));
-    assert_eq!(r.status, 400, "{}", r.body);
-    let e = openai_error(&r);
-    assert!(
-        e["message"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("cannot read video_url parts"),
-        "{e}"
-    );
+    e
 }
