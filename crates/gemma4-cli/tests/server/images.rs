@@ -467,9 +467,16 @@ fn chat_case_through_the_client(
 
 #[test]
 fn chats_with_a_video_keep_the_reference_tokens_through_the_openai_client() {
-    // The E-style fixture (causal) and the dense one (each frame's soft
-    // tokens see each other): the video alone, then after an image.
-    for variant in ["e-style", "dense"] {
+    // The E-style fixture (causal), the dense one (each frame's soft tokens
+    // see each other) and the 12B with its embedders from an mmproj file:
+    // the video alone, then after an image.
+    let unified_mmproj = fixture_of("unified-mmproj.gguf").display().to_string();
+    for (variant, serve_args) in [
+        ("e-style", vec![]),
+        ("dense", vec![]),
+        // The 12B's encoder-free embedders from a projector file.
+        ("unified", vec!["--mmproj", unified_mmproj.as_str()]),
+    ] {
         let dir = fixture_of(variant);
         let text = std::fs::read_to_string(dir.join("video_golden.json")).expect("golden");
         let golden: Value = serde_json::from_str(&text).expect("json");
@@ -503,7 +510,7 @@ fn chats_with_a_video_keep_the_reference_tokens_through_the_openai_client() {
                 ids: chat["ids"].clone(),
                 greedy: chat["greedy"].clone(),
             };
-            if chat_case_through_the_client(variant, &case, &[]).is_none() {
+            if chat_case_through_the_client(variant, &case, &serve_args).is_none() {
                 return;
             }
         }
