@@ -87,7 +87,7 @@ fn main() {
         .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
         .collect();
     let f32m = FloatMatrix::from_f32(&w, rows, cols).expect("shape");
-    let mats: Vec<Box<dyn WeightMatrix>> = vec![
+    let mut mats: Vec<Box<dyn WeightMatrix>> = vec![
         Box::new(f32m.clone()),
         Box::new(
             FloatMatrix::new(Bytes::from_vec(bf16), FloatType::Bf16, rows, cols).expect("shape"),
@@ -116,19 +116,36 @@ fn main() {
             BlockMatrix::<legacy::Q5_1>::new(blocks(rows, cols, 32, 24, &[0, 2]), rows, cols)
                 .expect("shape"),
         ),
-        Box::new(
-            SuperBlockMatrix::<kquant::Q4K>::new(blocks(rows, cols, 256, 144, &[0, 2]), rows, cols)
-                .expect("shape"),
-        ),
-        Box::new(
-            SuperBlockMatrix::<kquant::Q5K>::new(blocks(rows, cols, 256, 176, &[0, 2]), rows, cols)
-                .expect("shape"),
-        ),
-        Box::new(
-            SuperBlockMatrix::<kquant::Q6K>::new(blocks(rows, cols, 256, 210, &[208]), rows, cols)
-                .expect("shape"),
-        ),
     ];
+    // The k-quants' super-blocks need rows a multiple of 256 wide.
+    if cols % 256 == 0 {
+        mats.extend::<[Box<dyn WeightMatrix>; 3]>([
+            Box::new(
+                SuperBlockMatrix::<kquant::Q4K>::new(
+                    blocks(rows, cols, 256, 144, &[0, 2]),
+                    rows,
+                    cols,
+                )
+                .expect("shape"),
+            ),
+            Box::new(
+                SuperBlockMatrix::<kquant::Q5K>::new(
+                    blocks(rows, cols, 256, 176, &[0, 2]),
+                    rows,
+                    cols,
+                )
+                .expect("shape"),
+            ),
+            Box::new(
+                SuperBlockMatrix::<kquant::Q6K>::new(
+                    blocks(rows, cols, 256, 210, &[208]),
+                    rows,
+                    cols,
+                )
+                .expect("shape"),
+            ),
+        ]);
+    }
     // `cargo bench … -- Q8_0 int8` times only the storage types named.
     let only: Vec<String> = std::env::args()
         .skip(1)
@@ -139,7 +156,12 @@ fn main() {
         .filter(|m| only.is_empty() || only.iter().any(|o| o == m.storage()))
         .collect();
     println!("{rows}x{cols}, {} threads", rayon::current_num_threads());
-    for n in [1usize, 4, 64, 128] {
+    // `MATMUL_N=1,4` times only those activation row counts.
+    let ns: Vec<usize> = std::env::var("MATMUL_N")
+        .ok()
+        .map(|v| v.split(',').filter_map(|n| n.trim().parse().ok()).collect())
+        .unwrap_or_else(|| vec![1, 4, 64, 128]);
+    for n in ns {
         let x = values(n * cols, 7);
         let reps = match n {
             1 => 200,

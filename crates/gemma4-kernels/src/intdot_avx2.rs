@@ -45,44 +45,57 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
 /// How far ahead of the block being read the weights are prefetched.
 const PREFETCH_BYTES: usize = 1024;
 
-/// An f16 at `p` as f32 (F16C).
+/// The f16 at `p` in all eight lanes (F16C). Broadcast from a general
+/// register, so that no instruction merges it into an older vector register
+/// (an insert into whatever register was free made each block wait on the
+/// previous block's accumulator).
+#[inline(always)]
+unsafe fn half8_at(p: *const u8) -> __m256 {
+    let h = i16::from_le_bytes([*p, *p.add(1)]);
+    _mm256_cvtph_ps(_mm_set1_epi16(h))
+}
+
+/// The f16 at `p` as f32.
 #[inline(always)]
 unsafe fn half_at(p: *const u8) -> f32 {
-    let h = u16::from_le_bytes([*p, *p.add(1)]);
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
+    _mm256_cvtss_f32(half8_at(p))
 }
 
 /// Block `b` of `row` as 32 bytes (signed levels, or unsigned ones for the
-/// affine kinds) and `(d, m)` with `w = d · v + m`.
+/// affine kinds), `d` in all lanes and `m`, with `w = d · v + m`.
 #[inline(always)]
-unsafe fn block32<const K: usize>(row: &Row, b: usize) -> (__m256i, f32, f32) {
+unsafe fn block32<const K: usize>(row: &Row, b: usize) -> (__m256i, __m256, f32) {
     let kind = Kind32::ALL[K];
     let blk = row.data.as_ptr().add(b * kind.bytes());
     match kind {
         Kind32::Q8_0 => (
             _mm256_loadu_si256(blk.add(2) as *const __m256i),
-            half_at(blk),
+            half8_at(blk),
             0.0,
         ),
-        Kind32::Int8 => (_mm256_loadu_si256(blk as *const __m256i), row.scale, 0.0),
+        Kind32::Int8 => (
+            _mm256_loadu_si256(blk as *const __m256i),
+            _mm256_set1_ps(row.scale),
+            0.0,
+        ),
         Kind32::Q4_0 => (
             _mm256_sub_epi8(nibbles(blk.add(2)), _mm256_set1_epi8(8)),
-            half_at(blk),
+            half8_at(blk),
             0.0,
         ),
         Kind32::Q4 => (
             _mm256_sub_epi8(nibbles(blk), _mm256_set1_epi8(8)),
-            *row.scales.get_unchecked(b),
+            _mm256_broadcast_ss(row.scales.get_unchecked(b)),
             0.0,
         ),
-        Kind32::Q4_1 => (nibbles(blk.add(4)), half_at(blk), half_at(blk.add(2))),
+        Kind32::Q4_1 => (nibbles(blk.add(4)), half8_at(blk), half_at(blk.add(2))),
         Kind32::Q5_0 => {
             let u = _mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2)));
-            (_mm256_sub_epi8(u, _mm256_set1_epi8(16)), half_at(blk), 0.0)
+            (_mm256_sub_epi8(u, _mm256_set1_epi8(16)), half8_at(blk), 0.0)
         }
         Kind32::Q5_1 => (
             _mm256_or_si256(nibbles(blk.add(8)), fifth_bits(blk.add(4))),
-            half_at(blk),
+            half8_at(blk),
             half_at(blk.add(2)),
         ),
     }
@@ -179,7 +192,8 @@ unsafe fn dots32_t<const T: usize, const K: usize>(
             };
             let da = *scales[k].add(b);
             let lane = &mut acc[k][b & 1];
-            *lane = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * da), *lane);
+            let scale = _mm256_mul_ps(d, _mm256_set1_ps(da));
+            *lane = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, *lane);
             if kind.affine() {
                 let qsum = acts.sum16(t0 + k, 2 * b) + acts.sum16(t0 + k, 2 * b + 1);
                 offsets[k] += da * m * qsum as f32;
@@ -226,6 +240,7 @@ unsafe fn two_rows_t<const K: usize>(rows: [&Row; 2], acts: &QuantizedActs, out:
     for b in 0..blocks {
         let a = _mm256_loadu_si256(qs.add(32 * b) as *const __m256i);
         let da = *scales.add(b);
+        let da8 = _mm256_set1_ps(da);
         for i in 0..2 {
             _mm_prefetch(
                 ahead[i].wrapping_add(b * kind.bytes()) as *const i8,
@@ -237,7 +252,8 @@ unsafe fn two_rows_t<const K: usize>(rows: [&Row; 2], acts: &QuantizedActs, out:
             } else {
                 dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
             };
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * da), acc[i]);
+            let scale = _mm256_mul_ps(d, da8);
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i]);
             if kind.affine() {
                 let qsum = acts.sum16(0, 2 * b) + acts.sum16(0, 2 * b + 1);
                 offsets[i] += da * m * qsum as f32;
