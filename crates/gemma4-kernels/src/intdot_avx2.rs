@@ -20,13 +20,6 @@ unsafe fn hsum_ps(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
 }
 
-#[inline(always)]
-unsafe fn hsum_epi32(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
-    _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01)))
-}
-
 /// Eight i32 sums of four products each: unsigned `u` by signed `a`.
 #[inline(always)]
 unsafe fn dot_u8(u: __m256i, a: __m256i) -> __m256i {
@@ -318,8 +311,10 @@ unsafe fn levels_k(kind: KindK, blk: &[u8]) -> [__m256i; 8] {
 }
 
 /// `out[k] = Σ w · x` of one row of k-quant super-blocks with the activation
-/// rows `ts` (at most [`GROUP`]). The integer sums are exact, so the result
-/// is the portable kernel's to the bit.
+/// rows `ts` (at most [`GROUP`]). The integer sums are exact; they are scaled
+/// in eight lanes and summed across lanes once per row, not per super-block
+/// (a horizontal sum and a scalar conversion per super-block had made each
+/// super-block wait on the last).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
@@ -335,7 +330,7 @@ pub unsafe fn dots_k(
     let n = ts.len();
     let rows: [*const i8; GROUP] =
         std::array::from_fn(|k| acts.row(ts.start + k.min(n.saturating_sub(1))).as_ptr());
-    let mut acc = [0f32; GROUP];
+    let mut acc = [_mm256_setzero_ps(); GROUP];
     let (mut sc, mut mn) = ([0i32; 16], [0i32; 16]);
     for (s, blk) in row.chunks_exact(bytes).enumerate() {
         let (d, dmin) = scales_k(kind, blk, &mut sc, &mut mn);
@@ -373,22 +368,20 @@ pub unsafe fn dots_k(
                     _mm256_add_epi32(_mm256_mullo_epi32(g0, s0), _mm256_mullo_epi32(g1, s1));
                 sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(offset, 5));
             }
-            let isum = hsum_epi32(sums);
-            let msum = if kind == KindK::Q6K {
-                0
-            } else {
+            let da = acts.scale(t, s);
+            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(da * d), acc[k]);
+            if kind != KindK::Q6K {
                 let (m0, m1) = (
                     _mm256_loadu_si256(mn.as_ptr() as *const __m256i),
                     _mm256_loadu_si256(mn.as_ptr().add(8) as *const __m256i),
                 );
-                hsum_epi32(_mm256_add_epi32(
-                    _mm256_mullo_epi32(g0, m0),
-                    _mm256_mullo_epi32(g1, m1),
-                ))
-            };
-            let da = acts.scale(t, s);
-            acc[k] += da * (d * isum as f32 - dmin * msum as f32);
+                let mins = _mm256_add_epi32(_mm256_mullo_epi32(g0, m0), _mm256_mullo_epi32(g1, m1));
+                acc[k] =
+                    _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(da * dmin), acc[k]);
+            }
         }
     }
-    out[..n].copy_from_slice(&acc[..n]);
+    for k in 0..n {
+        out[k] = hsum_ps(acc[k]);
+    }
 }
