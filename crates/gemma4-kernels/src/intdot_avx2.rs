@@ -44,8 +44,7 @@ const PREFETCH_BYTES: usize = 1024;
 /// previous block's accumulator).
 #[inline(always)]
 unsafe fn half8_at(p: *const u8) -> __m256 {
-    let h = i16::from_le_bytes([*p, *p.add(1)]);
-    _mm256_cvtph_ps(_mm_set1_epi16(h))
+    _mm256_cvtph_ps(_mm_set1_epi16((p as *const i16).read_unaligned()))
 }
 
 /// The f16 at `p` as f32.
@@ -54,10 +53,21 @@ unsafe fn half_at(p: *const u8) -> f32 {
     _mm256_cvtss_f32(half8_at(p))
 }
 
-/// Block `b` of `row` as 32 bytes (signed levels, or unsigned ones for the
-/// affine kinds), `d` in all lanes and `m`, with `w = d · v + m`.
+/// The offset `o` of the kinds stored as unsigned levels `u` with signed
+/// values `v = u − o` (0 for the others).
+const fn level_offset(kind: Kind32) -> i8 {
+    match kind {
+        Kind32::Q4_0 | Kind32::Q4 => 8,
+        Kind32::Q5_0 => 16,
+        _ => 0,
+    }
+}
+
+/// Block `b` of `row` as 32 bytes of levels as stored (unsigned for the
+/// affine kinds and those with a [`level_offset`], else signed), `d` in all
+/// lanes and `m`, with `w = d · (u − o) + m`.
 #[inline(always)]
-unsafe fn block32<const K: usize>(row: &Row, b: usize) -> (__m256i, __m256, f32) {
+unsafe fn levels32<const K: usize>(row: &Row, b: usize) -> (__m256i, __m256, f32) {
     let kind = Kind32::ALL[K];
     let blk = row.data.as_ptr().add(b * kind.bytes());
     match kind {
@@ -71,26 +81,34 @@ unsafe fn block32<const K: usize>(row: &Row, b: usize) -> (__m256i, __m256, f32)
             _mm256_set1_ps(row.scale),
             0.0,
         ),
-        Kind32::Q4_0 => (
-            _mm256_sub_epi8(nibbles(blk.add(2)), _mm256_set1_epi8(8)),
-            half8_at(blk),
-            0.0,
-        ),
+        Kind32::Q4_0 => (nibbles(blk.add(2)), half8_at(blk), 0.0),
         Kind32::Q4 => (
-            _mm256_sub_epi8(nibbles(blk), _mm256_set1_epi8(8)),
+            nibbles(blk),
             _mm256_broadcast_ss(row.scales.get_unchecked(b)),
             0.0,
         ),
         Kind32::Q4_1 => (nibbles(blk.add(4)), half8_at(blk), half_at(blk.add(2))),
-        Kind32::Q5_0 => {
-            let u = _mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2)));
-            (_mm256_sub_epi8(u, _mm256_set1_epi8(16)), half8_at(blk), 0.0)
-        }
+        Kind32::Q5_0 => (
+            _mm256_or_si256(nibbles(blk.add(6)), fifth_bits(blk.add(2))),
+            half8_at(blk),
+            0.0,
+        ),
         Kind32::Q5_1 => (
             _mm256_or_si256(nibbles(blk.add(8)), fifth_bits(blk.add(4))),
             half8_at(blk),
             half_at(blk.add(2)),
         ),
+    }
+}
+
+/// [`levels32`] with the offset taken off: signed levels, or unsigned ones
+/// for the affine kinds.
+#[inline(always)]
+unsafe fn block32<const K: usize>(row: &Row, b: usize) -> (__m256i, __m256, f32) {
+    let (u, d, m) = levels32::<K>(row, b);
+    match level_offset(Kind32::ALL[K]) {
+        0 => (u, d, m),
+        o => (_mm256_sub_epi8(u, _mm256_set1_epi8(o)), d, m),
     }
 }
 
@@ -232,14 +250,25 @@ unsafe fn two_rows_t<const K: usize>(rows: [&Row; 2], acts: &QuantizedActs, out:
     // No software prefetch: the caller hands two far-apart rows, sequential
     // streams that the hardware prefetchers follow (a hint 1 KiB ahead
     // measured slower).
+    let offset = level_offset(kind);
     for b in 0..blocks {
         let a = _mm256_loadu_si256(qs.add(32 * b) as *const __m256i);
         let da = *scales.add(b);
         let da8 = _mm256_set1_ps(da);
+        // With an offset `o`, Σ (u − o)·a = Σ u·a − Σ o·a: the unsigned
+        // levels go into `vpmaddubsw` as they are (no sign moves), and the
+        // pairs of o·a, shared by both rows, are taken off before widening
+        // (|u·a pairs| ≤ 31·127·2 and |o·a pairs| ≤ 16·127·2 stay in i16).
+        let shift = _mm256_maddubs_epi16(_mm256_set1_epi8(offset), a);
         for i in 0..2 {
-            let (w, d, m) = block32::<K>(rows[i], b);
+            let (w, d, m) = levels32::<K>(rows[i], b);
             let s = if kind.affine() {
                 dot_u8(w, a)
+            } else if offset != 0 {
+                _mm256_madd_epi16(
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(w, a), shift),
+                    _mm256_set1_epi16(1),
+                )
             } else {
                 dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
             };
