@@ -38,6 +38,11 @@ pub struct QuantizedActs {
     pub scales: Vec<f32>,
     /// `Σ q` over every 16 values, `[n, cols / 16]`.
     pub sums: Vec<i32>,
+    /// The scales of each [`crate::intdot::GROUP`] rows by block,
+    /// `[n / GROUP (rounded up), cols / block, GROUP]`, 0 past row n: what a
+    /// kernel that gathers a block's sums over a group of rows into one
+    /// register scales them by.
+    pub group_scales: Vec<f32>,
 }
 
 impl QuantizedActs {
@@ -52,6 +57,13 @@ impl QuantizedActs {
         let mut scales = vec![0f32; n * cols / len];
         let mut sums = vec![0i32; n * cols / 16];
         round_blocks(x, len, &mut qs, &mut scales, &mut sums);
+        let (g, blocks) = (crate::intdot::GROUP, cols / len);
+        let mut group_scales = vec![0f32; n.div_ceil(g) * blocks * g];
+        for t in 0..n {
+            for b in 0..blocks {
+                group_scales[((t / g) * blocks + b) * g + t % g] = scales[t * blocks + b];
+            }
+        }
         Self {
             block,
             n,
@@ -59,6 +71,7 @@ impl QuantizedActs {
             qs,
             scales,
             sums,
+            group_scales,
         }
     }
 
