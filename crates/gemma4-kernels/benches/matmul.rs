@@ -69,6 +69,9 @@ fn gemm_f32(w: &[f32], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32
 }
 
 fn main() {
+    // Our products split their rows over as many threads as the baseline
+    // (`RAYON_NUM_THREADS`, default one per core).
+    gemma4_kernels::pool::set_threads(rayon::current_num_threads());
     // `MATMUL_SHAPE=262144x640` times another shape (default 2048x2048).
     let (rows, cols) = std::env::var("MATMUL_SHAPE")
         .ok()
