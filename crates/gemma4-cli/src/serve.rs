@@ -106,6 +106,11 @@ pub struct Args {
     /// Most tokens in one engine step (the prefill chunk size).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
+    /// A step admits new prompts while it holds fewer prompt tokens than this: prompts
+    /// arriving together are prefilled one step after another, each answering after its
+    /// own prefill (raise it to --max-batch-tokens to prefill them all in one step).
+    #[arg(long, default_value_t = gemma4_engine::DEFAULT_ADMIT_PROMPT_TOKENS)]
+    admit_prompt_tokens: usize,
     /// KV-cache memory in MiB [default: enough for --max-num-seqs sequences of --max-model-len tokens].
     #[arg(long)]
     kv_memory_mib: Option<usize>,
@@ -238,6 +243,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         max_model_len: args.max_model_len.unwrap_or(0),
         block_size: args.block_size.max(1),
         max_batch_tokens: args.max_batch_tokens.max(1),
+        admit_prompt_tokens: args.admit_prompt_tokens.max(1),
         kv_memory_bytes: args.kv_memory_mib.map(|m| m.saturating_mul(1024 * 1024)),
         kv_dtype: args.kv_cache_dtype,
         prefix_caching: !args.no_prefix_caching,

@@ -31,6 +31,10 @@ use crate::sampler::Sampler;
 use crate::scheduler::ScheduledChunk;
 use crate::scheduler::{Scheduler, SchedulerLimits, SeqState};
 
+/// [`EngineConfig::admit_prompt_tokens`] by default: about where a step's
+/// prompt tokens stop getting cheaper per token on the CPU kernels.
+pub const DEFAULT_ADMIT_PROMPT_TOKENS: usize = 128;
+
 /// Engine settings.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -44,6 +48,10 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Tokens per step (prefill chunk size limit).
     pub max_batch_tokens: usize,
+    /// A step admits new prompts while it holds fewer prompt tokens than
+    /// this, so prompts arriving together are prefilled one after another
+    /// (see [`SchedulerLimits::admit_prompt_tokens`]).
+    pub admit_prompt_tokens: usize,
     /// KV memory (f32) for all groups; `None` sizes the cache for
     /// `max_num_seqs` sequences of `max_model_len` tokens.
     pub kv_memory_bytes: Option<usize>,
@@ -60,6 +68,7 @@ impl Default for EngineConfig {
             max_model_len: 4096,
             block_size: 16,
             max_batch_tokens: 512,
+            admit_prompt_tokens: DEFAULT_ADMIT_PROMPT_TOKENS,
             kv_memory_bytes: None,
             kv_dtype: KvDtype::F32,
             prefix_caching: true,
@@ -417,6 +426,7 @@ fn start_worker(
     let limits = SchedulerLimits {
         max_num_seqs: config.max_num_seqs.max(1),
         max_batch_tokens: config.max_batch_tokens.max(1),
+        admit_prompt_tokens: config.admit_prompt_tokens.max(1),
     };
     let (stops_tx, output_stops) = mpsc::channel();
     let output = output_processor::spawn(tokenizer.clone(), stops_tx).map_err(|e| {

@@ -25,4 +25,6 @@ pub use api::{
 };
 #[cfg(feature = "fault-injection")]
 pub use engine::start_with_fault;
-pub use engine::{start, EngineConfig, EngineHandle, KvPlanReport, RequestStream};
+pub use engine::{
+    start, EngineConfig, EngineHandle, KvPlanReport, RequestStream, DEFAULT_ADMIT_PROMPT_TOKENS,
+};

@@ -3,7 +3,11 @@
 //!
 //! First come, first served. Running sequences go first (decode tokens and
 //! the rest of chunked prompts), then waiting ones are admitted while there
-//! is budget, a free sequence slot and KV memory. When memory runs out, the
+//! is budget, a free sequence slot and KV memory, and until the step holds
+//! [`SchedulerLimits::admit_prompt_tokens`] prompt tokens: prompts that
+//! arrive together are prefilled one step after another, so the first
+//! answers after its own prefill rather than after all of them, while short
+//! prompts still share a step. When memory runs out, the
 //! most recently admitted sequence is preempted: its blocks are freed and it
 //! goes back to the front of the queue, to be recomputed later. The
 //! scheduler never sees tensors: [`Scheduler::schedule`] describes the step
@@ -23,6 +27,10 @@ pub struct SchedulerLimits {
     pub max_num_seqs: usize,
     /// Tokens processed per step (prefill chunks plus decode tokens).
     pub max_batch_tokens: usize,
+    /// Waiting sequences are admitted only while the step holds fewer prompt
+    /// tokens than this (the first admitted may still take the whole
+    /// budget). At `max_batch_tokens` or more, admission fills the budget.
+    pub admit_prompt_tokens: usize,
 }
 
 /// The scheduler's view of a sequence.
@@ -207,6 +215,8 @@ impl Scheduler {
     fn pick(&mut self, kv: &mut KvManager) -> Vec<Chunk> {
         let mut budget = self.limits.max_batch_tokens.max(1);
         let mut chunks = Vec::new();
+        // Tokens of prompts (not decode tokens) in the step so far.
+        let mut prompt_tokens = 0;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let len = self.running[i].chunk_len(budget);
@@ -224,6 +234,9 @@ impl Scheduler {
                     samples,
                 });
                 budget -= len;
+                if !samples || len > 1 {
+                    prompt_tokens += len;
+                }
                 i += 1;
                 continue;
             }
@@ -236,7 +249,10 @@ impl Scheduler {
             }
         }
         // Admit waiting sequences in arrival order.
-        while budget > 0 && self.running.len() < self.limits.max_num_seqs {
+        while budget > 0
+            && self.running.len() < self.limits.max_num_seqs
+            && prompt_tokens < self.limits.admit_prompt_tokens
+        {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
@@ -267,6 +283,7 @@ impl Scheduler {
                 samples,
             });
             budget -= len;
+            prompt_tokens += len;
             self.running.push(seq);
         }
         chunks
@@ -331,6 +348,7 @@ mod tests {
         let mut s = Scheduler::new(SchedulerLimits {
             max_num_seqs: 4,
             max_batch_tokens: 8,
+            admit_prompt_tokens: 8,
         });
         s.add(seq(&kv, 7, 6));
         s.add(seq(&kv, 9, 5));
@@ -365,5 +383,43 @@ mod tests {
         assert!(s.remove(9, &mut kv).is_some());
         assert!(s.is_idle());
         assert_eq!(kv.usage()[0].used, 0);
+    }
+
+    /// Prompts that arrive together run one step after another once a step
+    /// holds `admit_prompt_tokens` prompt tokens, each joining the decode of
+    /// those before it; short prompts still share a step.
+    #[test]
+    fn prompts_are_admitted_until_the_step_holds_enough_prompt_tokens() {
+        let mut kv = kv();
+        let mut s = Scheduler::new(SchedulerLimits {
+            max_num_seqs: 4,
+            max_batch_tokens: 16,
+            admit_prompt_tokens: 4,
+        });
+        for id in 1..=3 {
+            s.add(seq(&kv, id, 5));
+        }
+        let ids = |step: &[ScheduledChunk]| -> Vec<(u64, usize)> {
+            step.iter().map(|c| (c.seq_id, c.tokens.len())).collect()
+        };
+        let step = s.schedule(&mut kv);
+        assert_eq!(ids(&step), vec![(1, 5)]);
+        s.commit(1, 5, Some(9), &mut kv);
+        let step = s.schedule(&mut kv);
+        // 1 decodes beside 2's prompt; 3 waits, as 2's prompt fills the step.
+        assert_eq!(ids(&step), vec![(1, 1), (2, 5)]);
+        s.commit(1, 6, Some(9), &mut kv);
+        s.commit(2, 5, Some(9), &mut kv);
+        let step = s.schedule(&mut kv);
+        assert_eq!(ids(&step), vec![(1, 1), (2, 1), (3, 5)]);
+        for id in 1..=3 {
+            assert!(s.remove(id, &mut kv).is_some());
+        }
+        // Prompts shorter than the threshold share a step until they reach it.
+        for id in 4..=7 {
+            s.add(seq(&kv, id, 2));
+        }
+        let step = s.schedule(&mut kv);
+        assert_eq!(ids(&step), vec![(4, 2), (5, 2)]);
     }
 }
