@@ -180,39 +180,53 @@ unsafe fn dots32_t<const T: usize, const K: usize>(
     let qs: [*const i8; T] = std::array::from_fn(|k| acts.row(t0 + k).as_ptr());
     let scales: [*const f32; T] =
         std::array::from_fn(|k| acts.scales[(t0 + k) * blocks..].as_ptr());
-    // Two accumulators per activation row (even and odd blocks), so that
-    // consecutive blocks' FMAs do not wait on each other.
-    let mut acc = [[_mm256_setzero_ps(); 2]; T];
     let mut offsets = [0f32; T];
     let ahead = row.data.as_ptr().wrapping_add(PREFETCH_BYTES);
-    for b in 0..blocks {
-        // The rows after this one, read next, on their way into the cache.
-        _mm_prefetch(
-            ahead.wrapping_add(b * kind.bytes()) as *const i8,
-            _MM_HINT_T0,
-        );
-        let (w, d, m) = block32::<K>(row, b);
-        // The weight's sign moves onto the activations once per block.
-        let w_abs = _mm256_sign_epi8(w, w);
-        for k in 0..T {
-            let a = _mm256_loadu_si256(qs[k].add(32 * b) as *const __m256i);
-            let s = if kind.affine() {
-                dot_u8(w, a)
-            } else {
-                dot_u8(w_abs, _mm256_sign_epi8(a, w))
-            };
-            let da = *scales[k].add(b);
-            let lane = &mut acc[k][b & 1];
-            let scale = _mm256_mul_ps(d, _mm256_set1_ps(da));
-            *lane = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, *lane);
-            if kind.affine() {
-                let qsum = acts.sum16(t0 + k, 2 * b) + acts.sum16(t0 + k, 2 * b + 1);
-                offsets[k] += da * m * qsum as f32;
+    // A macro, not a closure: a closure does not inherit the function's
+    // target features, and its intrinsics were calls.
+    macro_rules! step {
+        ($b:expr, $acc:expr) => {{
+            let (b, acc): (usize, &mut [__m256; T]) = ($b, $acc);
+            // The rows after this one, read next, on their way into the cache.
+            _mm_prefetch(
+                ahead.wrapping_add(b * kind.bytes()) as *const i8,
+                _MM_HINT_T0,
+            );
+            let (w, d, m) = block32::<K>(row, b);
+            // The weight's sign moves onto the activations once per block.
+            let w_abs = _mm256_sign_epi8(w, w);
+            for k in 0..T {
+                let a = _mm256_loadu_si256(qs[k].add(32 * b) as *const __m256i);
+                let s = if kind.affine() {
+                    dot_u8(w, a)
+                } else {
+                    dot_u8(w_abs, _mm256_sign_epi8(a, w))
+                };
+                let da = *scales[k].add(b);
+                let scale = _mm256_mul_ps(d, _mm256_set1_ps(da));
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[k]);
+                if kind.affine() {
+                    let qsum = acts.sum16(t0 + k, 2 * b) + acts.sum16(t0 + k, 2 * b + 1);
+                    offsets[k] += da * m * qsum as f32;
+                }
             }
-        }
+        }};
+    }
+    // Even and odd blocks in their own registers, unrolled by hand: an
+    // accumulator picked by `b & 1` lived on the stack, and each block
+    // waited on the store of the one before last.
+    let (mut even, mut odd) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
+    let mut b = 0;
+    while b + 1 < blocks {
+        step!(b, &mut even);
+        step!(b + 1, &mut odd);
+        b += 2;
+    }
+    if b < blocks {
+        step!(b, &mut even);
     }
     for k in 0..T {
-        out[k] = hsum_ps(_mm256_add_ps(acc[k][0], acc[k][1])) + offsets[k];
+        out[k] = hsum_ps(_mm256_add_ps(even[k], odd[k])) + offsets[k];
     }
 }
 
@@ -228,37 +242,51 @@ unsafe fn dots32_four<const K: usize>(row: &Row, acts: &QuantizedActs, t0: usize
     let qs: [*const i8; 4] = [0, 1, 2, 3].map(|k| acts.row(t0 + k).as_ptr());
     // Block b's four activation scales, at 4 · b.
     let group = acts.group_scales.as_ptr().add(t0 / 4 * blocks * 4);
-    // Even and odd blocks, so that consecutive blocks' FMAs do not wait on
-    // each other. Lane k and k + 4: activation row k.
-    let mut acc = [_mm256_setzero_ps(); 2];
     let mut offsets = [0f32; 4];
     let ahead = row.data.as_ptr().wrapping_add(PREFETCH_BYTES);
-    for b in 0..blocks {
-        _mm_prefetch(
-            ahead.wrapping_add(b * kind.bytes()) as *const i8,
-            _MM_HINT_T0,
-        );
-        let (w, d, m) = block32::<K>(row, b);
-        let w_abs = _mm256_sign_epi8(w, w);
-        let mut s = [_mm256_setzero_si256(); 4];
-        for k in 0..4 {
-            let a = _mm256_loadu_si256(qs[k].add(32 * b) as *const __m256i);
-            s[k] = if kind.affine() {
-                dot_u8(w, a)
-            } else {
-                dot_u8(w_abs, _mm256_sign_epi8(a, w))
-            };
-        }
-        let sums = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-        let da = _mm256_broadcast_ps(&*(group.add(4 * b) as *const __m128));
-        let lane = &mut acc[b & 1];
-        *lane = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, da), *lane);
-        if kind.affine() {
-            for (k, off) in offsets.iter_mut().enumerate() {
-                let qsum = acts.sum16(t0 + k, 2 * b) + acts.sum16(t0 + k, 2 * b + 1);
-                *off += acts.scale(t0 + k, b) * m * qsum as f32;
+    macro_rules! step {
+        ($b:expr, $lane:expr) => {{
+            let (b, lane): (usize, &mut __m256) = ($b, $lane);
+            _mm_prefetch(
+                ahead.wrapping_add(b * kind.bytes()) as *const i8,
+                _MM_HINT_T0,
+            );
+            let (w, d, m) = block32::<K>(row, b);
+            let w_abs = _mm256_sign_epi8(w, w);
+            let mut s = [_mm256_setzero_si256(); 4];
+            for k in 0..4 {
+                let a = _mm256_loadu_si256(qs[k].add(32 * b) as *const __m256i);
+                s[k] = if kind.affine() {
+                    dot_u8(w, a)
+                } else {
+                    dot_u8(w_abs, _mm256_sign_epi8(a, w))
+                };
             }
-        }
+            let sums =
+                _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+            let da = _mm256_broadcast_ps(&*(group.add(4 * b) as *const __m128));
+            *lane = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, da), *lane);
+            if kind.affine() {
+                for (k, off) in offsets.iter_mut().enumerate() {
+                    let qsum = acts.sum16(t0 + k, 2 * b) + acts.sum16(t0 + k, 2 * b + 1);
+                    *off += acts.scale(t0 + k, b) * m * qsum as f32;
+                }
+            }
+        }};
+    }
+    // Even and odd blocks in their own registers (see `dots32_t`), so that
+    // consecutive blocks' FMAs do not wait on each other. Lane k and k + 4:
+    // activation row k.
+    let mut acc = [_mm256_setzero_ps(); 2];
+    let mut b = 0;
+    while b + 1 < blocks {
+        let [even, odd] = &mut acc;
+        step!(b, even);
+        step!(b + 1, odd);
+        b += 2;
+    }
+    if b < blocks {
+        step!(b, &mut acc[0]);
     }
     let both = _mm256_add_ps(acc[0], acc[1]);
     let rows = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
