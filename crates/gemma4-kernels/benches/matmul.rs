@@ -10,6 +10,7 @@ use common::time;
 
 use gemma4_kernels::float::{FloatMatrix, FloatType};
 use gemma4_kernels::int8::Int8Matrix;
+use gemma4_kernels::intdot::has_vnni;
 use gemma4_kernels::kquant::{self, SuperBlockMatrix};
 use gemma4_kernels::legacy::{self, BlockMatrix};
 use gemma4_kernels::q4::Q4Matrix;
@@ -175,10 +176,10 @@ fn main() {
         });
         println!("n={n:<3} gemm f32 (baseline) {base:8.3} ms");
         for m in &mats {
-            // Products of GEMM_MIN_ROWS rows or more keep f32 activations in
-            // either mode where the storage type has no integer panels here.
-            let integer = m.integer().is_some_and(|k| n < GEMM_MIN_ROWS || k.panels());
-            let modes: &[(Precision, &str)] = if integer {
+            // Without VNNI, products of GEMM_MIN_ROWS rows or more keep f32
+            // activations in either mode.
+            let integer = n < GEMM_MIN_ROWS || has_vnni();
+            let modes: &[(Precision, &str)] = if m.integer().is_some() && integer {
                 &[
                     (Precision::Exact, "exact"),
                     (Precision::Int8Activations, "int8 act"),

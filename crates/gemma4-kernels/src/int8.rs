@@ -106,9 +106,6 @@ impl IntegerDots for Int8Matrix {
     fn act_block(&self) -> ActBlock {
         ActBlock::B32
     }
-    fn panels(&self) -> bool {
-        crate::intdot::panels32(crate::intdot::Kind32::Int8)
-    }
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         let cols = self.cols;
         let row_of = |r: usize| {

@@ -407,32 +407,6 @@ pub fn has_avx2() -> bool {
     }
 }
 
-/// Whether products of many activation rows ([`crate::GEMM_MIN_ROWS`] or
-/// more) with 32-value blocks of `kind` run on integer panels on this CPU.
-pub fn panels32(kind: Kind32) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        crate::intgemm::serves32(kind)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = kind;
-        false
-    }
-}
-
-/// [`panels32`] for the k-quants.
-pub fn panels_k() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        crate::intgemm::serves_k()
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// `out[t · rows.len() + i] = Σ_c acts[t, c] · W[rows.start + i, c]` for a
 /// matrix of 32-value blocks whose row `r` is `row_of(r)`, with the fastest
 /// kernel this CPU has.
@@ -452,11 +426,6 @@ pub fn matrix32<'a>(
             // SAFETY: the features the kernel is compiled for were detected.
             unsafe { vnni::matrix32(kind, rows, row_of, acts, out) };
         }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if acts.n >= crate::GEMM_MIN_ROWS && crate::intgemm::serves32(kind) {
-        crate::intgemm::matrix32(kind, rows, row_of, acts, out);
         return;
     }
     let avx2 = has_avx2();
@@ -519,11 +488,6 @@ pub fn matrix_k(
             // SAFETY: the features the kernel is compiled for were detected.
             unsafe { vnni::matrix_k(kind, rows, &row_of, acts, out) };
         }
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if acts.n >= crate::GEMM_MIN_ROWS && crate::intgemm::serves_k() {
-        crate::intgemm::matrix_k(kind, rows, data, acts, out);
         return;
     }
     let avx2 = has_avx2();
@@ -1230,7 +1194,7 @@ mod tests {
                 let (want, mag) = reference(w.as_ref(), &acts);
                 // The kernel chosen at run time, through the whole product
                 // (which takes it for fewer than GEMM_MIN_ROWS rows).
-                if n < crate::GEMM_MIN_ROWS || k.panels() {
+                if n < crate::GEMM_MIN_ROWS || has_vnni() {
                     let y = matmul_with(w.as_ref(), &x, n, Precision::Int8Activations);
                     for (i, &got) in y.iter().enumerate() {
                         check(

@@ -55,7 +55,7 @@ unsafe fn half_at(p: *const u8) -> f32 {
 
 /// The offset `o` of the kinds stored as unsigned levels `u` with signed
 /// values `v = u − o` (0 for the others).
-pub(crate) const fn level_offset(kind: Kind32) -> i8 {
+const fn level_offset(kind: Kind32) -> i8 {
     match kind {
         Kind32::Q4_0 | Kind32::Q4 => 8,
         Kind32::Q5_0 => 16,
@@ -67,7 +67,7 @@ pub(crate) const fn level_offset(kind: Kind32) -> i8 {
 /// affine kinds and those with a [`level_offset`], else signed), `d` in all
 /// lanes and `m`, with `w = d · (u − o) + m`.
 #[inline(always)]
-pub(crate) unsafe fn levels32<const K: usize>(row: &Row, b: usize) -> (__m256i, __m256, f32) {
+unsafe fn levels32<const K: usize>(row: &Row, b: usize) -> (__m256i, __m256, f32) {
     let kind = Kind32::ALL[K];
     let blk = row.data.as_ptr().add(b * kind.bytes());
     match kind {
@@ -369,7 +369,7 @@ unsafe fn two_rows_t<const K: usize>(rows: [&Row; 2], acts: &QuantizedActs, out:
 /// The 256 levels of a k-quant super-block as eight registers of 32
 /// unsigned bytes, in value order (as [`crate::intdot::decode_k`] lays them).
 #[inline(always)]
-pub(crate) unsafe fn levels_k(kind: KindK, blk: &[u8]) -> [__m256i; 8] {
+unsafe fn levels_k(kind: KindK, blk: &[u8]) -> [__m256i; 8] {
     let load = |at: usize| _mm256_loadu_si256(blk.as_ptr().add(at) as *const __m256i);
     let low = _mm256_set1_epi8(0x0F);
     let lo = |q: __m256i| _mm256_and_si256(q, low);

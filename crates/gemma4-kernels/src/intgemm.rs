@@ -1,79 +1,36 @@
 //! Integer products for many activation rows (prefill, large batches), with
-//! AVX-512 VNNI or AVX2.
+//! AVX-512 VNNI.
 //!
 //! The weight rows are decoded [`PANEL_ROWS`] at a time into a panel of
 //! unsigned 8-bit levels laid out four values per row, so that one 512-bit
-//! register (two 256-bit ones) holds four consecutive values of 16 rows.
-//! Each activation row's four matching bytes are broadcast, and one
-//! `vpdpbusd` (with AVX2, `vpmaddubsw` and `vpmaddwd`) adds four products to
-//! each row's sum. A panel is decoded once per product and then read for
-//! every activation row, so decoding costs little per token, and the inner
-//! loop is the multiply alone.
+//! register holds four consecutive values of 16 rows. Each activation row's
+//! four matching bytes are broadcast, and one `vpdpbusd` adds four products
+//! to each of the 16 rows' sums. A panel is decoded once per product and
+//! then read for every activation row, so decoding costs almost nothing per
+//! token, and the inner loop is the multiply alone.
 //!
 //! Every format is written `w = scale · u − off` per sub-block, with `u`
 //! unsigned: Q4_K and Q5_K per 32 values (`d·sc`, `dmin·m`), Q6_K per 16
-//! (`d·sc`, `32·d·sc`), and the 32-value formats with `u = v + o` (`d`,
-//! `o·d − m`). So one kernel serves them all, and the activations' group
-//! sums carry the offsets. VNNI takes `o = 128` for every 32-value format.
-//! AVX2's `vpmaddubsw` adds two products in 16 bits, which levels up to 127
-//! keep exact (2 · 127 · 127 < 2^15): there the formats keep their own small
-//! offsets (8 for Q4_0, 16 for Q5_0), and the 8-bit ones (Q8_0, int8), whose
-//! levels need 255, stay on the other kernels.
+//! (`d·sc`, `32·d·sc`), and the 32-value formats with `u = v + 128` (`d`,
+//! `128·d − m`). So one kernel serves them all, and the activations'
+//! group sums carry the offsets.
 
 use std::ops::Range;
 
 use crate::acts::QuantizedActs;
-use crate::intdot::{decode32, has_avx2, has_vnni, k_bytes, scales_k, Kind32, KindK, Row};
+use crate::intdot::{decode32, k_bytes, scales_k, Kind32, KindK, Row};
 
 /// Weight rows per panel: one 512-bit register of 32-bit sums.
 pub const PANEL_ROWS: usize = 16;
 
 /// Activation rows that share each load of the panel.
 const T_MAX: usize = 8;
-/// The same with AVX2, whose 16 registers hold two sums per row.
-const T_MAX_AVX2: usize = 4;
-
-/// Which instruction set runs the panels on this CPU.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Isa {
-    Vnni,
-    Avx2,
-}
-
-fn isa() -> Option<Isa> {
-    if has_vnni() {
-        Some(Isa::Vnni)
-    } else if has_avx2() {
-        Some(Isa::Avx2)
-    } else {
-        None
-    }
-}
-
-/// Whether products of many activation rows with 32-value blocks of `kind`
-/// run on panels on this CPU.
-pub(crate) fn serves32(kind: Kind32) -> bool {
-    match isa() {
-        Some(Isa::Vnni) => true,
-        Some(Isa::Avx2) => !matches!(kind, Kind32::Q8_0 | Kind32::Int8),
-        None => false,
-    }
-}
-
-/// Whether products of many activation rows with k-quant super-blocks run
-/// on panels on this CPU.
-pub(crate) fn serves_k() -> bool {
-    isa().is_some()
-}
 
 /// [`PANEL_ROWS`] weight rows as the kernel reads them.
 struct Panel {
     cols: usize,
     /// Values per sub-block (16 or 32): the span of one scale and offset.
     sub: usize,
-    /// The largest level the panel holds (AVX2 sums that many fewer
-    /// products in 16 bits, see `avx2::rows_times`).
-    max_level: u8,
     /// `[cols / 4][16][4]` levels.
     levels: Vec<u8>,
     /// `[cols / sub][16]`.
@@ -86,12 +43,11 @@ struct Panel {
 }
 
 impl Panel {
-    fn new(cols: usize, sub: usize, max_level: u8) -> Self {
+    fn new(cols: usize, sub: usize) -> Self {
         let groups = cols / sub * PANEL_ROWS;
         Self {
             cols,
             sub,
-            max_level,
             levels: vec![0; cols * PANEL_ROWS],
             scale: vec![0.0; groups],
             off: vec![0.0; groups],
@@ -142,13 +98,14 @@ impl Panel {
             }
         }
         self.clear_from(filled);
-        let rows = &data[rows.start * row_bytes..rows.end * row_bytes];
         // SAFETY: callers of this module checked the features.
         unsafe {
-            match isa() {
-                Some(Isa::Vnni) => vnni::levels_k(self, kind, rows, row_bytes),
-                _ => avx2::levels_k(self, kind, rows, row_bytes),
-            }
+            vnni::levels_k(
+                self,
+                kind,
+                &data[rows.start * row_bytes..rows.end * row_bytes],
+                row_bytes,
+            )
         };
     }
 
@@ -183,7 +140,7 @@ fn group_sums(acts: &QuantizedActs, sub: usize) -> Vec<f32> {
 }
 
 /// [`crate::intdot::matrix_k`] for many activation rows. The caller has
-/// checked [`serves_k`].
+/// checked [`crate::intdot::has_vnni`].
 pub(crate) fn matrix_k(
     kind: KindK,
     rows: Range<usize>,
@@ -191,19 +148,15 @@ pub(crate) fn matrix_k(
     acts: &QuantizedActs,
     out: &mut [f32],
 ) {
-    let (sub, max_level) = match kind {
-        KindK::Q4K => (32, 15),
-        KindK::Q5K => (32, 31),
-        KindK::Q6K => (16, 63),
-    };
-    let mut panel = Panel::new(acts.cols, sub, max_level);
+    let sub = if kind == KindK::Q6K { 16 } else { 32 };
+    let mut panel = Panel::new(acts.cols, sub);
     product(&mut panel, rows, acts, out, &mut |p, r| {
         p.fill_k(kind, r, data)
     });
 }
 
 /// [`crate::intdot::matrix32`] for many activation rows. The caller has
-/// checked [`serves32`].
+/// checked [`crate::intdot::has_vnni`].
 pub(crate) fn matrix32<'a>(
     kind: Kind32,
     rows: Range<usize>,
@@ -211,23 +164,10 @@ pub(crate) fn matrix32<'a>(
     acts: &QuantizedActs,
     out: &mut [f32],
 ) {
-    let max_level = match kind {
-        Kind32::Q4_0 | Kind32::Q4_1 | Kind32::Q4 => 15,
-        Kind32::Q5_0 | Kind32::Q5_1 => 31,
-        Kind32::Q8_0 | Kind32::Int8 => 255,
-    };
-    let mut panel = Panel::new(acts.cols, 32, max_level);
-    if isa() == Some(Isa::Vnni) {
-        product(&mut panel, rows, acts, out, &mut |p, r| {
-            p.fill_32(kind, r, row_of)
-        });
-    } else {
-        product(&mut panel, rows, acts, out, &mut |p, r| {
-            // SAFETY: the caller checked `serves32`, so AVX2 is here and
-            // `kind`'s levels stay below 128.
-            unsafe { avx2::fill_32(p, kind, r, row_of) }
-        });
-    }
+    let mut panel = Panel::new(acts.cols, 32);
+    product(&mut panel, rows, acts, out, &mut |p, r| {
+        p.fill_32(kind, r, row_of)
+    });
 }
 
 fn product(
@@ -240,24 +180,16 @@ fn product(
     let len = rows.len();
     assert_eq!(out.len(), acts.n * len, "output does not match the product");
     let sums = group_sums(acts, panel.sub);
-    let vnni = isa() == Some(Isa::Vnni);
-    let t_max = if vnni { T_MAX } else { T_MAX_AVX2 };
     for i0 in (0..len).step_by(PANEL_ROWS) {
         let take = PANEL_ROWS.min(len - i0);
         fill(panel, rows.start + i0..rows.start + i0 + take);
         let mut t0 = 0;
         while t0 < acts.n {
-            let tn = t_max.min(acts.n - t0);
+            let tn = T_MAX.min(acts.n - t0);
             let at = Block { t0, i0, take, len };
             // SAFETY: the callers checked the features; `Block` stays inside
             // `out` ([n, len]) and the panel's rows.
-            unsafe {
-                if vnni {
-                    vnni::dispatch(panel, acts, &sums, at, tn, out)
-                } else {
-                    avx2::dispatch(panel, acts, &sums, at, tn, out)
-                }
-            };
+            unsafe { vnni::dispatch(panel, acts, &sums, at, tn, out) };
             t0 += tn;
         }
     }
@@ -517,230 +449,6 @@ mod vnni {
             assert!(start + at.take <= out.len());
             // SAFETY: the mask writes `take` lanes, inside `out` as asserted.
             unsafe { _mm512_mask_storeu_ps(out.as_mut_ptr().add(start), mask, *acc) };
-        }
-    }
-}
-
-mod avx2 {
-    use super::{Block, Panel, PANEL_ROWS};
-    use crate::acts::QuantizedActs;
-    use crate::intdot::{k_bytes, Kind32, KindK, Row};
-    use crate::intdot_avx2::{level_offset, levels32, levels_k as unpack_k};
-    use std::arch::x86_64::*;
-
-    /// Writes 32 levels of panel row `r` (values `k0..k0 + 32`) into their
-    /// quads.
-    #[inline(always)]
-    unsafe fn put32(p: &mut Panel, r: usize, k0: usize, u: __m256i) {
-        let mut bytes = [0u32; 8];
-        // SAFETY: 32 bytes into 8 u32s.
-        unsafe { _mm256_storeu_si256(bytes.as_mut_ptr().cast(), u) };
-        for (q, &four) in bytes.iter().enumerate() {
-            let at = (k0 / 4 + q) * PANEL_ROWS * 4 + 4 * r;
-            p.levels[at..at + 4].copy_from_slice(&four.to_le_bytes());
-        }
-    }
-
-    /// See `Panel::fill_k`: the levels of `rows` (`stride` bytes each).
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn levels_k(p: &mut Panel, kind: KindK, rows: &[u8], stride: usize) {
-        let take = rows.len() / stride;
-        assert!(rows.len() == take * stride && take <= PANEL_ROWS && take > 0);
-        let bytes = k_bytes(kind);
-        for (r, row) in rows.chunks_exact(stride).enumerate() {
-            for (s, blk) in row.chunks_exact(bytes).enumerate() {
-                // SAFETY: a whole super-block of `kind`.
-                let u = unsafe { unpack_k(kind, blk) };
-                for (c, &u) in u.iter().enumerate() {
-                    // SAFETY: the features are enabled here.
-                    unsafe { put32(p, r, 256 * s + 32 * c, u) };
-                }
-            }
-        }
-        for r in take..PANEL_ROWS {
-            for q in 0..p.cols / 4 {
-                p.levels[q * PANEL_ROWS * 4 + 4 * r..][..4].fill(0);
-            }
-        }
-    }
-
-    /// The panel of the 32-value block rows `rows`, levels as stored (with
-    /// the format's own offset), `scale = d`, `off = o·d − m`.
-    ///
-    /// # Safety
-    /// AVX2, FMA and F16C must be present; `kind` is not Q8_0 or int8.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn fill_32<'a>(
-        p: &mut Panel,
-        kind: Kind32,
-        rows: std::ops::Range<usize>,
-        row_of: &dyn Fn(usize) -> Row<'a>,
-    ) {
-        assert!(!matches!(kind, Kind32::Q8_0 | Kind32::Int8));
-        macro_rules! fill {
-            ($k:literal) => {
-                // SAFETY: the caller's features and kind.
-                unsafe { fill_32_k::<$k>(p, rows, row_of) }
-            };
-        }
-        match kind {
-            Kind32::Q4_0 => fill!(1),
-            Kind32::Q4_1 => fill!(2),
-            Kind32::Q5_0 => fill!(3),
-            Kind32::Q5_1 => fill!(4),
-            _ => fill!(6),
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn fill_32_k<'a, const K: usize>(
-        p: &mut Panel,
-        rows: std::ops::Range<usize>,
-        row_of: &dyn Fn(usize) -> Row<'a>,
-    ) {
-        let o = f32::from(level_offset(Kind32::ALL[K]));
-        let filled = rows.len();
-        for (r, row) in rows.map(row_of).enumerate() {
-            for b in 0..p.cols / 32 {
-                // SAFETY: block b lies inside the row.
-                let (u, d, m) = unsafe { levels32::<K>(&row, b) };
-                let d = _mm256_cvtss_f32(d);
-                // SAFETY: the features are enabled here.
-                unsafe { put32(p, r, 32 * b, u) };
-                p.scale[b * PANEL_ROWS + r] = d;
-                p.off[b * PANEL_ROWS + r] = o * d - m;
-            }
-        }
-        for r in filled..PANEL_ROWS {
-            for q in 0..p.cols / 4 {
-                p.levels[q * PANEL_ROWS * 4 + 4 * r..][..4].fill(0);
-            }
-        }
-        p.clear_from(filled);
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn dispatch(
-        p: &Panel,
-        acts: &QuantizedActs,
-        sums: &[f32],
-        at: Block,
-        tn: usize,
-        out: &mut [f32],
-    ) {
-        macro_rules! by_t {
-            ($g:literal, $l:literal) => {
-                // SAFETY (all arms): same features and bounds as the caller's.
-                unsafe {
-                    match tn {
-                        1 => rows_times::<1, $g, $l>(p, acts, sums, at, out),
-                        2 => rows_times::<2, $g, $l>(p, acts, sums, at, out),
-                        3 => rows_times::<3, $g, $l>(p, acts, sums, at, out),
-                        _ => rows_times::<4, $g, $l>(p, acts, sums, at, out),
-                    }
-                }
-            };
-        }
-        // Quads whose `vpmaddubsw` pairs may add up in 16 bits: each pair is
-        // at most 2 · 127 · max_level.
-        let run = 32767 / (2 * 127 * usize::from(p.max_level));
-        match (p.sub, run) {
-            (16, 2..) => by_t!(16, 2),
-            (32, 8..) => by_t!(32, 8),
-            (32, 4..) => by_t!(32, 4),
-            (16, _) => by_t!(16, 1),
-            _ => by_t!(32, 1),
-        }
-    }
-
-    /// `out[t, i0 + r] = Σ_c acts[t, c] · W[r, c]` for the panel's rows `r`
-    /// (two registers of eight) and the `T` activation rows from `at.t0`,
-    /// with sub-blocks of `G`: the VNNI kernel's arithmetic, the four-byte
-    /// products summed by `vpmaddubsw` into 16 bits over `L` quads, then
-    /// widened by `vpmaddwd`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn rows_times<const T: usize, const G: usize, const L: usize>(
-        p: &Panel,
-        acts: &QuantizedActs,
-        sums: &[f32],
-        at: Block,
-        out: &mut [f32],
-    ) {
-        let cols = p.cols;
-        let block = acts.block.values();
-        let (per_block, groups) = (block / G, cols / G);
-        assert!(at.t0 + T <= acts.n && p.levels.len() == cols * PANEL_ROWS);
-        assert!(sums.len() == acts.n * groups && p.scale.len() == groups * PANEL_ROWS);
-        let qrows: [&[i8]; T] = std::array::from_fn(|k| acts.row(at.t0 + k));
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [[_mm256_setzero_ps(); 2]; T];
-        for b in 0..cols / block {
-            let mut part = [[_mm256_setzero_ps(); 2]; T];
-            for j in b * per_block..(b + 1) * per_block {
-                let mut isum = [[_mm256_setzero_si256(); 2]; T];
-                for q0 in (0..G / 4).step_by(L) {
-                    let mut short = [[_mm256_setzero_si256(); 2]; T];
-                    for q in q0..q0 + L {
-                        let c = j * G + 4 * q;
-                        // SAFETY: 64 bytes of levels at quad c / 4, inside
-                        // `levels` ([cols / 4][16][4]) as asserted above.
-                        let (w0, w1) = unsafe {
-                            let at = p.levels.as_ptr().add(c * 16);
-                            (
-                                _mm256_loadu_si256(at.cast()),
-                                _mm256_loadu_si256(at.add(32).cast()),
-                            )
-                        };
-                        for k in 0..T {
-                            // SAFETY: c + 4 ≤ cols, the length of every row.
-                            let four =
-                                unsafe { qrows[k].as_ptr().add(c).cast::<i32>().read_unaligned() };
-                            let a = _mm256_set1_epi32(four);
-                            let (s0, s1) =
-                                (_mm256_maddubs_epi16(w0, a), _mm256_maddubs_epi16(w1, a));
-                            short[k][0] = _mm256_add_epi16(short[k][0], s0);
-                            short[k][1] = _mm256_add_epi16(short[k][1], s1);
-                        }
-                    }
-                    for k in 0..T {
-                        for h in 0..2 {
-                            let wide = _mm256_madd_epi16(short[k][h], ones);
-                            isum[k][h] = _mm256_add_epi32(isum[k][h], wide);
-                        }
-                    }
-                }
-                for h in 0..2 {
-                    // SAFETY: 8 f32s of group j's half h, inside `scale` and `off`.
-                    let (sv, ov) = unsafe {
-                        (
-                            _mm256_loadu_ps(p.scale.as_ptr().add(j * PANEL_ROWS + 8 * h)),
-                            _mm256_loadu_ps(p.off.as_ptr().add(j * PANEL_ROWS + 8 * h)),
-                        )
-                    };
-                    for k in 0..T {
-                        let asum = _mm256_set1_ps(sums[(at.t0 + k) * groups + j]);
-                        let x = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[k][h]), sv, part[k][h]);
-                        part[k][h] = _mm256_fnmadd_ps(ov, asum, x);
-                    }
-                }
-            }
-            for k in 0..T {
-                let da = _mm256_set1_ps(acts.scale(at.t0 + k, b));
-                for h in 0..2 {
-                    acc[k][h] = _mm256_fmadd_ps(part[k][h], da, acc[k][h]);
-                }
-            }
-        }
-        for (k, acc) in acc.iter().enumerate() {
-            let mut lanes = [0f32; PANEL_ROWS];
-            // SAFETY: 16 f32s.
-            unsafe {
-                _mm256_storeu_ps(lanes.as_mut_ptr(), acc[0]);
-                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), acc[1]);
-            }
-            let start = (at.t0 + k) * at.len + at.i0;
-            out[start..start + at.take].copy_from_slice(&lanes[..at.take]);
         }
     }
 }

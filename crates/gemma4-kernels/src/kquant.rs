@@ -193,9 +193,6 @@ impl<F: SuperBlock> IntegerDots for SuperBlockMatrix<F> {
     fn act_block(&self) -> ActBlock {
         ActBlock::B256
     }
-    fn panels(&self) -> bool {
-        crate::intdot::panels_k()
-    }
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         matrix_k(F::KIND, rows, self.bytes.as_slice(), acts, out);
     }

@@ -177,9 +177,6 @@ impl<F: BlockFormat> IntegerDots for BlockMatrix<F> {
     fn act_block(&self) -> ActBlock {
         ActBlock::B32
     }
-    fn panels(&self) -> bool {
-        crate::intdot::panels32(F::KIND)
-    }
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         // The matrix's bytes once, not through the owner at every row.
         let (all, w) = (self.bytes.as_slice(), self.cols / BLOCK * F::BYTES);

@@ -14,9 +14,8 @@
 //! module [`intdot`]): with [`Precision::Int8Activations`] the activations
 //! are rounded to 8 bits per block once per product and meet the weights'
 //! integer levels in 8-bit multiplies, as llama.cpp computes; faster, and
-//! not exact. For many activation rows (with AVX-512 VNNI, or AVX2 for the
-//! formats whose levels fit 7 bits) the integer product runs on 16-row
-//! panels (module `intgemm`).
+//! not exact. For many activation rows on a CPU with AVX-512 VNNI the
+//! integer product runs on 16-row panels (module `intgemm`).
 //!
 //! Embedding tables use the same interface: a lookup widens only the rows
 //! of the step's tokens.
@@ -82,9 +81,6 @@ pub trait IntegerDots: Sync {
     /// `out[t · rows.len() + (r − rows.start)] = Σ_c acts[t, c] · W[r, c]`
     /// for every activation row `t` of `acts`.
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]);
-    /// Whether products of [`GEMM_MIN_ROWS`] activation rows or more run on
-    /// integer panels on this CPU (else they take f32 tiles).
-    fn panels(&self) -> bool;
 }
 
 /// How a product treats the activations of a few rows (decode); products
@@ -157,12 +153,12 @@ pub fn matmul_with(w: &dyn WeightMatrix, x: &[f32], n: usize, precision: Precisi
         return y;
     }
     // Many activation rows (prefill) take the integer panels where the CPU
-    // has them for the storage type; elsewhere dequantized tiles and f32
-    // `gemm` are faster than the row-by-row integer kernels (see the matmul
-    // bench).
+    // has VNNI; elsewhere dequantized tiles and f32 `gemm` are faster than
+    // the portable integer kernels there (see the matmul bench).
     let integer = match (precision, w.integer()) {
         (Precision::Int8Activations, Some(k))
-            if (n < GEMM_MIN_ROWS || k.panels()) && cols.is_multiple_of(k.act_block().values()) =>
+            if (n < GEMM_MIN_ROWS || intdot::has_vnni())
+                && cols.is_multiple_of(k.act_block().values()) =>
         {
             Some((k, QuantizedActs::quantize(x, n, cols, k.act_block())))
         }

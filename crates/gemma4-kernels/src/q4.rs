@@ -192,9 +192,6 @@ impl IntegerDots for Q4Matrix {
     fn act_block(&self) -> ActBlock {
         ActBlock::B32
     }
-    fn panels(&self) -> bool {
-        crate::intdot::panels32(crate::intdot::Kind32::Q4)
-    }
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         let cols = self.cols;
         let per_row = cols / GROUP;

@@ -81,9 +81,6 @@ impl IntegerDots for Q8_0Matrix {
     fn act_block(&self) -> ActBlock {
         ActBlock::B32
     }
-    fn panels(&self) -> bool {
-        crate::intdot::panels32(Kind32::Q8_0)
-    }
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         // The matrix's bytes once, not through the owner at every row.
         let (all, w) = (self.bytes.as_slice(), self.cols / BLOCK * BLOCK_BYTES);
