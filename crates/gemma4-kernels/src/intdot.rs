@@ -79,7 +79,7 @@ pub enum KindK {
 }
 
 impl KindK {
-    const ALL: [KindK; 3] = [KindK::Q4K, KindK::Q5K, KindK::Q6K];
+    pub(crate) const ALL: [KindK; 3] = [KindK::Q4K, KindK::Q5K, KindK::Q6K];
 }
 
 /// One weight row as the kernels read it: its block bytes, and for our
@@ -432,27 +432,8 @@ pub fn matrix32<'a>(
     let len = rows.len();
     #[cfg(target_arch = "x86_64")]
     if avx2 && acts.n == 1 {
-        // Decode: weight rows two at a time against the one activation row,
-        // one from each half of the range. Two far-apart sequential streams
-        // keep the hardware prefetchers busy; two neighbouring rows read
-        // alternately (680 bytes apart on the demo's head) ran at two thirds
-        // of one stream's rate on a 2-core AMD EPYC. (Four far streams read
-        // faster alone, but decoded slower in the model.)
-        let start = rows.start;
-        let half = len.div_ceil(2);
-        for i in 0..half {
-            let mut pair = [0f32; 2];
-            let j = i + half;
-            let a = row_of(start + i);
-            let b = if j < len { row_of(start + j) } else { a };
-            // SAFETY: `has_avx2` detected the features the kernel needs.
-            unsafe { crate::intdot_avx2::dots32_two_rows(kind, [&a, &b], acts, &mut pair) };
-            out[i] = pair[0];
-            if j < len {
-                out[j] = pair[1];
-            }
-        }
-        return;
+        // SAFETY: `has_avx2` detected the features the kernel needs.
+        return unsafe { crate::intdot_avx2::decode32(kind, rows, row_of, acts, out) };
     }
     for (i, r) in rows.enumerate() {
         let row = row_of(r);

@@ -11,7 +11,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use crate::acts::QuantizedActs;
-use crate::intdot::{k_bytes, scales_k, Kind32, KindK, Row, GROUP};
+use crate::intdot::{k_bytes, Kind32, KindK, Row, GROUP};
 
 #[inline(always)]
 unsafe fn hsum_ps(v: __m256) -> f32 {
@@ -297,72 +297,205 @@ unsafe fn dots32_four<const K: usize>(row: &Row, acts: &QuantizedActs, t0: usize
     }
 }
 
-/// `out[i] = Σ w_i · x` of two weight rows of 32-value blocks with the one
-/// activation row (decode): the activation block and its scale are loaded
-/// once for both rows, and the two rows' products overlap.
+/// `out[i] = Σ_c acts[0, c] · W[rows.start + i, c]` for one activation row
+/// (decode), weight rows two at a time, one from each half of the range.
+/// Two far-apart sequential streams keep the hardware prefetchers busy; two
+/// neighbouring rows read alternately (680 bytes apart on the demo's head)
+/// ran at two thirds of one stream's rate on a 2-core AMD EPYC. (Four far
+/// streams read faster alone, but decoded slower in the model.)
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C; `acts` has one row.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dots32_two_rows(
+pub unsafe fn decode32<'a>(
     kind: Kind32,
-    rows: [&Row; 2],
+    rows: Range<usize>,
+    row_of: &dyn Fn(usize) -> Row<'a>,
     acts: &QuantizedActs,
-    out: &mut [f32; 2],
+    out: &mut [f32],
 ) {
     match kind {
-        Kind32::Q8_0 => two_rows_t::<0>(rows, acts, out),
-        Kind32::Q4_0 => two_rows_t::<1>(rows, acts, out),
-        Kind32::Q4_1 => two_rows_t::<2>(rows, acts, out),
-        Kind32::Q5_0 => two_rows_t::<3>(rows, acts, out),
-        Kind32::Q5_1 => two_rows_t::<4>(rows, acts, out),
-        Kind32::Int8 => two_rows_t::<5>(rows, acts, out),
-        Kind32::Q4 => two_rows_t::<6>(rows, acts, out),
+        Kind32::Q8_0 => decode32_t::<0>(rows, row_of, acts, out),
+        Kind32::Q4_0 => decode32_t::<1>(rows, row_of, acts, out),
+        Kind32::Q4_1 => decode32_t::<2>(rows, row_of, acts, out),
+        Kind32::Q5_0 => decode32_t::<3>(rows, row_of, acts, out),
+        Kind32::Q5_1 => decode32_t::<4>(rows, row_of, acts, out),
+        Kind32::Int8 => decode32_t::<5>(rows, row_of, acts, out),
+        Kind32::Q4 => decode32_t::<6>(rows, row_of, acts, out),
     }
 }
 
+/// [`decode32`] for the kind `Kind32::ALL[K]`, the pair loop and the
+/// kernel in one function, so that a pair's first blocks overlap the
+/// previous pair's last ones.
 #[inline(always)]
-unsafe fn two_rows_t<const K: usize>(rows: [&Row; 2], acts: &QuantizedActs, out: &mut [f32; 2]) {
+unsafe fn decode32_t<'a, const K: usize>(
+    rows: Range<usize>,
+    row_of: &dyn Fn(usize) -> Row<'a>,
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    let (start, len) = (rows.start, rows.len());
+    let half = len.div_ceil(2);
+    for i in 0..half {
+        let j = i + half;
+        let a = row_of(start + i);
+        let b = if j < len { row_of(start + j) } else { a };
+        let [ya, yb] = two_rows_t::<K>([&a, &b], acts);
+        out[i] = ya;
+        if j < len {
+            out[j] = yb;
+        }
+    }
+}
+
+/// Two weight rows against the one activation row: the activation block
+/// and its scale are loaded once for both rows.
+#[inline(always)]
+unsafe fn two_rows_t<const K: usize>(rows: [&Row; 2], acts: &QuantizedActs) -> [f32; 2] {
     let kind = Kind32::ALL[K];
     let blocks = acts.cols / 32;
     let (qs, scales) = (acts.row(0).as_ptr(), acts.scales.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 2];
     let mut offsets = [0f32; 2];
-    // No software prefetch: the caller hands two far-apart rows, sequential
-    // streams that the hardware prefetchers follow (a hint 1 KiB ahead
-    // measured slower).
+    // No software prefetch: the two rows are far apart, sequential streams
+    // that the hardware prefetchers follow (a hint 1 KiB ahead measured
+    // slower).
     let offset = level_offset(kind);
-    for b in 0..blocks {
-        let a = _mm256_loadu_si256(qs.add(32 * b) as *const __m256i);
-        let da = *scales.add(b);
-        let da8 = _mm256_set1_ps(da);
-        // With an offset `o`, Σ (u − o)·a = Σ u·a − Σ o·a: the unsigned
-        // levels go into `vpmaddubsw` as they are (no sign moves), and the
-        // pairs of o·a, shared by both rows, are taken off before widening
-        // (|u·a pairs| ≤ 31·127·2 and |o·a pairs| ≤ 16·127·2 stay in i16).
-        let shift = _mm256_maddubs_epi16(_mm256_set1_epi8(offset), a);
-        for i in 0..2 {
-            let (w, d, m) = levels32::<K>(rows[i], b);
-            let s = if kind.affine() {
-                dot_u8(w, a)
-            } else if offset != 0 {
-                _mm256_madd_epi16(
-                    _mm256_sub_epi16(_mm256_maddubs_epi16(w, a), shift),
-                    _mm256_set1_epi16(1),
-                )
-            } else {
-                dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
-            };
-            let scale = _mm256_mul_ps(d, da8);
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i]);
-            if kind.affine() {
-                let qsum = acts.sum16(0, 2 * b) + acts.sum16(0, 2 * b + 1);
-                offsets[i] += da * m * qsum as f32;
+    macro_rules! step {
+        ($b:expr, $acc:expr) => {{
+            let (b, acc): (usize, &mut [__m256; 2]) = ($b, $acc);
+            let a = _mm256_loadu_si256(qs.add(32 * b) as *const __m256i);
+            let da = *scales.add(b);
+            let da8 = _mm256_set1_ps(da);
+            // With an offset `o`, Σ (u − o)·a = Σ u·a − Σ o·a: the unsigned
+            // levels go into `vpmaddubsw` as they are (no sign moves), and the
+            // pairs of o·a, shared by both rows, are taken off before widening
+            // (|u·a pairs| ≤ 31·127·2 and |o·a pairs| ≤ 16·127·2 stay in i16).
+            let shift = _mm256_maddubs_epi16(_mm256_set1_epi8(offset), a);
+            for i in 0..2 {
+                let (w, d, m) = levels32::<K>(rows[i], b);
+                let s = if kind.affine() {
+                    dot_u8(w, a)
+                } else if offset != 0 {
+                    _mm256_madd_epi16(
+                        _mm256_sub_epi16(_mm256_maddubs_epi16(w, a), shift),
+                        _mm256_set1_epi16(1),
+                    )
+                } else {
+                    dot_u8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
+                };
+                let scale = _mm256_mul_ps(d, da8);
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i]);
+                if kind.affine() {
+                    let qsum = acts.sum16(0, 2 * b) + acts.sum16(0, 2 * b + 1);
+                    offsets[i] += da * m * qsum as f32;
+                }
+            }
+        }};
+    }
+    // Even and odd blocks in their own registers (see `dots32_t`): four
+    // chains of FMAs, not two, so that a row's blocks do not wait on each
+    // other's latency.
+    let (mut even, mut odd) = ([_mm256_setzero_ps(); 2], [_mm256_setzero_ps(); 2]);
+    let mut b = 0;
+    while b + 1 < blocks {
+        step!(b, &mut even);
+        step!(b + 1, &mut odd);
+        b += 2;
+    }
+    if b < blocks {
+        step!(b, &mut even);
+    }
+    [
+        hsum_ps(_mm256_add_ps(even[0], odd[0])) + offsets[0],
+        hsum_ps(_mm256_add_ps(even[1], odd[1])) + offsets[1],
+    ]
+}
+
+/// A k-quant super-block's scales as the AVX2 kernel applies them.
+struct KScales {
+    /// The 16-bit factors of level register `c` (values 32c..32c + 32): the
+    /// scale of values 32c..32c + 16 in the low lane, of the next 16 in the
+    /// high lane.
+    scales: [__m256i; 8],
+    /// Per 16-value group, in two registers (lane l: group l, then group
+    /// l + 8), the factor of the group's activation sum as a 32-bit lane
+    /// with a zero upper half: the min (Q4_K/Q5_K) or the scale (Q6_K).
+    groups: [__m256i; 2],
+    d: f32,
+    dmin: f32,
+}
+
+/// The scales of super-block `blk`, decoded in registers: the same integers
+/// as [`crate::intdot::scales_k`] gives, without a byte array in between.
+#[inline(always)]
+unsafe fn scales_k_avx2(kind: KindK, blk: &[u8]) -> KScales {
+    let p = blk.as_ptr();
+    // Word `w` of the low lane in the whole low lane, word `w + 1` (mod 8)
+    // in the high lane: `vpshufb` masks that pick a 16-bit lane.
+    let pick = |lo: i32, hi: i32| {
+        let word = |w: i32| (2 * w) | ((2 * w + 1) << 8);
+        let (lo, hi) = (word(lo) * 0x0001_0001, word(hi) * 0x0001_0001);
+        _mm256_set_epi32(hi, hi, hi, hi, lo, lo, lo, lo)
+    };
+    let low16 = _mm256_set1_epi32(0xFFFF);
+    match kind {
+        KindK::Q4K | KindK::Q5K => {
+            // Twelve bytes: scales 0–3 and mins 0–3 in the low six bits of
+            // bytes 0–7; scales 4–7 and mins 4–7 as the nibbles of bytes
+            // 8–11 with their top two bits in the top bits of bytes 0–7.
+            let w = |i: usize| (p.add(4 + 4 * i) as *const u32).read_unaligned();
+            let (w0, w1, w2) = (w(0), w(1), w(2));
+            let (six, four, two) = (0x3F3F_3F3Fu32, 0x0F0F_0F0Fu32, 0x0303_0303u32);
+            let sc = [w0 & six, (w2 & four) | (((w0 >> 6) & two) << 4)];
+            let mn = [w1 & six, ((w2 >> 4) & four) | (((w1 >> 6) & two) << 4)];
+            let sc16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, sc[1] as i32, sc[0] as i32));
+            let both = _mm256_broadcastsi128_si256(sc16);
+            // One scale per 32 values: both lanes of register c take scale c.
+            let mut scales = [_mm256_setzero_si256(); 8];
+            for (c, v) in scales.iter_mut().enumerate() {
+                *v = _mm256_shuffle_epi8(both, pick(c as i32, c as i32));
+            }
+            // Groups 2j and 2j + 1 share min j.
+            let pairs = _mm_shuffle_epi8(
+                _mm_set_epi32(0, 0, mn[1] as i32, mn[0] as i32),
+                _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+            );
+            let groups = [
+                _mm256_cvtepu8_epi32(pairs),
+                _mm256_cvtepu8_epi32(_mm_srli_si128(pairs, 8)),
+            ];
+            KScales {
+                scales,
+                groups,
+                d: half_at(p),
+                dmin: half_at(p.add(2)),
             }
         }
-    }
-    for i in 0..2 {
-        out[i] = hsum_ps(acc[i]) + offsets[i];
+        KindK::Q6K => {
+            // Sixteen signed scales, one per 16 values.
+            let raw = _mm_loadu_si128(p.add(192) as *const __m128i);
+            let sc16 = _mm256_cvtepi8_epi16(raw);
+            let (lo, hi) = (
+                _mm256_permute2x128_si256(sc16, sc16, 0x00),
+                _mm256_permute2x128_si256(sc16, sc16, 0x11),
+            );
+            let mut scales = [_mm256_setzero_si256(); 8];
+            for (c, v) in scales.iter_mut().enumerate() {
+                let j = (c % 4) as i32;
+                *v = _mm256_shuffle_epi8(if c < 4 { lo } else { hi }, pick(2 * j, 2 * j + 1));
+            }
+            let groups = [
+                _mm256_and_si256(_mm256_cvtepi8_epi32(raw), low16),
+                _mm256_and_si256(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)), low16),
+            ];
+            KScales {
+                scales,
+                groups,
+                d: half_at(p.add(208)),
+                dmin: 0.0,
+            }
+        }
     }
 }
 
@@ -436,62 +569,90 @@ pub unsafe fn dots_k(
     ts: Range<usize>,
     out: &mut [f32],
 ) {
-    let bytes = k_bytes(kind);
-    let n = ts.len();
-    let rows: [*const i8; GROUP] =
-        std::array::from_fn(|k| acts.row(ts.start + k.min(n.saturating_sub(1))).as_ptr());
-    let mut acc = [_mm256_setzero_ps(); GROUP];
-    let (mut sc, mut mn) = ([0i32; 16], [0i32; 16]);
-    for (s, blk) in row.chunks_exact(bytes).enumerate() {
-        let (d, dmin) = scales_k(kind, blk, &mut sc, &mut mn);
-        let u = levels_k(kind, blk);
-        // Each register of levels covers two groups of 16: their scales, as
-        // the eight 16-bit pairs of each half.
-        let scales: [__m256i; 8] = std::array::from_fn(|c| {
-            _mm256_set_m128i(
-                _mm_set1_epi16(sc[2 * c + 1] as i16),
-                _mm_set1_epi16(sc[2 * c] as i16),
-            )
-        });
-        for k in 0..n {
-            let t = ts.start + k;
-            let a = rows[k].add(256 * s);
-            let mut sums = _mm256_setzero_si256();
-            for c in 0..8 {
-                let av = _mm256_loadu_si256(a.add(32 * c) as *const __m256i);
-                let p = _mm256_maddubs_epi16(u[c], av);
-                sums = _mm256_add_epi32(sums, _mm256_madd_epi16(p, scales[c]));
+    macro_rules! by_rows {
+        ($k:literal) => {
+            match ts.len() {
+                1 => dots_k_t::<1, $k>(row, acts, ts.start, out),
+                2 => dots_k_t::<2, $k>(row, acts, ts.start, out),
+                3 => dots_k_t::<3, $k>(row, acts, ts.start, out),
+                _ => dots_k_t::<4, $k>(row, acts, ts.start, out),
             }
-            // The 16 groups' activation sums, against the mins (and, for
-            // Q6_K, the scales times its offset of 32).
-            let g = acts.sums.as_ptr().add((t * acts.cols + 256 * s) / 16);
+        };
+    }
+    match kind {
+        KindK::Q4K => by_rows!(0),
+        KindK::Q5K => by_rows!(1),
+        KindK::Q6K => by_rows!(2),
+    }
+}
+
+/// [`dots_k`] for `T` activation rows from `t0` and the kind
+/// `KindK::ALL[K]`: the accumulators stay in registers, and each level
+/// register meets the rows' activations as soon as it is decoded.
+#[inline(always)]
+unsafe fn dots_k_t<const T: usize, const K: usize>(
+    row: &[u8],
+    acts: &QuantizedActs,
+    t0: usize,
+    out: &mut [f32],
+) {
+    const { assert!(T <= GROUP) };
+    let kind = KindK::ALL[K];
+    let bytes = k_bytes(kind);
+    let supers = acts.cols / 256;
+    let qs: [*const i8; T] = std::array::from_fn(|k| acts.row(t0 + k).as_ptr());
+    let scales: [*const f32; T] =
+        std::array::from_fn(|k| acts.scales[(t0 + k) * supers..].as_ptr());
+    let sums: [*const i32; T] =
+        std::array::from_fn(|k| acts.sums[(t0 + k) * (acts.cols / 16)..].as_ptr());
+    let mut acc = [_mm256_setzero_ps(); T];
+    for (s, blk) in row.chunks_exact(bytes).enumerate() {
+        let KScales {
+            scales: factors,
+            groups,
+            d,
+            dmin,
+        } = scales_k_avx2(kind, blk);
+        let u = levels_k(kind, blk);
+        let mut dot = [_mm256_setzero_si256(); T];
+        for c in 0..8 {
+            for k in 0..T {
+                let av = _mm256_loadu_si256(qs[k].add(256 * s + 32 * c) as *const __m256i);
+                let p = _mm256_maddubs_epi16(u[c], av);
+                dot[k] = _mm256_add_epi32(dot[k], _mm256_madd_epi16(p, factors[c]));
+            }
+        }
+        for k in 0..T {
+            // The 16 groups' activation sums (lane l: groups l and l + 8),
+            // against the mins (Q4_K/Q5_K) or the scales times Q6_K's
+            // offset of 32. The sums fit in 16 bits (|Σ| ≤ 16 · 127) and
+            // the factors have zero upper halves, so `vpmaddwd` multiplies
+            // each lane exactly.
+            let g = sums[k].add(16 * s);
             let (g0, g1) = (
                 _mm256_loadu_si256(g as *const __m256i),
                 _mm256_loadu_si256(g.add(8) as *const __m256i),
             );
+            let by_group = _mm256_add_epi32(
+                _mm256_madd_epi16(g0, groups[0]),
+                _mm256_madd_epi16(g1, groups[1]),
+            );
+            let mut sum = dot[k];
             if kind == KindK::Q6K {
-                let (s0, s1) = (
-                    _mm256_loadu_si256(sc.as_ptr() as *const __m256i),
-                    _mm256_loadu_si256(sc.as_ptr().add(8) as *const __m256i),
-                );
-                let offset =
-                    _mm256_add_epi32(_mm256_mullo_epi32(g0, s0), _mm256_mullo_epi32(g1, s1));
-                sums = _mm256_sub_epi32(sums, _mm256_slli_epi32(offset, 5));
+                sum = _mm256_sub_epi32(sum, _mm256_slli_epi32(by_group, 5));
             }
-            let da = acts.scale(t, s);
-            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(da * d), acc[k]);
+            let da = *scales[k].add(s);
+            acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(da * d), acc[k]);
             if kind != KindK::Q6K {
-                let (m0, m1) = (
-                    _mm256_loadu_si256(mn.as_ptr() as *const __m256i),
-                    _mm256_loadu_si256(mn.as_ptr().add(8) as *const __m256i),
+                acc[k] = _mm256_fnmadd_ps(
+                    _mm256_cvtepi32_ps(by_group),
+                    _mm256_set1_ps(da * dmin),
+                    acc[k],
                 );
-                let mins = _mm256_add_epi32(_mm256_mullo_epi32(g0, m0), _mm256_mullo_epi32(g1, m1));
-                acc[k] =
-                    _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_set1_ps(da * dmin), acc[k]);
             }
         }
     }
-    for k in 0..n {
+    for k in 0..T {
         out[k] = hsum_ps(acc[k]);
     }
 }
