@@ -30,8 +30,10 @@ unsafe fn dot_u8(u: __m256i, a: __m256i) -> __m256i {
 /// order [`decode32`] gives).
 #[inline(always)]
 unsafe fn nibbles(p: *const u8) -> __m256i {
-    let q = _mm_loadu_si128(p as *const __m128i);
-    let both = _mm256_set_m128i(_mm_srli_epi16(q, 4), q);
+    // The bytes in both lanes, the high lane shifted by a nibble: a load
+    // and a shift, with no lane insert.
+    let q = _mm256_broadcastsi128_si256(_mm_loadu_si128(p as *const __m128i));
+    let both = _mm256_srlv_epi64(q, _mm256_set_epi64x(4, 4, 0, 0));
     _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
 }
 
