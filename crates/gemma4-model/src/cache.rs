@@ -102,13 +102,20 @@ pub fn attend_gathered(
     first: usize,
     queries: Queries<'_>,
 ) -> Result<Tensor> {
-    let (n, heads, _) = queries.q.dims3()?;
+    let (n, heads, hd) = queries.q.dims3()?;
     let total = k.dim(1)?;
-    let rows = (SCORE_TILE / (heads * total).max(1)).clamp(1, n.max(1));
+    let mut rows = (SCORE_TILE / (heads * total).max(1)).clamp(1, n.max(1));
+    // With a prompt's worth of work, at least one tile per thread of the
+    // kernels' pool: the tiles run side by side (candle's products in them
+    // run on the calling thread).
+    let pool = gemma4_kernels::pool::global();
+    if pool.threads() > 1 && n * total * heads * hd >= PARALLEL_MIN_WORK {
+        rows = rows.min(n.div_ceil(pool.threads()));
+    }
     if rows >= n {
         return attend_tile(k, v, first, queries);
     }
-    let mut outs = Vec::with_capacity(n.div_ceil(rows));
+    let mut tiles = Vec::with_capacity(n.div_ceil(rows));
     for at in (0..n).step_by(rows) {
         let len = rows.min(n - at);
         let start = queries.start + at;
@@ -128,19 +135,41 @@ pub fn attend_gathered(
                 first + total
             )));
         }
-        let tile = Queries {
-            q: &queries.q.narrow(0, at, len)?,
-            start,
-            ..queries
-        };
-        let (k, v) = (
-            k.narrow(1, lo - first, hi - lo)?,
-            v.narrow(1, lo - first, hi - lo)?,
-        );
-        outs.push(attend_tile(&k, &v, lo, tile)?);
+        tiles.push((at, len, start, lo, hi));
     }
+    let outs: Vec<std::sync::Mutex<Option<Result<Tensor>>>> =
+        tiles.iter().map(|_| std::sync::Mutex::new(None)).collect();
+    pool.run(tiles.len(), &|i| {
+        let (at, len, start, lo, hi) = tiles[i];
+        let out = (|| {
+            let q = queries.q.narrow(0, at, len)?;
+            let tile = Queries {
+                q: &q,
+                start,
+                ..queries
+            };
+            let (k, v) = (
+                k.narrow(1, lo - first, hi - lo)?,
+                v.narrow(1, lo - first, hi - lo)?,
+            );
+            attend_tile(&k, &v, lo, tile)
+        })();
+        *outs[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
+    });
+    let outs = outs
+        .into_iter()
+        .map(|slot| {
+            slot.into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(|| Err(ModelError::Input("an attention tile did not run".into())))
+        })
+        .collect::<Result<Vec<_>>>()?;
     Ok(Tensor::cat(&outs, 0)?)
 }
+
+/// Multiply-adds (query rows × keys × heads × head_dim) from which
+/// [`attend_gathered`] splits its rows over the kernels' threads.
+const PARALLEL_MIN_WORK: usize = 1 << 22;
 
 /// One tile of [`attend_gathered`]: all of `queries` against all of `k`, `v`.
 fn attend_tile(k: &Tensor, v: &Tensor, first: usize, queries: Queries<'_>) -> Result<Tensor> {
