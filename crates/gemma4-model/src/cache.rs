@@ -105,12 +105,13 @@ pub fn attend_gathered(
     let (n, heads, hd) = queries.q.dims3()?;
     let total = k.dim(1)?;
     let mut rows = (SCORE_TILE / (heads * total).max(1)).clamp(1, n.max(1));
-    // With a prompt's worth of work, at least one tile per thread of the
-    // kernels' pool: the tiles run side by side (candle's products in them
-    // run on the calling thread).
+    // With a prompt's worth of work, four tiles per thread of the kernels'
+    // pool: the tiles run side by side (candle's products in them run on
+    // the calling thread), and as later rows see more keys, several per
+    // thread even out their shares.
     let pool = gemma4_kernels::pool::global();
     if pool.threads() > 1 && n * total * heads * hd >= PARALLEL_MIN_WORK {
-        rows = rows.min(n.div_ceil(pool.threads()));
+        rows = rows.min(n.div_ceil(4 * pool.threads()));
     }
     if rows >= n {
         return attend_tile(k, v, first, queries);
