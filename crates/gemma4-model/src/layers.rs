@@ -115,12 +115,36 @@ pub fn gated_gelu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
                 let gd = &gd[gl.start_offset()..gl.start_offset() + n];
                 let ud = &ud[ul.start_offset()..ul.start_offset() + n];
                 let mut out = vec![0f32; n];
-                gemma4_kernels::gelu::gelu_tanh_mul(gd, ud, &mut out);
+                gelu_tanh_mul_split(gd, ud, &mut out);
                 return Ok(Tensor::from_vec(out, gate.shape(), gate.device())?);
             }
         }
     }
     Ok((gate.gelu()? * up)?)
+}
+
+/// Elements from which [`gated_gelu`] splits its pass over the kernels'
+/// threads (a prompt's MLP; a decode step's few rows stay on one thread).
+const GELU_PARALLEL_MIN: usize = 1 << 16;
+
+/// [`gemma4_kernels::gelu::gelu_tanh_mul`] in parts over the kernels' pool:
+/// each element is computed alone, so the split leaves every value as is.
+fn gelu_tanh_mul_split(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    let pool = gemma4_kernels::pool::global();
+    let n = out.len();
+    if pool.threads() == 1 || n < GELU_PARALLEL_MIN {
+        gemma4_kernels::gelu::gelu_tanh_mul(gate, up, out);
+        return;
+    }
+    let chunk = n.div_ceil(pool.threads()).next_multiple_of(64);
+    let parts: Vec<std::sync::Mutex<&mut [f32]>> =
+        out.chunks_mut(chunk).map(std::sync::Mutex::new).collect();
+    pool.run(parts.len(), &|i| {
+        let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+        let at = i * chunk;
+        let len = part.len();
+        gemma4_kernels::gelu::gelu_tanh_mul(&gate[at..at + len], &up[at..at + len], &mut part);
+    });
 }
 
 /// Ids as an index tensor.
