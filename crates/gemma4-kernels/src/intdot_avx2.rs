@@ -20,6 +20,25 @@ unsafe fn hsum_ps(v: __m256) -> f32 {
     _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
 }
 
+/// Runs the kernel's `step!(block, accumulators)` over blocks `0..blocks`,
+/// even blocks into `even`, odd ones into `odd`, unrolled by hand: an
+/// accumulator picked by `b & 1` lived on the stack, and each block waited
+/// on the store of the one before last. (A macro: a closure does not
+/// inherit the kernel's target features, and its intrinsics were calls.)
+macro_rules! even_odd {
+    ($blocks:expr, $step:ident, $even:expr, $odd:expr) => {{
+        let mut b = 0;
+        while b + 1 < $blocks {
+            $step!(b, $even);
+            $step!(b + 1, $odd);
+            b += 2;
+        }
+        if b < $blocks {
+            $step!(b, $even);
+        }
+    }};
+}
+
 /// Eight i32 sums of four products each: unsigned `u` by signed `a`.
 #[inline(always)]
 unsafe fn dot_u8(u: __m256i, a: __m256i) -> __m256i {
@@ -214,19 +233,9 @@ unsafe fn dots32_t<const T: usize, const K: usize>(
             }
         }};
     }
-    // Even and odd blocks in their own registers, unrolled by hand: an
-    // accumulator picked by `b & 1` lived on the stack, and each block
-    // waited on the store of the one before last.
+    // Even and odd blocks in their own registers (see `even_odd!`).
     let (mut even, mut odd) = ([_mm256_setzero_ps(); T], [_mm256_setzero_ps(); T]);
-    let mut b = 0;
-    while b + 1 < blocks {
-        step!(b, &mut even);
-        step!(b + 1, &mut odd);
-        b += 2;
-    }
-    if b < blocks {
-        step!(b, &mut even);
-    }
+    even_odd!(blocks, step, &mut even, &mut odd);
     for k in 0..T {
         out[k] = hsum_ps(_mm256_add_ps(even[k], odd[k])) + offsets[k];
     }
@@ -276,21 +285,12 @@ unsafe fn dots32_four<const K: usize>(row: &Row, acts: &QuantizedActs, t0: usize
             }
         }};
     }
-    // Even and odd blocks in their own registers (see `dots32_t`), so that
-    // consecutive blocks' FMAs do not wait on each other. Lane k and k + 4:
+    // Even and odd blocks in their own registers (see `even_odd!`), so
+    // that consecutive blocks' FMAs do not wait on each other. Lane k and k + 4:
     // activation row k.
-    let mut acc = [_mm256_setzero_ps(); 2];
-    let mut b = 0;
-    while b + 1 < blocks {
-        let [even, odd] = &mut acc;
-        step!(b, even);
-        step!(b + 1, odd);
-        b += 2;
-    }
-    if b < blocks {
-        step!(b, &mut acc[0]);
-    }
-    let both = _mm256_add_ps(acc[0], acc[1]);
+    let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    even_odd!(blocks, step, &mut even, &mut odd);
+    let both = _mm256_add_ps(even, odd);
     let rows = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
     let mut sums = [0f32; 4];
     _mm_storeu_ps(sums.as_mut_ptr(), rows);
@@ -395,19 +395,11 @@ unsafe fn two_rows_t<const K: usize>(rows: [&Row; 2], acts: &QuantizedActs) -> [
             }
         }};
     }
-    // Even and odd blocks in their own registers (see `dots32_t`): four
+    // Even and odd blocks in their own registers (see `even_odd!`): four
     // chains of FMAs, not two, so that a row's blocks do not wait on each
     // other's latency.
     let (mut even, mut odd) = ([_mm256_setzero_ps(); 2], [_mm256_setzero_ps(); 2]);
-    let mut b = 0;
-    while b + 1 < blocks {
-        step!(b, &mut even);
-        step!(b + 1, &mut odd);
-        b += 2;
-    }
-    if b < blocks {
-        step!(b, &mut even);
-    }
+    even_odd!(blocks, step, &mut even, &mut odd);
     [
         hsum_ps(_mm256_add_ps(even[0], odd[0])) + offsets[0],
         hsum_ps(_mm256_add_ps(even[1], odd[1])) + offsets[1],
