@@ -327,9 +327,8 @@ pub unsafe fn decode32<'a>(
     }
 }
 
-/// [`decode32`] for the kind `Kind32::ALL[K]`, the pair loop and the
-/// kernel in one function, so that a pair's first blocks overlap the
-/// previous pair's last ones.
+/// [`decode32`] for the kind `Kind32::ALL[K]`: the pair loop and the
+/// kernel in one function (one call per range, not one per pair).
 #[inline(always)]
 unsafe fn decode32_t<'a, const K: usize>(
     rows: Range<usize>,
@@ -425,8 +424,8 @@ struct KScales {
 #[inline(always)]
 unsafe fn scales_k_avx2(kind: KindK, blk: &[u8]) -> KScales {
     let p = blk.as_ptr();
-    // Word `w` of the low lane in the whole low lane, word `w + 1` (mod 8)
-    // in the high lane: `vpshufb` masks that pick a 16-bit lane.
+    // A `vpshufb` mask: 16-bit word `lo` of the low lane repeated through
+    // the low lane, word `hi` of the high lane through the high lane.
     let pick = |lo: i32, hi: i32| {
         let word = |w: i32| (2 * w) | ((2 * w + 1) << 8);
         let (lo, hi) = (word(lo) * 0x0001_0001, word(hi) * 0x0001_0001);

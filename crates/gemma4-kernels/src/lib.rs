@@ -41,7 +41,6 @@ pub use acts::{ActBlock, QuantizedActs};
 pub use bytes::Bytes;
 
 use std::ops::Range;
-use std::sync::Mutex;
 
 /// A row-major `[rows, cols]` weight matrix in some storage.
 pub trait WeightMatrix: Send + Sync + std::fmt::Debug {
@@ -172,8 +171,7 @@ pub fn matmul_with(w: &dyn WeightMatrix, x: &[f32], n: usize, precision: Precisi
     let granule = if tiled { TILE_ROWS } else { 16 };
     let chunk = rows.div_ceil(threads * 4).div_ceil(granule).max(1) * granule;
     let starts: Vec<usize> = (0..rows).step_by(chunk).collect();
-    let parts: Vec<Mutex<Vec<f32>>> = starts.iter().map(|_| Mutex::new(Vec::new())).collect();
-    pool.run(starts.len(), &|ci| {
+    let parts: Vec<Vec<f32>> = pool.map(starts.len(), &|ci| {
         let start = starts[ci];
         let range = start..(start + chunk).min(rows);
         let mut out = vec![0f32; n * range.len()];
@@ -184,12 +182,8 @@ pub fn matmul_with(w: &dyn WeightMatrix, x: &[f32], n: usize, precision: Precisi
         } else {
             w.dots(range, x, n, &mut out);
         }
-        *parts[ci].lock().unwrap_or_else(|e| e.into_inner()) = out;
+        out
     });
-    let parts: Vec<Vec<f32>> = parts
-        .into_iter()
-        .map(|p| p.into_inner().unwrap_or_else(|e| e.into_inner()))
-        .collect();
     for (&start, part) in starts.iter().zip(&parts) {
         let len = part.len() / n;
         for t in 0..n {

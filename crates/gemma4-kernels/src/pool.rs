@@ -141,6 +141,41 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// `f(i)` for every `i` in `0..count`, spread over the pool, the results
+    /// in index order.
+    pub fn map<T: Send>(&self, count: usize, f: &(dyn Fn(usize) -> T + Sync)) -> Vec<T> {
+        let slots: Vec<Mutex<Option<T>>> = (0..count).map(|_| Mutex::new(None)).collect();
+        self.run(count, &|i| {
+            let value = f(i);
+            *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(value);
+        });
+        slots
+            .into_iter()
+            .map(|slot| {
+                slot.into_inner()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .expect("`run` calls `f` for every index or re-raises its panic")
+            })
+            .collect()
+    }
+
+    /// `f(i, part)` for the parts of `out`, `chunk` elements each (the last
+    /// one shorter), spread over the pool.
+    pub fn for_each_chunk<T: Send>(
+        &self,
+        out: &mut [T],
+        chunk: usize,
+        f: &(dyn Fn(usize, &mut [T]) + Sync),
+    ) {
+        let parts: Vec<Mutex<&mut [T]>> = out.chunks_mut(chunk.max(1)).map(Mutex::new).collect();
+        self.run(parts.len(), &|i| {
+            let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
+            f(i, &mut part);
+        });
+    }
+}
+
 impl Drop for Pool {
     fn drop(&mut self) {
         let s = &self.shared;

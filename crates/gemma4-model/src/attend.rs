@@ -176,16 +176,10 @@ impl InPlace<'_> {
             return out;
         }
         let chunk = units.div_ceil(pool.threads() * 2).max(1);
-        let parts: Vec<std::sync::Mutex<&mut [f32]>> = out
-            .chunks_mut(chunk * hd)
-            .map(std::sync::Mutex::new)
-            .collect();
-        pool.run(parts.len(), &|ci| {
+        pool.for_each_chunk(&mut out, chunk * hd, &|ci, part| {
             let range = ci * chunk..((ci + 1) * chunk).min(units);
-            let mut part = parts[ci].lock().unwrap_or_else(|e| e.into_inner());
-            self.units(k, v, q, heads, queries, range, &mut part);
+            self.units(k, v, q, heads, queries, range, part);
         });
-        drop(parts);
         out
     }
 

@@ -138,11 +138,9 @@ pub fn attend_gathered(
         }
         tiles.push((at, len, start, lo, hi));
     }
-    let outs: Vec<std::sync::Mutex<Option<Result<Tensor>>>> =
-        tiles.iter().map(|_| std::sync::Mutex::new(None)).collect();
-    pool.run(tiles.len(), &|i| {
-        let (at, len, start, lo, hi) = tiles[i];
-        let out = (|| {
+    let outs = pool
+        .map(tiles.len(), &|i| {
+            let (at, len, start, lo, hi) = tiles[i];
             let q = queries.q.narrow(0, at, len)?;
             let tile = Queries {
                 q: &q,
@@ -154,16 +152,8 @@ pub fn attend_gathered(
                 v.narrow(1, lo - first, hi - lo)?,
             );
             attend_tile(&k, &v, lo, tile)
-        })();
-        *outs[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(out);
-    });
-    let outs = outs
-        .into_iter()
-        .map(|slot| {
-            slot.into_inner()
-                .unwrap_or_else(|e| e.into_inner())
-                .unwrap_or_else(|| Err(ModelError::Input("an attention tile did not run".into())))
         })
+        .into_iter()
         .collect::<Result<Vec<_>>>()?;
     Ok(Tensor::cat(&outs, 0)?)
 }

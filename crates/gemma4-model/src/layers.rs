@@ -137,13 +137,9 @@ fn gelu_tanh_mul_split(gate: &[f32], up: &[f32], out: &mut [f32]) {
         return;
     }
     let chunk = n.div_ceil(pool.threads()).next_multiple_of(64);
-    let parts: Vec<std::sync::Mutex<&mut [f32]>> =
-        out.chunks_mut(chunk).map(std::sync::Mutex::new).collect();
-    pool.run(parts.len(), &|i| {
-        let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
-        let at = i * chunk;
-        let len = part.len();
-        gemma4_kernels::gelu::gelu_tanh_mul(&gate[at..at + len], &up[at..at + len], &mut part);
+    pool.for_each_chunk(out, chunk, &|i, part| {
+        let (at, len) = (i * chunk, part.len());
+        gemma4_kernels::gelu::gelu_tanh_mul(&gate[at..at + len], &up[at..at + len], part);
     });
 }
 
