@@ -515,7 +515,7 @@ mod vnni {
     //! `vpmaddubsw` + `vpdpwssd` for the 8-bit products, one f32 FMA per
     //! block and activation row for the scales.
 
-    use super::{k_bytes, Kind32, KindK, Row, GROUP};
+    use super::{Kind32, KindK, Row, GROUP};
     use crate::acts::QuantizedActs;
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -857,170 +857,9 @@ mod vnni {
         }
     }
 
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn dots_k_t<const T: usize, const K: usize>(
-        row: &[u8],
-        acts: &QuantizedActs,
-        t0: usize,
-        out: &mut [f32],
-    ) {
-        let kind = KindK::ALL[K];
-        let bytes = k_bytes(kind);
-        let mut acc = [_mm256_setzero_ps(); T];
-        let rows: [&[i8]; T] = std::array::from_fn(|k| acts.row(t0 + k));
-        let low4 = _mm256_set1_epi8(15);
-        let low2 = _mm256_set1_epi8(3);
-        for (s, blk) in row.chunks_exact(bytes).enumerate() {
-            prefetch(row, PREFETCH + s * bytes);
-            prefetch(row, PREFETCH + s * bytes + 128);
-            // 8 chunks of 32 levels each, with the scale of each 16-value half.
-            let mut u = [_mm256_setzero_si256(); 8];
-            let mut sc = [0i32; 16];
-            let mut mn = [0i32; 8];
-            let (d, dmin) = match kind {
-                KindK::Q4K | KindK::Q5K => {
-                    let (qs, qh) = if kind == KindK::Q4K {
-                        (&blk[16..144], None)
-                    } else {
-                        (&blk[48..176], Some(&blk[16..48]))
-                    };
-                    // SAFETY: 32-byte loads inside the super-block.
-                    let qhv = qh.map(|q| unsafe { super::vnni::load32(q) });
-                    for j in 0..4 {
-                        let x = unsafe { load32(&qs[32 * j..]) };
-                        let mut lo = _mm256_and_si256(x, low4);
-                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(x, 4), low4);
-                        if let Some(qhv) = qhv {
-                            let sixteen = _mm256_set1_epi8(16);
-                            let m1 = _mm256_test_epi8_mask(qhv, _mm256_set1_epi8(1 << (2 * j)));
-                            let m2 = _mm256_test_epi8_mask(qhv, _mm256_set1_epi8(2 << (2 * j)));
-                            lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(m1, sixteen));
-                            hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(m2, sixteen));
-                        }
-                        u[2 * j] = lo;
-                        u[2 * j + 1] = hi;
-                    }
-                    for c in 0..8 {
-                        let (sv, mv) = super::scale_min(c, &blk[4..16]);
-                        sc[2 * c] = sv;
-                        sc[2 * c + 1] = sv;
-                        mn[c] = mv;
-                    }
-                    (half(blk, 0), half(blk, 2))
-                }
-                KindK::Q6K => {
-                    for n in 0..2 {
-                        // SAFETY: 32-byte loads inside the super-block.
-                        let (l0, l1, h) = unsafe {
-                            (
-                                load32(&blk[64 * n..]),
-                                load32(&blk[64 * n + 32..]),
-                                load32(&blk[128 + 32 * n..]),
-                            )
-                        };
-                        let hi_bits = |shift: i32| {
-                            let h = match shift {
-                                0 => h,
-                                2 => _mm256_srli_epi16(h, 2),
-                                4 => _mm256_srli_epi16(h, 4),
-                                _ => _mm256_srli_epi16(h, 6),
-                            };
-                            _mm256_slli_epi16(_mm256_and_si256(h, low2), 4)
-                        };
-                        u[4 * n] = _mm256_or_si256(_mm256_and_si256(l0, low4), hi_bits(0));
-                        u[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, low4), hi_bits(2));
-                        u[4 * n + 2] = _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16(l0, 4), low4),
-                            hi_bits(4),
-                        );
-                        u[4 * n + 3] = _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
-                            hi_bits(6),
-                        );
-                    }
-                    // The 16 scales are stored in value order (one per 16 values).
-                    for (s, &b) in sc.iter_mut().zip(&blk[192..208]) {
-                        *s = i32::from(b as i8);
-                    }
-                    (half(blk, 208), 0.0)
-                }
-            };
-            let scales: [__m256i; 8] = std::array::from_fn(|c| {
-                _mm256_set_m128i(
-                    _mm_set1_epi16(sc[2 * c + 1] as i16),
-                    _mm_set1_epi16(sc[2 * c] as i16),
-                )
-            });
-            // Per 16-value group, what its activation sum is weighted by:
-            // Q6_K's offset of 32 times the group's scale, the others' min.
-            let group_weights: [i32; 16] = std::array::from_fn(|g| {
-                if kind == KindK::Q6K {
-                    32 * sc[g]
-                } else {
-                    mn[g / 2]
-                }
-            });
-            // SAFETY: 16 i32s.
-            let group_weights = unsafe { _mm512_loadu_si512(group_weights.as_ptr().cast()) };
-            let groups = acts.cols / 16;
-            for k in 0..T {
-                let q = &rows[k][256 * s..256 * s + 256];
-                let mut isum = _mm256_setzero_si256();
-                for c in 0..8 {
-                    // SAFETY: chunk c of the super-block's 256 activations.
-                    let a = unsafe { _mm256_loadu_si256(q[32 * c..].as_ptr().cast()) };
-                    let p = _mm256_maddubs_epi16(u[c], a);
-                    isum = _mm256_dpwssd_epi32(isum, p, scales[c]);
-                }
-                let t = t0 + k;
-                let sums = &acts.sums[t * groups + 16 * s..t * groups + 16 * s + 16];
-                // SAFETY: 16 i32s.
-                let sums = unsafe { _mm512_loadu_si512(sums.as_ptr().cast()) };
-                let weighted = _mm512_reduce_add_epi32(_mm512_mullo_epi32(sums, group_weights));
-                let (fix, msum) = if kind == KindK::Q6K {
-                    (weighted, 0)
-                } else {
-                    (0, weighted)
-                };
-                let da = acts.scale(t, s);
-                let isum = _mm256_sub_epi32(isum, _mm256_setr_epi32(fix, 0, 0, 0, 0, 0, 0, 0));
-                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * da), acc[k]);
-                if msum != 0 {
-                    let c = -dmin * da * msum as f32;
-                    acc[k] =
-                        _mm256_add_ps(acc[k], _mm256_setr_ps(c, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0));
-                }
-            }
-        }
-        for k in 0..T {
-            out[k] = hsum(acc[k]);
-        }
-    }
-
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn matrix_k_k<'a, const K: usize>(
-        rows: Range<usize>,
-        row_of: &dyn Fn(usize) -> &'a [u8],
-        acts: &QuantizedActs,
-        out: &mut [f32],
-    ) {
-        let len = rows.len();
-        for (i, r) in rows.enumerate() {
-            let row = row_of(r);
-            // SAFETY (all calls): same features; groups of at most GROUP rows.
-            super::for_groups(acts.n, len, i, out, |ts, part| unsafe {
-                match ts.len() {
-                    1 => dots_k_t::<1, K>(row, acts, ts.start, part),
-                    2 => dots_k_t::<2, K>(row, acts, ts.start, part),
-                    3 => dots_k_t::<3, K>(row, acts, ts.start, part),
-                    _ => dots_k_t::<GROUP, K>(row, acts, ts.start, part),
-                }
-            });
-        }
-    }
-
-    /// See [`super::matrix_k`].
+    /// See [`super::matrix_k`]: one weight row at a time against groups of
+    /// up to [`GROUP`] activation rows, with the AVX2 kernel's register
+    /// layout and `vpdpwssd` sums.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn matrix_k<'a>(
         kind: KindK,
@@ -1029,13 +868,13 @@ mod vnni {
         acts: &QuantizedActs,
         out: &mut [f32],
     ) {
-        // SAFETY (all calls): same features.
-        unsafe {
-            match kind {
-                KindK::Q4K => matrix_k_k::<0>(rows, row_of, acts, out),
-                KindK::Q5K => matrix_k_k::<1>(rows, row_of, acts, out),
-                KindK::Q6K => matrix_k_k::<2>(rows, row_of, acts, out),
-            }
+        let len = rows.len();
+        for (i, r) in rows.enumerate() {
+            let row = row_of(r);
+            // SAFETY: same features; groups of at most GROUP rows.
+            super::for_groups(acts.n, len, i, out, |ts, part| unsafe {
+                crate::intdot_avx2::dots_k_vnni(kind, row, acts, ts, part)
+            });
         }
     }
 }
