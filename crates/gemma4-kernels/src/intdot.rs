@@ -422,6 +422,9 @@ pub fn matrix32<'a>(
     if has_vnni() {
         if acts.n >= crate::GEMM_MIN_ROWS {
             crate::intgemm::matrix32(kind, rows, row_of, acts, out);
+        } else if acts.n == 1 {
+            // SAFETY: the features the kernel is compiled for were detected.
+            unsafe { crate::intdot_avx2::decode32_vnni(kind, rows, row_of, acts, out) };
         } else {
             // SAFETY: the features the kernel is compiled for were detected.
             unsafe { vnni::matrix32(kind, rows, row_of, acts, out) };
@@ -752,27 +755,6 @@ mod vnni {
         _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(64).cast());
     }
 
-    /// Two weight rows against activation row 0.
-    #[inline]
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    unsafe fn two_rows<const K: usize>(a: &Row, b: &Row, acts: &QuantizedActs) -> [f32; 2] {
-        let blocks = acts.cols / 32;
-        let mut acc = [[_mm256_setzero_ps(); 1]; 2];
-        let mut corr = [[0f32; 1]; 2];
-        let stride = Kind32::ALL[K].bytes();
-        for blk in 0..blocks {
-            // The rows that follow, a few blocks ahead of their use (a hint;
-            // the address is never dereferenced).
-            prefetch(b.data, PREFETCH + blk * stride);
-            // SAFETY: same features; blocks of the rows.
-            unsafe {
-                block32::<1, K>(a, acts, 0, blk, &mut acc[0], &mut corr[0]);
-                block32::<1, K>(b, acts, 0, blk, &mut acc[1], &mut corr[1]);
-            }
-        }
-        [hsum(acc[0][0]) + corr[0][0], hsum(acc[1][0]) + corr[1][0]]
-    }
-
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn matrix32_k<'a, const K: usize>(
         rows: Range<usize>,
@@ -780,37 +762,8 @@ mod vnni {
         acts: &QuantizedActs,
         out: &mut [f32],
     ) {
+        // Several activation rows (one goes to `intdot_avx2::decode32_vnni`).
         let len = rows.len();
-        if acts.n == 1 && !Kind32::ALL[K].affine() {
-            // One activation row (decode) of a signed kind: two blocks per
-            // 512-bit register, as for several rows (about twice as fast
-            // as one 256-bit block at a time, `cargo bench --bench matmul`).
-            for (i, r) in rows.enumerate() {
-                let row = row_of(r);
-                // SAFETY: same features; one activation row.
-                unsafe { dots32_pairs_t::<1, K>(&row, acts, 0, &mut out[i..i + 1]) };
-            }
-            return;
-        }
-        if acts.n == 1 {
-            // One activation row of an affine kind: weight rows in pairs, two
-            // independent streams of loads and FMAs.
-            let mut i = 0;
-            while i + 1 < len {
-                let (a, b) = (row_of(rows.start + i), row_of(rows.start + i + 1));
-                // SAFETY: same features; rows of the matrix.
-                let [ya, yb] = unsafe { two_rows::<K>(&a, &b, acts) };
-                out[i] = ya;
-                out[i + 1] = yb;
-                i += 2;
-            }
-            if i < len {
-                let row = row_of(rows.start + i);
-                // SAFETY: same features; one activation row.
-                unsafe { dots32_t::<1, K>(&row, acts, 0, &mut out[i..i + 1]) };
-            }
-            return;
-        }
         for (i, r) in rows.enumerate() {
             let row = row_of(r);
             // SAFETY (all calls): same features; groups of at most GROUP rows.
