@@ -7,10 +7,10 @@
 //!
 //! One kernel per block family: the 32-value formats (Q8_0, Q4_0, Q4_1,
 //! Q5_0, Q5_1, our int8 and q4 layouts) share one loop over a per-format
-//! block decoder, the k-quants (Q4_K, Q5_K, Q6_K) have one each. Each is
-//! written three times: with AVX-512 VNNI intrinsics, with AVX2 intrinsics
-//! ([`crate::intdot_avx2`]; chosen at run time, in that order), and portably
-//! (the reference in tests).
+//! block decoder, the k-quants (Q4_K, Q5_K, Q6_K) have one each. Chosen at
+//! run time: AVX-512 VNNI, AVX2 ([`crate::intdot_avx2`], which also holds
+//! the VNNI builds of the one-row decode and of the k-quant kernel), or
+//! portable (the reference in tests).
 //! Every kernel decodes a weight block once for up to [`GROUP`] activation
 //! rows.
 

@@ -1,4 +1,6 @@
-//! The integer dot products with AVX2, for CPUs without AVX-512 VNNI: the
+//! The integer dot products with AVX2 (the one-row decode of the 32-value
+//! formats and the k-quant kernel also built with AVX-512 VNNI, a `VNNI`
+//! const parameter choosing `vpdpbusd`/`vpdpwssd` sums): the
 //! 8-bit products by `vpmaddubsw` (unsigned weight levels directly, signed
 //! ones as |w| with the weight's sign moved onto the activation; −128 stays
 //! 128 unsigned) and `vpmaddwd`,
