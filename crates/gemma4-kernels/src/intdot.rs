@@ -464,27 +464,26 @@ pub fn matrix_k(
     assert_eq!(acts.block, ActBlock::B256);
     let w = acts.cols / 256 * k_bytes(kind);
     let row_of = |r: usize| &data[r * w..(r + 1) * w];
+    let (vnni, avx2) = (has_vnni(), has_avx2());
     #[cfg(target_arch = "x86_64")]
-    if has_vnni() {
-        if acts.n >= crate::GEMM_MIN_ROWS {
-            crate::intgemm::matrix_k(kind, rows, data, acts, out);
-        } else {
-            // SAFETY: the features the kernel is compiled for were detected.
-            unsafe { vnni::matrix_k(kind, rows, &row_of, acts, out) };
-        }
-        return;
+    if vnni && acts.n >= crate::GEMM_MIN_ROWS {
+        return crate::intgemm::matrix_k(kind, rows, data, acts, out);
     }
-    let avx2 = has_avx2();
     let len = rows.len();
     for (i, r) in rows.enumerate() {
         let row = row_of(r);
         for_groups(acts.n, len, i, out, |ts, part| {
+            // SAFETY (both kernels): `has_vnni` / `has_avx2` detected the
+            // features they need.
+            #[cfg(target_arch = "x86_64")]
+            if vnni {
+                return unsafe { crate::intdot_avx2::dots_k_vnni(kind, row, acts, ts, part) };
+            }
             #[cfg(target_arch = "x86_64")]
             if avx2 {
-                // SAFETY: `has_avx2` detected the features the kernel needs.
                 return unsafe { crate::intdot_avx2::dots_k(kind, row, acts, ts, part) };
             }
-            let _ = avx2;
+            let _ = (vnni, avx2);
             dots_k_portable(kind, row, acts, ts, part)
         });
     }
@@ -514,11 +513,13 @@ fn for_groups(
 
 #[cfg(target_arch = "x86_64")]
 mod vnni {
-    //! The kernels with AVX-512 VNNI on 256-bit registers: `vpdpbusd` /
-    //! `vpmaddubsw` + `vpdpwssd` for the 8-bit products, one f32 FMA per
-    //! block and activation row for the scales.
+    //! The products of the 32-value formats with two to `GEMM_MIN_ROWS − 1`
+    //! activation rows, with AVX-512 VNNI: `vpdpbusd` for the 8-bit
+    //! products, one f32 FMA per block (or pair of blocks) and activation
+    //! row for the scales. (One activation row: `intdot_avx2::decode32_vnni`;
+    //! the k-quants: `intdot_avx2::dots_k_vnni`.)
 
-    use super::{Kind32, KindK, Row, GROUP};
+    use super::{Kind32, Row, GROUP};
     use crate::acts::QuantizedActs;
     use std::arch::x86_64::*;
     use std::ops::Range;
@@ -807,27 +808,6 @@ mod vnni {
                 Kind32::Int8 => matrix32_k::<5>(rows, row_of, acts, out),
                 Kind32::Q4 => matrix32_k::<6>(rows, row_of, acts, out),
             }
-        }
-    }
-
-    /// See [`super::matrix_k`]: one weight row at a time against groups of
-    /// up to [`GROUP`] activation rows, with the AVX2 kernel's register
-    /// layout and `vpdpwssd` sums.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn matrix_k<'a>(
-        kind: KindK,
-        rows: Range<usize>,
-        row_of: &dyn Fn(usize) -> &'a [u8],
-        acts: &QuantizedActs,
-        out: &mut [f32],
-    ) {
-        let len = rows.len();
-        for (i, r) in rows.enumerate() {
-            let row = row_of(r);
-            // SAFETY: same features; groups of at most GROUP rows.
-            super::for_groups(acts.n, len, i, out, |ts, part| unsafe {
-                crate::intdot_avx2::dots_k_vnni(kind, row, acts, ts, part)
-            });
         }
     }
 }
