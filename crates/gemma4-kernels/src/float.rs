@@ -229,10 +229,51 @@ fn dot_f16_body(x: &[f32], w: &[u8]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-multiversion!(
-    /// `Σ x[i] · w[i]` with `w` as little-endian f16 bytes.
-    pub fn dot_f16(x: &[f32], w: &[u8]) -> f32 => dot_f16_body
-);
+/// `Σ x[i] · w[i]` with `w` as little-endian f16 bytes: F16C's conversion
+/// where the CPU has it (the portable body converts bit by bit, which made
+/// f16 rows four times slower than bf16's).
+pub fn dot_f16(x: &[f32], w: &[u8]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::dispatch::level() != crate::dispatch::Level::Portable
+        && is_x86_feature_detected!("f16c")
+    {
+        // SAFETY: AVX2, FMA and F16C were detected.
+        return unsafe { dot_f16_f16c(x, w) };
+    }
+    dot_f16_body(x, w)
+}
+
+/// [`dot_f16`] with `vcvtph2ps`: 32 values a step in four FMA chains.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_f16_f16c(x: &[f32], w: &[u8]) -> f32 {
+    use std::arch::x86_64::*;
+    let n = x.len().min(w.len() / 2);
+    let main = n / 32 * 32;
+    let (xp, wp) = (x.as_ptr(), w.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    for i in (0..main).step_by(32) {
+        for (k, a) in acc.iter_mut().enumerate() {
+            let at = i + 8 * k;
+            // SAFETY: `at + 8 ≤ main ≤ n`: in bounds of both slices.
+            let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * at) as *const __m128i));
+            *a = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(at)), wv, *a);
+        }
+    }
+    let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    let sum = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+    let tail: f32 = x[main..n]
+        .iter()
+        .zip(w[2 * main..2 * n].chunks_exact(2))
+        .map(|(a, b)| a * crate::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
+        .sum();
+    sum + tail
+}
 
 #[cfg(test)]
 mod tests {

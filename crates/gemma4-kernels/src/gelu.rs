@@ -15,7 +15,7 @@ const COEFF: f32 = 0.044_715;
 
 /// `e^y` for `y` in about `[-87, 88]` (clamped there), relative error ≲ 2⁻²³.
 #[inline(always)]
-fn exp_approx(y: f32) -> f32 {
+pub(crate) fn exp_approx(y: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     // ln 2 split in two, so `n · LN2_HI` is exact for the `n` that occur.
     const LN2_HI: f32 = 0.693_145_75;

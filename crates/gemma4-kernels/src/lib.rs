@@ -36,6 +36,7 @@ pub mod legacy;
 pub mod pool;
 pub mod q4;
 pub mod q8_0;
+pub mod softcap;
 
 pub use acts::{ActBlock, QuantizedActs};
 pub use bytes::Bytes;
@@ -167,21 +168,38 @@ pub fn matmul_with(w: &dyn WeightMatrix, x: &[f32], n: usize, precision: Precisi
     let pool = pool::global();
     let threads = pool.threads();
     // Several chunks per thread balance uneven progress; on the tiled path a
-    // chunk is a whole number of tiles.
+    // chunk is a whole number of tiles. A few activation rows (decode) take
+    // small chunks: such a product lasts tens of microseconds, and the
+    // caller's wait for the last chunk was a tenth of the decode step with
+    // four chunks per thread.
     let granule = if tiled { TILE_ROWS } else { 16 };
-    let chunk = rows.div_ceil(threads * 4).div_ceil(granule).max(1) * granule;
+    let per_thread = if n < GEMM_MIN_ROWS { 16 } else { 4 };
+    let chunk = rows.div_ceil(threads * per_thread).div_ceil(granule).max(1) * granule;
+    // `out` (`[n, range.len()]`) for the weight rows `range`.
+    let product = |range: Range<usize>, out: &mut [f32]| {
+        if let Some((k, acts)) = &integer {
+            k.int_dots(range, acts, out);
+        } else if tiled {
+            tiled_product(w, range, x, n, out);
+        } else {
+            w.dots(range, x, n, out);
+        }
+    };
+    if n == 1 {
+        // One activation row: a chunk's outputs are a contiguous part of `y`,
+        // written in place (no buffer per chunk to allocate and copy).
+        pool.for_each_chunk(&mut y, chunk, &|ci, part| {
+            let start = ci * chunk;
+            product(start..start + part.len(), part);
+        });
+        return y;
+    }
     let starts: Vec<usize> = (0..rows).step_by(chunk).collect();
     let parts: Vec<Vec<f32>> = pool.map(starts.len(), &|ci| {
         let start = starts[ci];
         let range = start..(start + chunk).min(rows);
         let mut out = vec![0f32; n * range.len()];
-        if let Some((k, acts)) = &integer {
-            k.int_dots(range, acts, &mut out);
-        } else if tiled {
-            tiled_product(w, range, x, n, &mut out);
-        } else {
-            w.dots(range, x, n, &mut out);
-        }
+        product(range, &mut out);
         out
     });
     for (&start, part) in starts.iter().zip(&parts) {

@@ -39,8 +39,24 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
     Ok(e.broadcast_div(&sum)?)
 }
 
-/// `cap · tanh(x / cap)`.
+/// `cap · tanh(x / cap)`: the kernels' vectorized pass for f32 on the CPU
+/// (split over their threads for a vocabulary's worth of logits), the
+/// tensor library's ops elsewhere.
 pub fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
+    if x.dtype() == DType::F32 && matches!(x.device(), Device::Cpu) {
+        let mut values = x.flatten_all()?.to_vec1::<f32>()?;
+        let cap = cap as f32;
+        let pool = gemma4_kernels::pool::global();
+        if pool.threads() == 1 || values.len() < PARALLEL_MIN {
+            gemma4_kernels::softcap::softcap(cap, &mut values);
+        } else {
+            let chunk = values.len().div_ceil(pool.threads()).next_multiple_of(64);
+            pool.for_each_chunk(&mut values, chunk, &|_, part| {
+                gemma4_kernels::softcap::softcap(cap, part)
+            });
+        }
+        return Ok(Tensor::from_vec(values, x.shape(), x.device())?);
+    }
     Ok(((x / cap)?.tanh()? * cap)?)
 }
 
@@ -123,16 +139,17 @@ pub fn gated_gelu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     Ok((gate.gelu()? * up)?)
 }
 
-/// Elements from which [`gated_gelu`] splits its pass over the kernels'
-/// threads (a prompt's MLP; a decode step's few rows stay on one thread).
-const GELU_PARALLEL_MIN: usize = 1 << 16;
+/// Elements from which [`gated_gelu`] and [`softcap`] split their pass over
+/// the kernels' threads (a prompt's MLP or a step's logits; a decode step's
+/// MLP rows stay on one thread).
+const PARALLEL_MIN: usize = 1 << 16;
 
 /// [`gemma4_kernels::gelu::gelu_tanh_mul`] in parts over the kernels' pool:
 /// each element is computed alone, so the split leaves every value as is.
 fn gelu_tanh_mul_split(gate: &[f32], up: &[f32], out: &mut [f32]) {
     let pool = gemma4_kernels::pool::global();
     let n = out.len();
-    if pool.threads() == 1 || n < GELU_PARALLEL_MIN {
+    if pool.threads() == 1 || n < PARALLEL_MIN {
         gemma4_kernels::gelu::gelu_tanh_mul(gate, up, out);
         return;
     }
