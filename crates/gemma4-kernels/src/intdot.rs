@@ -469,6 +469,18 @@ pub fn matrix_k(
     if vnni && acts.n >= crate::GEMM_MIN_ROWS {
         return crate::intgemm::matrix_k(kind, rows, data, acts, out);
     }
+    #[cfg(target_arch = "x86_64")]
+    if acts.n == 1 && (vnni || avx2) {
+        let out = &mut out[..rows.len()];
+        // SAFETY: `has_vnni` / `has_avx2` detected the features they need.
+        return unsafe {
+            if vnni {
+                crate::intdot_avx2::decode_k_vnni(kind, rows, data, acts, out)
+            } else {
+                crate::intdot_avx2::decode_k(kind, rows, data, acts, out)
+            }
+        };
+    }
     let len = rows.len();
     for (i, r) in rows.enumerate() {
         let row = row_of(r);

@@ -639,6 +639,65 @@ pub unsafe fn dots_k_vnni(
     dots_k_rows::<true>(kind, row, acts, ts, out)
 }
 
+/// One activation row against the weight rows `rows` of `data` (k-quant
+/// super-blocks stored row after row): `out[i]` for row `rows.start + i`.
+/// The loop over rows runs here, not one call per row: a decode step's rows
+/// are a few super-blocks long (six at width 1536), and the call, the group
+/// bookkeeping and the final horizontal sum of each had cost as much as a
+/// super-block.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn decode_k(
+    kind: KindK,
+    rows: Range<usize>,
+    data: &[u8],
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    decode_k_t::<false>(kind, rows, data, acts, out)
+}
+
+/// [`decode_k`] with AVX-512 VNNI (as [`dots_k_vnni`]).
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn decode_k_vnni(
+    kind: KindK,
+    rows: Range<usize>,
+    data: &[u8],
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    decode_k_t::<true>(kind, rows, data, acts, out)
+}
+
+#[inline(always)]
+unsafe fn decode_k_t<const VNNI: bool>(
+    kind: KindK,
+    rows: Range<usize>,
+    data: &[u8],
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    let w = acts.cols / 256 * k_bytes(kind);
+    macro_rules! each_row {
+        ($k:literal) => {
+            for (o, r) in out.iter_mut().zip(rows) {
+                let row = &data[r * w..(r + 1) * w];
+                dots_k_t::<1, $k, VNNI>(row, acts, 0, std::slice::from_mut(o));
+            }
+        };
+    }
+    match kind {
+        KindK::Q4K => each_row!(0),
+        KindK::Q5K => each_row!(1),
+        KindK::Q6K => each_row!(2),
+    }
+}
+
 /// The runtime kind and row count of [`dots_k`] / [`dots_k_vnni`] mapped
 /// to the const parameters of [`dots_k_t`].
 #[inline(always)]
