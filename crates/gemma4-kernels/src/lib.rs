@@ -129,6 +129,9 @@ pub fn f16_to_f32(h: u16) -> f32 {
 /// From this many activation rows on, [`matmul`] multiplies dequantized
 /// tiles with `gemm` instead of taking fused dot products row by row.
 pub const GEMM_MIN_ROWS: usize = 8;
+/// Weight bytes per chunk that a one-row product aims at (a few
+/// microseconds of one thread's reading).
+const DECODE_CHUNK_BYTES: usize = 64 << 10;
 /// Weight rows widened at a time on the tiled path.
 const TILE_ROWS: usize = 64;
 
@@ -168,13 +171,18 @@ pub fn matmul_with(w: &dyn WeightMatrix, x: &[f32], n: usize, precision: Precisi
     let pool = pool::global();
     let threads = pool.threads();
     // Several chunks per thread balance uneven progress; on the tiled path a
-    // chunk is a whole number of tiles. A few activation rows (decode) take
-    // small chunks: such a product lasts tens of microseconds, and the
-    // caller's wait for the last chunk was a tenth of the decode step with
-    // four chunks per thread.
+    // chunk is a whole number of tiles. One activation row (decode) takes up
+    // to 16 chunks per thread, one per `DECODE_CHUNK_BYTES` of weights: the
+    // caller's wait for the last chunk had been a tenth of a large model's
+    // decode step with four, while a small matrix's claims would cost more
+    // than its imbalance.
     let granule = if tiled { TILE_ROWS } else { 16 };
-    let per_thread = if n < GEMM_MIN_ROWS { 16 } else { 4 };
-    let chunk = rows.div_ceil(threads * per_thread).div_ceil(granule).max(1) * granule;
+    let chunks = if n == 1 {
+        (w.stored_bytes() / DECODE_CHUNK_BYTES).clamp(threads * 4, threads * 16)
+    } else {
+        threads * 4
+    };
+    let chunk = rows.div_ceil(chunks).div_ceil(granule).max(1) * granule;
     // `out` (`[n, range.len()]`) for the weight rows `range`.
     let product = |range: Range<usize>, out: &mut [f32]| {
         if let Some((k, acts)) = &integer {
