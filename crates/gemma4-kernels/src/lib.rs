@@ -33,6 +33,7 @@ mod intdot_avx2;
 mod intgemm;
 pub mod kquant;
 pub mod legacy;
+pub mod norm;
 pub mod pool;
 pub mod q4;
 pub mod q8_0;

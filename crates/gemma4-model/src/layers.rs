@@ -6,21 +6,54 @@ use candle_core::{DType, Device, Tensor, D};
 
 use crate::error::Result;
 
-/// RMSNorm over the last dimension, computed in f32:
+/// RMSNorm over the last dimension, computed in f32 (on the CPU in one pass
+/// by the kernels, bit for bit the tensor operations of `forward_ops`):
 /// `x · (mean(x²) + eps)^-½ · w`. `weight = None` is the scale-less variant
 /// (Gemma 4's `v_norm` and router norm).
 #[derive(Debug, Clone)]
 pub struct RmsNorm {
     weight: Option<Tensor>,
+    /// The weight's values when it is an f32 vector on the CPU (empty for
+    /// no weight), for the kernels' one-pass norm.
+    cpu_weight: Option<Vec<f32>>,
     eps: f64,
 }
 
 impl RmsNorm {
     pub fn new(weight: Option<Tensor>, eps: f64) -> Self {
-        Self { weight, eps }
+        let cpu_weight = match &weight {
+            None => Some(Vec::new()),
+            Some(w) if w.dtype() == DType::F32 && w.rank() == 1 && w.device().is_cpu() => {
+                w.to_vec1::<f32>().ok()
+            }
+            Some(_) => None,
+        };
+        Self {
+            weight,
+            cpu_weight,
+            eps,
+        }
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if let Some(w) = &self.cpu_weight {
+            let d = x.dim(D::Minus1)?;
+            if d > 0
+                && x.dtype() == DType::F32
+                && x.device().is_cpu()
+                && (w.is_empty() || w.len() == d)
+            {
+                let values = x.flatten_all()?.to_vec1::<f32>()?;
+                let mut out = vec![0f32; values.len()];
+                gemma4_kernels::norm::rms_norm(&values, d, self.eps as f32, w, &mut out);
+                return Ok(Tensor::from_vec(out, x.shape(), x.device())?);
+            }
+        }
+        self.forward_ops(x)
+    }
+
+    /// [`RmsNorm::forward`] as tensor operations (any dtype and device).
+    fn forward_ops(&self, x: &Tensor) -> Result<Tensor> {
         let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
         let inv = (ms + self.eps)?.sqrt()?.recip()?;
         let y = x.broadcast_mul(&inv)?;
@@ -163,4 +196,37 @@ fn gelu_tanh_mul_split(gate: &[f32], up: &[f32], out: &mut [f32]) {
 /// Ids as an index tensor.
 pub fn ids_tensor(ids: &[u32], device: &Device) -> Result<Tensor> {
     Ok(Tensor::from_slice(ids, ids.len(), device)?.to_dtype(DType::U32)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The one-pass kernel gives the tensor operations' values bit for bit
+    /// (where the tensor library sums in its AVX2 order), so a norm does not
+    /// depend on which path runs it.
+    #[test]
+    fn the_norm_kernel_is_the_tensor_operations_bit_for_bit() -> Result<()> {
+        #[cfg(target_arch = "x86_64")]
+        if !is_x86_feature_detected!("avx2") {
+            return Ok(());
+        }
+        let dev = Device::Cpu;
+        for d in [7usize, 32, 256, 640, 1536 + 5] {
+            let x: Vec<f32> = (0..3 * d)
+                .map(|i| ((i * 7919 % 1013) as f32 - 506.0) * 0.37)
+                .collect();
+            let x = Tensor::from_vec(x, (3, d), &dev)?;
+            let w: Vec<f32> = (0..d).map(|i| 1.0 + (i % 13) as f32 * 0.01).collect();
+            for weight in [None, Some(Tensor::from_vec(w.clone(), d, &dev)?)] {
+                let norm = RmsNorm::new(weight, 1e-6);
+                let fast = norm.forward(&x)?.flatten_all()?.to_vec1::<f32>()?;
+                let ops = norm.forward_ops(&x)?.flatten_all()?.to_vec1::<f32>()?;
+                for (i, (a, b)) in fast.iter().zip(&ops).enumerate() {
+                    assert_eq!(a.to_bits(), b.to_bits(), "d={d} [{i}]: {a} vs {b}");
+                }
+            }
+        }
+        Ok(())
+    }
 }
