@@ -494,22 +494,47 @@ unsafe fn scales_k_avx2(kind: KindK, blk: &[u8]) -> KScales {
             // Twelve bytes: scales 0–3 and mins 0–3 in the low six bits of
             // bytes 0–7; scales 4–7 and mins 4–7 as the nibbles of bytes
             // 8–11 with their top two bits in the top bits of bytes 0–7.
-            let w = |i: usize| (p.add(4 + 4 * i) as *const u32).read_unaligned();
-            let (w0, w1, w2) = (w(0), w(1), w(2));
-            let (six, four, two) = (0x3F3F_3F3Fu32, 0x0F0F_0F0Fu32, 0x0303_0303u32);
-            let sc = [w0 & six, (w2 & four) | (((w0 >> 6) & two) << 4)];
-            let mn = [w1 & six, ((w2 >> 4) & four) | (((w1 >> 6) & two) << 4)];
-            let sc16 = _mm_cvtepu8_epi16(_mm_set_epi32(0, 0, sc[1] as i32, sc[0] as i32));
+            // Unpacked in a vector register (the bytes after the twelve are
+            // the levels', read and masked off): `v` = scales 0–7, mins 0–7.
+            // Decoded with scalar shifts, the scales had kept each
+            // super-block's products waiting on the moves into vectors.
+            let x = _mm_loadu_si128(p.add(4) as *const __m128i);
+            let a = _mm_shuffle_epi8(
+                x,
+                _mm_setr_epi8(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11),
+            );
+            let b = _mm_shuffle_epi8(
+                x,
+                _mm_setr_epi8(-1, -1, -1, -1, 0, 1, 2, 3, -1, -1, -1, -1, 4, 5, 6, 7),
+            );
+            let six_four = _mm_setr_epi8(
+                0x3F, 0x3F, 0x3F, 0x3F, 0x0F, 0x0F, 0x0F, 0x0F, 0x3F, 0x3F, 0x3F, 0x3F, 0, 0, 0, 0,
+            );
+            let high_nibbles = _mm_and_si128(
+                _mm_srli_epi16(a, 4),
+                _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x0F, 0x0F, 0x0F, 0x0F),
+            );
+            let top_bits = _mm_and_si128(
+                _mm_srli_epi16(b, 2),
+                _mm_setr_epi8(
+                    0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30, 0, 0, 0, 0, 0x30, 0x30, 0x30, 0x30,
+                ),
+            );
+            let v = _mm_or_si128(
+                _mm_or_si128(_mm_and_si128(a, six_four), high_nibbles),
+                top_bits,
+            );
+            let sc16 = _mm_cvtepu8_epi16(v);
             let both = _mm256_broadcastsi128_si256(sc16);
             // One scale per 32 values: both lanes of register c take scale c.
             let mut scales = [_mm256_setzero_si256(); 8];
-            for (c, v) in scales.iter_mut().enumerate() {
-                *v = _mm256_shuffle_epi8(both, pick(c as i32, c as i32));
+            for (c, r) in scales.iter_mut().enumerate() {
+                *r = _mm256_shuffle_epi8(both, pick(c as i32, c as i32));
             }
             // Groups 2j and 2j + 1 share min j.
             let pairs = _mm_shuffle_epi8(
-                _mm_set_epi32(0, 0, mn[1] as i32, mn[0] as i32),
-                _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
+                v,
+                _mm_setr_epi8(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15),
             );
             let groups = [
                 _mm256_cvtepu8_epi32(pairs),
