@@ -475,9 +475,9 @@ pub fn matrix_k(
         // SAFETY: `has_vnni` / `has_avx2` detected the features they need.
         return unsafe {
             if vnni {
-                crate::intdot_avx2::decode_k_vnni(kind, rows, data, acts, out)
+                crate::intdot_avx2::one_row_k_vnni(kind, rows, data, acts, out)
             } else {
-                crate::intdot_avx2::decode_k(kind, rows, data, acts, out)
+                crate::intdot_avx2::one_row_k(kind, rows, data, acts, out)
             }
         };
     }

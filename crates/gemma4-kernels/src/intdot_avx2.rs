@@ -15,6 +15,36 @@ use std::ops::Range;
 use crate::acts::QuantizedActs;
 use crate::intdot::{k_bytes, Kind32, KindK, Row, GROUP};
 
+/// The two builds of a kernel written once with a `VNNI` const parameter:
+/// `$avx2` compiled for AVX2, FMA and F16C, `$vnni` for AVX-512 F, BW, VL
+/// and VNNI besides (`vpdpbusd` / `vpdpwssd` sums on the same 256-bit
+/// registers), each calling `$body::<VNNI>` with the same arguments.
+macro_rules! avx2_and_vnni {
+    (
+        $(#[$doc:meta])*
+        pub unsafe fn $avx2:ident / $vnni:ident $(<$lt:lifetime>)? ($($arg:ident: $ty:ty),* $(,)?)
+            => $body:ident
+    ) => {
+        $(#[$doc])*
+        ///
+        /// # Safety
+        /// The CPU must have AVX2, FMA and F16C.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub unsafe fn $avx2 $(<$lt>)? ($($arg: $ty),*) {
+            $body::<false>($($arg),*)
+        }
+
+        #[doc = concat!("[`", stringify!($avx2), "`] built with AVX-512 VNNI.")]
+        ///
+        /// # Safety
+        /// The CPU must have AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C.
+        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+        pub unsafe fn $vnni $(<$lt>)? ($($arg: $ty),*) {
+            $body::<true>($($arg),*)
+        }
+    };
+}
+
 #[inline(always)]
 unsafe fn hsum_ps(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -308,43 +338,23 @@ unsafe fn dots32_four<const K: usize>(row: &Row, acts: &QuantizedActs, t0: usize
     }
 }
 
-/// `out[i] = Σ_c acts[0, c] · W[rows.start + i, c]` for one activation row
-/// (decode), weight rows two at a time, one from each half of the range.
-/// Two far-apart sequential streams keep the hardware prefetchers busy; two
-/// neighbouring rows read alternately (680 bytes apart on the demo's head)
-/// ran at two thirds of one stream's rate on a 2-core AMD EPYC. (Four far
-/// streams read faster alone, but decoded slower in the model.)
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C; `acts` has one row.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn decode32<'a>(
-    kind: Kind32,
-    rows: Range<usize>,
-    row_of: &dyn Fn(usize) -> Row<'a>,
-    acts: &QuantizedActs,
-    out: &mut [f32],
-) {
-    decode32_kind::<false>(kind, rows, row_of, acts, out)
-}
-
-/// [`decode32`] with AVX-512 VNNI on the same 256-bit registers: the 8-bit
-/// products summed by one `vpdpbusd`, Q5_0/Q5_1's fifth bits set by one
-/// masked move. (One row at a time, two blocks per 512-bit register, ran
-/// Q8_0 and Q5_0 25–30% slower on a 2-core AMD EPYC: one stream.)
-///
-/// # Safety
-/// The CPU must have AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C; `acts`
-/// has one row.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn decode32_vnni<'a>(
-    kind: Kind32,
-    rows: Range<usize>,
-    row_of: &dyn Fn(usize) -> Row<'a>,
-    acts: &QuantizedActs,
-    out: &mut [f32],
-) {
-    decode32_kind::<true>(kind, rows, row_of, acts, out)
+avx2_and_vnni! {
+    /// `out[i] = Σ_c acts[0, c] · W[rows.start + i, c]` for one activation row
+    /// (decode; `acts` has one row), weight rows two at a time, one from each
+    /// half of the range. Two far-apart sequential streams keep the hardware
+    /// prefetchers busy; two neighbouring rows read alternately (680 bytes
+    /// apart on the demo's head) ran at two thirds of one stream's rate on a
+    /// 2-core AMD EPYC. (Four far streams read faster alone, but decoded
+    /// slower in the model. With VNNI, Q5_0/Q5_1's fifth bits are set by one
+    /// masked move; one row at a time, two blocks per 512-bit register, had
+    /// run Q8_0 and Q5_0 25–30% slower: one stream.)
+    pub unsafe fn decode32 / decode32_vnni<'a>(
+        kind: Kind32,
+        rows: Range<usize>,
+        row_of: &dyn Fn(usize) -> Row<'a>,
+        acts: &QuantizedActs,
+        out: &mut [f32],
+    ) => decode32_kind
 }
 
 #[inline(always)]
@@ -628,79 +638,39 @@ unsafe fn levels_k(kind: KindK, blk: &[u8]) -> [__m256i; 8] {
     u
 }
 
-/// `out[k] = Σ w · x` of one row of k-quant super-blocks with the activation
-/// rows `ts` (at most [`GROUP`]). The integer sums are exact; they are scaled
-/// in eight lanes and summed across lanes once per row, not per super-block
-/// (a horizontal sum and a scalar conversion per super-block had made each
-/// super-block wait on the last).
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dots_k(
-    kind: KindK,
-    row: &[u8],
-    acts: &QuantizedActs,
-    ts: Range<usize>,
-    out: &mut [f32],
-) {
-    dots_k_rows::<false>(kind, row, acts, ts, out)
+avx2_and_vnni! {
+    /// `out[k] = Σ w · x` of one row of k-quant super-blocks with the
+    /// activation rows `ts` (at most [`GROUP`]). The integer sums are exact;
+    /// they are scaled in eight lanes and summed across lanes once per row,
+    /// not per super-block (a horizontal sum and a scalar conversion per
+    /// super-block had made each super-block wait on the last).
+    pub unsafe fn dots_k / dots_k_vnni(
+        kind: KindK,
+        row: &[u8],
+        acts: &QuantizedActs,
+        ts: Range<usize>,
+        out: &mut [f32],
+    ) => dots_k_rows
 }
 
-/// [`dots_k`] with AVX-512 VNNI on the same 256-bit registers: each level
-/// register's scaled products are summed by one `vpdpwssd`, not
-/// `vpmaddwd` and an add.
-///
-/// # Safety
-/// The CPU must have AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn dots_k_vnni(
-    kind: KindK,
-    row: &[u8],
-    acts: &QuantizedActs,
-    ts: Range<usize>,
-    out: &mut [f32],
-) {
-    dots_k_rows::<true>(kind, row, acts, ts, out)
-}
-
-/// One activation row against the weight rows `rows` of `data` (k-quant
-/// super-blocks stored row after row): `out[i]` for row `rows.start + i`.
-/// The loop over rows runs here, not one call per row: a decode step's rows
-/// are a few super-blocks long (six at width 1536), and the call, the group
-/// bookkeeping and the final horizontal sum of each had cost as much as a
-/// super-block.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn decode_k(
-    kind: KindK,
-    rows: Range<usize>,
-    data: &[u8],
-    acts: &QuantizedActs,
-    out: &mut [f32],
-) {
-    decode_k_t::<false>(kind, rows, data, acts, out)
-}
-
-/// [`decode_k`] with AVX-512 VNNI (as [`dots_k_vnni`]).
-///
-/// # Safety
-/// The CPU must have AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-pub unsafe fn decode_k_vnni(
-    kind: KindK,
-    rows: Range<usize>,
-    data: &[u8],
-    acts: &QuantizedActs,
-    out: &mut [f32],
-) {
-    decode_k_t::<true>(kind, rows, data, acts, out)
+avx2_and_vnni! {
+    /// One activation row against the weight rows `rows` of `data` (k-quant
+    /// super-blocks stored row after row): `out[i]` for row `rows.start + i`.
+    /// The loop over rows runs here, not one call per row: a decode step's
+    /// rows are a few super-blocks long (six at width 1536), and the call,
+    /// the group bookkeeping and the final horizontal sum of each had cost as
+    /// much as a super-block.
+    pub unsafe fn one_row_k / one_row_k_vnni(
+        kind: KindK,
+        rows: Range<usize>,
+        data: &[u8],
+        acts: &QuantizedActs,
+        out: &mut [f32],
+    ) => one_row_k_t
 }
 
 #[inline(always)]
-unsafe fn decode_k_t<const VNNI: bool>(
+unsafe fn one_row_k_t<const VNNI: bool>(
     kind: KindK,
     rows: Range<usize>,
     data: &[u8],

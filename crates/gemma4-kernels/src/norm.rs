@@ -36,30 +36,30 @@ fn sum_squares(x: &[f32]) -> f32 {
 }
 
 #[inline(always)]
-fn rms_norm_body(x: &[f32], d: usize, eps: f32, weight: &[f32], out: &mut [f32]) {
+fn rms_norm_body(xs: &mut [f32], d: usize, eps: f32, weight: &[f32]) {
     if d == 0 {
         return;
     }
     let scale = weight.len() == d;
-    for (xr, yr) in x.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let ms = sum_squares(xr) * (1.0 / d as f64) as f32;
+    for row in xs.chunks_exact_mut(d) {
+        let ms = sum_squares(row) * (1.0 / d as f64) as f32;
         let inv = 1.0 / (ms + eps).sqrt();
         if scale {
-            for ((y, &v), &w) in yr.iter_mut().zip(xr).zip(weight) {
-                *y = (v * inv) * w;
+            for (v, &w) in row.iter_mut().zip(weight) {
+                *v = (*v * inv) * w;
             }
         } else {
-            for (y, &v) in yr.iter_mut().zip(xr) {
-                *y = v * inv;
+            for v in row.iter_mut() {
+                *v *= inv;
             }
         }
     }
 }
 
 multiversion!(
-    /// Each row of `d` values of `x` normalized into `out`, then scaled by
+    /// Each row of `d` values of `xs` normalized in place, then scaled by
     /// `weight` (`d` values; an empty slice: no scale).
-    pub fn rms_norm(x: &[f32], d: usize, eps: f32, weight: &[f32], out: &mut [f32]) => rms_norm_body
+    pub fn rms_norm(xs: &mut [f32], d: usize, eps: f32, weight: &[f32]) => rms_norm_body
 );
 
 #[cfg(test)]
@@ -73,10 +73,10 @@ mod tests {
             let x = values(3 * d, d as u64, 4.0);
             let w = values(d, 99, 1.0);
             for weight in [&w[..], &[][..]] {
-                let mut out = vec![0f32; 3 * d];
-                rms_norm(&x, d, 1e-6, weight, &mut out);
-                let mut portable = vec![0f32; 3 * d];
-                rms_norm_body(&x, d, 1e-6, weight, &mut portable);
+                let mut out = x.clone();
+                rms_norm(&mut out, d, 1e-6, weight);
+                let mut portable = x.clone();
+                rms_norm_body(&mut portable, d, 1e-6, weight);
                 for t in 0..3 {
                     let row = &x[t * d..(t + 1) * d];
                     let ms = row
@@ -102,8 +102,8 @@ mod tests {
 
     #[test]
     fn a_zero_row_stays_zero() {
-        let mut out = vec![1f32; 8];
-        rms_norm(&[0.0; 8], 8, 1e-6, &[], &mut out);
+        let mut out = vec![0f32; 8];
+        rms_norm(&mut out, 8, 1e-6, &[]);
         assert!(out.iter().all(|&v| v == 0.0));
     }
 }

@@ -43,10 +43,9 @@ impl RmsNorm {
                 && x.device().is_cpu()
                 && (w.is_empty() || w.len() == d)
             {
-                let values = x.flatten_all()?.to_vec1::<f32>()?;
-                let mut out = vec![0f32; values.len()];
-                gemma4_kernels::norm::rms_norm(&values, d, self.eps as f32, w, &mut out);
-                return Ok(Tensor::from_vec(out, x.shape(), x.device())?);
+                let mut values = x.flatten_all()?.to_vec1::<f32>()?;
+                gemma4_kernels::norm::rms_norm(&mut values, d, self.eps as f32, w);
+                return Ok(Tensor::from_vec(values, x.shape(), x.device())?);
             }
         }
         self.forward_ops(x)
