@@ -472,6 +472,188 @@ unsafe fn two_rows_t<const K: usize, const VNNI: bool>(
     ]
 }
 
+/// `out[t · rows.len() + i] = Σ_c acts[t, c] · W[rows.start + i, c]` for
+/// two to [`crate::GEMM_MIN_ROWS`] − 1 activation rows (batched decode) with
+/// AVX-512 VNNI: weight rows two at a time, one from each half of the range
+/// (as [`decode32`]), each against [`GROUP`] activation rows at once. Per
+/// block and weight row, each activation row costs one `vpdpbusd`; the four
+/// rows' sums are gathered into one register by horizontal adds, so the
+/// conversion, the scaling and the accumulation run once per block and
+/// weight row, not once per activation row too. Signed levels (Q8_0, int8)
+/// meet the activations lifted by 128 into unsigned bytes, the sum starting
+/// from −128 · Σw (one `vpdpbusd` per block, shared by the activation rows)
+/// instead of moving each weight's sign onto every activation row.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn few_rows32_vnni<'a>(
+    kind: Kind32,
+    rows: Range<usize>,
+    row_of: &dyn Fn(usize) -> Row<'a>,
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    match kind {
+        Kind32::Q8_0 => few_rows32_t::<0>(rows, row_of, acts, out),
+        Kind32::Q4_0 => few_rows32_t::<1>(rows, row_of, acts, out),
+        Kind32::Q4_1 => few_rows32_t::<2>(rows, row_of, acts, out),
+        Kind32::Q5_0 => few_rows32_t::<3>(rows, row_of, acts, out),
+        Kind32::Q5_1 => few_rows32_t::<4>(rows, row_of, acts, out),
+        Kind32::Int8 => few_rows32_t::<5>(rows, row_of, acts, out),
+        Kind32::Q4 => few_rows32_t::<6>(rows, row_of, acts, out),
+    }
+}
+
+/// Whether `kind` stores signed levels (no offset, not affine).
+const fn signed_levels(kind: Kind32) -> bool {
+    level_offset(kind) == 0 && !kind.affine()
+}
+
+/// [`few_rows32_vnni`] for the kind `Kind32::ALL[K]`.
+#[inline(always)]
+unsafe fn few_rows32_t<'a, const K: usize>(
+    rows: Range<usize>,
+    row_of: &dyn Fn(usize) -> Row<'a>,
+    acts: &QuantizedActs,
+    out: &mut [f32],
+) {
+    let kind = Kind32::ALL[K];
+    let (start, len, n, cols) = (rows.start, rows.len(), acts.n, acts.cols);
+    // The activations as the kernel reads them: lifted by 128 into unsigned
+    // bytes for signed levels, as they are otherwise.
+    let lifted: Vec<u8> = if signed_levels(kind) {
+        acts.qs[..n * cols]
+            .iter()
+            .map(|&q| (q as u8) ^ 0x80)
+            .collect()
+    } else {
+        acts.qs[..n * cols].iter().map(|&q| q as u8).collect()
+    };
+    let half = len.div_ceil(2);
+    for i in 0..half {
+        let j = i + half;
+        let a = row_of(start + i);
+        let b = if j < len { row_of(start + j) } else { a };
+        for t0 in (0..n).step_by(GROUP) {
+            // Two activation rows left (or one) take the kernel for two.
+            let [ya, yb] = if n - t0 > 2 {
+                two_rows_four_t::<K, 4>([&a, &b], acts, &lifted, t0)
+            } else {
+                two_rows_four_t::<K, 2>([&a, &b], acts, &lifted, t0)
+            };
+            for (k, t) in (t0..n.min(t0 + GROUP)).enumerate() {
+                out[t * len + i] = ya[k];
+                if j < len {
+                    out[t * len + j] = yb[k];
+                }
+            }
+        }
+    }
+}
+
+/// Two weight rows against the activation rows `t0..t0 + T` (`T` is 2 or
+/// [`GROUP`]; rows past the last repeat it, and their sums are dropped).
+/// Lane `k` and `k + 4` of a row's accumulators belong to activation row
+/// `t0 + k` (zero for `k ≥ T`).
+#[inline(always)]
+unsafe fn two_rows_four_t<const K: usize, const T: usize>(
+    rows: [&Row; 2],
+    acts: &QuantizedActs,
+    lifted: &[u8],
+    t0: usize,
+) -> [[f32; GROUP]; 2] {
+    const { assert!(GROUP == 4 && (T == 2 || T == GROUP)) };
+    let kind = Kind32::ALL[K];
+    let (cols, blocks) = (acts.cols, acts.cols / 32);
+    let last = acts.n - 1;
+    let qs: [*const u8; 4] =
+        std::array::from_fn(|k| lifted.as_ptr().add((t0 + k).min(last) * cols));
+    // Block b's four activation scales, at 4 · b (zero past the last row).
+    let group = acts.group_scales.as_ptr().add(t0 / 4 * blocks * 4);
+    let offset = level_offset(kind);
+    let zero = _mm256_setzero_si256();
+    // The affine kinds' minimum meets each activation row's block sum.
+    let mut mins = [_mm_setzero_ps(); 2];
+    macro_rules! step {
+        ($b:expr, $acc:expr) => {{
+            let (b, acc): (usize, &mut [__m256; 2]) = ($b, $acc);
+            let da = _mm256_broadcast_ps(&*(group.add(4 * b) as *const __m128));
+            let a: [__m256i; 4] = std::array::from_fn(|k| {
+                if k < T {
+                    _mm256_loadu_si256(qs[k].add(32 * b) as *const __m256i)
+                } else {
+                    zero
+                }
+            });
+            // With an offset `o`: Σ (u − o)·a starts from −o · Σa, shared by
+            // both weight rows.
+            let start: [__m256i; 4] = std::array::from_fn(|k| {
+                if offset != 0 && k < T {
+                    _mm256_sub_epi32(
+                        zero,
+                        _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(offset), a[k]),
+                    )
+                } else {
+                    zero
+                }
+            });
+            let block_sums = if kind.affine() {
+                let t = |k: usize| (t0 + k).min(last);
+                let q = |k: usize| (acts.sum16(t(k), 2 * b) + acts.sum16(t(k), 2 * b + 1)) as f32;
+                _mm_mul_ps(
+                    _mm_setr_ps(q(0), q(1), q(2), q(3)),
+                    _mm256_castps256_ps128(da),
+                )
+            } else {
+                _mm_setzero_ps()
+            };
+            for i in 0..2 {
+                let (w, d, m) = levels32::<K, true>(rows[i], b);
+                let s: [__m256i; 4] = if signed_levels(kind) {
+                    // Σ (a + 128)·w − 128 · Σw.
+                    let lift = _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(-128), w);
+                    let from = _mm256_sub_epi32(zero, lift);
+                    std::array::from_fn(|k| {
+                        if k < T {
+                            _mm256_dpbusd_epi32(from, a[k], w)
+                        } else {
+                            zero
+                        }
+                    })
+                } else {
+                    std::array::from_fn(|k| {
+                        if k < T {
+                            _mm256_dpbusd_epi32(start[k], w, a[k])
+                        } else {
+                            zero
+                        }
+                    })
+                };
+                let sums =
+                    _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+                acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, da), acc[i]);
+                if kind.affine() {
+                    mins[i] = _mm_fmadd_ps(_mm_set1_ps(m), block_sums, mins[i]);
+                }
+            }
+        }};
+    }
+    // Even and odd blocks in their own registers (see `even_odd!`).
+    let (mut even, mut odd) = ([_mm256_setzero_ps(); 2], [_mm256_setzero_ps(); 2]);
+    even_odd!(blocks, step, &mut even, &mut odd);
+    std::array::from_fn(|i| {
+        let both = _mm256_add_ps(even[i], odd[i]);
+        let four = _mm_add_ps(
+            _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1)),
+            mins[i],
+        );
+        let mut y = [0f32; 4];
+        _mm_storeu_ps(y.as_mut_ptr(), four);
+        y
+    })
+}
+
 /// A k-quant super-block's scales as the AVX2 kernel applies them.
 struct KScales {
     /// The 16-bit factors of level register `c` (values 32c..32c + 32): the

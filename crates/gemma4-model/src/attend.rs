@@ -124,10 +124,13 @@ impl<'a> Int8Rows<'a> {
 impl KvRows for Int8Rows<'_> {
     #[inline(always)]
     fn dot(&self, r: usize, q: &[f32]) -> f32 {
-        self.blocks(r)
-            .zip(q.chunks_exact(self.block))
-            .map(|((codes, scale), q)| dot(q, codes) * scale)
-            .sum()
+        // A loop, not `map(..).sum()`: the iterator's `fold` was compiled as
+        // a function of its own, without the caller's AVX2.
+        let mut sum = 0f32;
+        for ((codes, scale), q) in self.blocks(r).zip(q.chunks_exact(self.block)) {
+            sum += dot(q, codes) * scale;
+        }
+        sum
     }
 
     #[inline(always)]
@@ -247,11 +250,13 @@ impl InPlace<'_> {
             let qv = &q[u * hd..][..hd];
             let row = |slot: usize| slot * self.kv_heads + kh;
             probs.clear();
-            probs.extend((lo..hi).map(|j| {
+            // A loop, not `extend(map(..))`, for the same reason as in
+            // `Int8Rows::dot`.
+            for j in lo..hi {
                 let s = self.slots[j - self.first];
                 // Scaled after the product, as the batched path does.
-                (k.dot(row(s), qv) as f64 * queries.scale) as f32
-            }));
+                probs.push((k.dot(row(s), qv) as f64 * queries.scale) as f32);
+            }
             let max = probs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
             let mut sum = 0f32;
             for x in probs.iter_mut() {
