@@ -528,7 +528,12 @@ unsafe fn few_rows32_t<'a, const K: usize>(
             .map(|&q| (q as u8) ^ 0x80)
             .collect()
     } else {
-        acts.qs[..n * cols].iter().map(|&q| q as u8).collect()
+        Vec::new()
+    };
+    let qs = if signed_levels(kind) {
+        lifted.as_ptr()
+    } else {
+        acts.qs.as_ptr().cast::<u8>()
     };
     let half = len.div_ceil(2);
     for i in 0..half {
@@ -538,9 +543,9 @@ unsafe fn few_rows32_t<'a, const K: usize>(
         for t0 in (0..n).step_by(GROUP) {
             // Two activation rows left (or one) take the kernel for two.
             let [ya, yb] = if n - t0 > 2 {
-                two_rows_four_t::<K, 4>([&a, &b], acts, &lifted, t0)
+                two_rows_four_t::<K, 4>([&a, &b], acts, qs, t0)
             } else {
-                two_rows_four_t::<K, 2>([&a, &b], acts, &lifted, t0)
+                two_rows_four_t::<K, 2>([&a, &b], acts, qs, t0)
             };
             for (k, t) in (t0..n.min(t0 + GROUP)).enumerate() {
                 out[t * len + i] = ya[k];
@@ -553,22 +558,22 @@ unsafe fn few_rows32_t<'a, const K: usize>(
 }
 
 /// Two weight rows against the activation rows `t0..t0 + T` (`T` is 2 or
-/// [`GROUP`]; rows past the last repeat it, and their sums are dropped).
-/// Lane `k` and `k + 4` of a row's accumulators belong to activation row
-/// `t0 + k` (zero for `k ≥ T`).
+/// [`GROUP`]; rows past the last repeat it, and their sums are dropped),
+/// whose bytes are at `qs` (`[acts.n, acts.cols]`, as [`few_rows32_t`]
+/// prepares them). Lane `k` and `k + 4` of a row's accumulators belong to
+/// activation row `t0 + k` (zero for `k ≥ T`).
 #[inline(always)]
 unsafe fn two_rows_four_t<const K: usize, const T: usize>(
     rows: [&Row; 2],
     acts: &QuantizedActs,
-    lifted: &[u8],
+    qs: *const u8,
     t0: usize,
 ) -> [[f32; GROUP]; 2] {
     const { assert!(GROUP == 4 && (T == 2 || T == GROUP)) };
     let kind = Kind32::ALL[K];
     let (cols, blocks) = (acts.cols, acts.cols / 32);
     let last = acts.n - 1;
-    let qs: [*const u8; 4] =
-        std::array::from_fn(|k| lifted.as_ptr().add((t0 + k).min(last) * cols));
+    let qs: [*const u8; 4] = std::array::from_fn(|k| qs.add((t0 + k).min(last) * cols));
     // Block b's four activation scales, at 4 · b (zero past the last row).
     let group = acts.group_scales.as_ptr().add(t0 / 4 * blocks * 4);
     let offset = level_offset(kind);

@@ -78,15 +78,9 @@ pub fn softcap(x: &Tensor, cap: f64) -> Result<Tensor> {
     if x.dtype() == DType::F32 && matches!(x.device(), Device::Cpu) {
         let mut values = x.flatten_all()?.to_vec1::<f32>()?;
         let cap = cap as f32;
-        let pool = gemma4_kernels::pool::global();
-        if pool.threads() == 1 || values.len() < PARALLEL_MIN {
-            gemma4_kernels::softcap::softcap(cap, &mut values);
-        } else {
-            let chunk = values.len().div_ceil(pool.threads()).next_multiple_of(64);
-            pool.for_each_chunk(&mut values, chunk, &|_, part| {
-                gemma4_kernels::softcap::softcap(cap, part)
-            });
-        }
+        split_elementwise(&mut values, &|_, part| {
+            gemma4_kernels::softcap::softcap(cap, part)
+        });
         return Ok(Tensor::from_vec(values, x.shape(), x.device())?);
     }
     Ok(((x / cap)?.tanh()? * cap)?)
@@ -176,19 +170,24 @@ pub fn gated_gelu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// MLP rows stay on one thread).
 const PARALLEL_MIN: usize = 1 << 16;
 
-/// [`gemma4_kernels::gelu::gelu_tanh_mul`] in parts over the kernels' pool:
-/// each element is computed alone, so the split leaves every value as is.
-fn gelu_tanh_mul_split(gate: &[f32], up: &[f32], out: &mut [f32]) {
+/// `f(at, part)` for the parts of `out` starting at element `at`: the whole
+/// of it on this thread below [`PARALLEL_MIN`] elements, else one part per
+/// thread of the kernels' pool. For element-wise passes, where each value
+/// is computed alone and the split leaves every value as is.
+fn split_elementwise(out: &mut [f32], f: &(dyn Fn(usize, &mut [f32]) + Sync)) {
     let pool = gemma4_kernels::pool::global();
-    let n = out.len();
-    if pool.threads() == 1 || n < PARALLEL_MIN {
-        gemma4_kernels::gelu::gelu_tanh_mul(gate, up, out);
-        return;
+    if pool.threads() == 1 || out.len() < PARALLEL_MIN {
+        return f(0, out);
     }
-    let chunk = n.div_ceil(pool.threads()).next_multiple_of(64);
-    pool.for_each_chunk(out, chunk, &|i, part| {
-        let (at, len) = (i * chunk, part.len());
-        gemma4_kernels::gelu::gelu_tanh_mul(&gate[at..at + len], &up[at..at + len], part);
+    let chunk = out.len().div_ceil(pool.threads()).next_multiple_of(64);
+    pool.for_each_chunk(out, chunk, &|i, part| f(i * chunk, part));
+}
+
+/// [`gemma4_kernels::gelu::gelu_tanh_mul`] in parts over the kernels' pool.
+fn gelu_tanh_mul_split(gate: &[f32], up: &[f32], out: &mut [f32]) {
+    split_elementwise(out, &|at, part| {
+        let len = part.len();
+        gemma4_kernels::gelu::gelu_tanh_mul(&gate[at..at + len], &up[at..at + len], part)
     });
 }
 
