@@ -45,6 +45,44 @@ macro_rules! avx2_and_vnni {
     };
 }
 
+/// `$body` with `$k` a const, the index of `$kind` in `Kind32::ALL`: the
+/// kernels take the kind as a const parameter, so each format's decoder is
+/// inlined into its own copy of the loop.
+macro_rules! with_kind32 {
+    ($kind:expr, $k:ident => $body:expr) => {
+        match $kind {
+            Kind32::Q8_0 => {
+                const $k: usize = 0;
+                $body
+            }
+            Kind32::Q4_0 => {
+                const $k: usize = 1;
+                $body
+            }
+            Kind32::Q4_1 => {
+                const $k: usize = 2;
+                $body
+            }
+            Kind32::Q5_0 => {
+                const $k: usize = 3;
+                $body
+            }
+            Kind32::Q5_1 => {
+                const $k: usize = 4;
+                $body
+            }
+            Kind32::Int8 => {
+                const $k: usize = 5;
+                $body
+            }
+            Kind32::Q4 => {
+                const $k: usize = 6;
+                $body
+            }
+        }
+    };
+}
+
 #[inline(always)]
 unsafe fn hsum_ps(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -205,25 +243,12 @@ pub unsafe fn dots32(
     ts: Range<usize>,
     out: &mut [f32],
 ) {
-    macro_rules! by_rows {
-        ($k:literal) => {
-            match ts.len() {
-                1 => dots32_t::<1, $k>(row, acts, ts.start, out),
-                2 => dots32_t::<2, $k>(row, acts, ts.start, out),
-                3 => dots32_t::<3, $k>(row, acts, ts.start, out),
-                _ => dots32_four::<$k>(row, acts, ts.start, out),
-            }
-        };
-    }
-    match kind {
-        Kind32::Q8_0 => by_rows!(0),
-        Kind32::Q4_0 => by_rows!(1),
-        Kind32::Q4_1 => by_rows!(2),
-        Kind32::Q5_0 => by_rows!(3),
-        Kind32::Q5_1 => by_rows!(4),
-        Kind32::Int8 => by_rows!(5),
-        Kind32::Q4 => by_rows!(6),
-    }
+    with_kind32!(kind, K => match ts.len() {
+        1 => dots32_t::<1, K>(row, acts, ts.start, out),
+        2 => dots32_t::<2, K>(row, acts, ts.start, out),
+        3 => dots32_t::<3, K>(row, acts, ts.start, out),
+        _ => dots32_four::<K>(row, acts, ts.start, out),
+    })
 }
 
 /// [`dots32`] for `T` activation rows from `t0` and the kind `Kind32::ALL[K]`.
@@ -365,15 +390,7 @@ unsafe fn decode32_kind<'a, const VNNI: bool>(
     acts: &QuantizedActs,
     out: &mut [f32],
 ) {
-    match kind {
-        Kind32::Q8_0 => decode32_t::<0, VNNI>(rows, row_of, acts, out),
-        Kind32::Q4_0 => decode32_t::<1, VNNI>(rows, row_of, acts, out),
-        Kind32::Q4_1 => decode32_t::<2, VNNI>(rows, row_of, acts, out),
-        Kind32::Q5_0 => decode32_t::<3, VNNI>(rows, row_of, acts, out),
-        Kind32::Q5_1 => decode32_t::<4, VNNI>(rows, row_of, acts, out),
-        Kind32::Int8 => decode32_t::<5, VNNI>(rows, row_of, acts, out),
-        Kind32::Q4 => decode32_t::<6, VNNI>(rows, row_of, acts, out),
-    }
+    with_kind32!(kind, K => decode32_t::<K, VNNI>(rows, row_of, acts, out))
 }
 
 /// [`decode32`] for the kind `Kind32::ALL[K]`: the pair loop and the
@@ -494,15 +511,7 @@ pub unsafe fn few_rows32_vnni<'a>(
     acts: &QuantizedActs,
     out: &mut [f32],
 ) {
-    match kind {
-        Kind32::Q8_0 => few_rows32_t::<0>(rows, row_of, acts, out),
-        Kind32::Q4_0 => few_rows32_t::<1>(rows, row_of, acts, out),
-        Kind32::Q4_1 => few_rows32_t::<2>(rows, row_of, acts, out),
-        Kind32::Q5_0 => few_rows32_t::<3>(rows, row_of, acts, out),
-        Kind32::Q5_1 => few_rows32_t::<4>(rows, row_of, acts, out),
-        Kind32::Int8 => few_rows32_t::<5>(rows, row_of, acts, out),
-        Kind32::Q4 => few_rows32_t::<6>(rows, row_of, acts, out),
-    }
+    with_kind32!(kind, K => few_rows32_t::<K>(rows, row_of, acts, out))
 }
 
 /// Whether `kind` stores signed levels (no offset, not affine).
