@@ -471,32 +471,21 @@ pub fn matrix_k(
         return crate::intgemm::matrix_k(kind, rows, data, acts, out);
     }
     #[cfg(target_arch = "x86_64")]
-    if acts.n == 1 && (vnni || avx2) {
-        let out = &mut out[..rows.len()];
+    if vnni || avx2 {
         // SAFETY: `has_vnni` / `has_avx2` detected the features they need.
         return unsafe {
             if vnni {
-                crate::intdot_avx2::one_row_k_vnni(kind, rows, data, acts, out)
+                crate::intdot_avx2::rows_k_vnni(kind, rows, data, acts, out)
             } else {
-                crate::intdot_avx2::one_row_k(kind, rows, data, acts, out)
+                crate::intdot_avx2::rows_k(kind, rows, data, acts, out)
             }
         };
     }
+    let _ = (vnni, avx2);
     let len = rows.len();
     for (i, r) in rows.enumerate() {
         let row = row_of(r);
         for_groups(acts.n, len, i, out, |ts, part| {
-            // SAFETY (both kernels): `has_vnni` / `has_avx2` detected the
-            // features they need.
-            #[cfg(target_arch = "x86_64")]
-            if vnni {
-                return unsafe { crate::intdot_avx2::dots_k_vnni(kind, row, acts, ts, part) };
-            }
-            #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                return unsafe { crate::intdot_avx2::dots_k(kind, row, acts, ts, part) };
-            }
-            let _ = (vnni, avx2);
             dots_k_portable(kind, row, acts, ts, part)
         });
     }

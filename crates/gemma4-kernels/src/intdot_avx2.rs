@@ -835,38 +835,24 @@ unsafe fn levels_k(kind: KindK, blk: &[u8]) -> [__m256i; 8] {
 }
 
 avx2_and_vnni! {
-    /// `out[k] = Σ w · x` of one row of k-quant super-blocks with the
-    /// activation rows `ts` (at most [`GROUP`]). The integer sums are exact;
-    /// they are scaled in eight lanes and summed across lanes once per row,
-    /// not per super-block (a horizontal sum and a scalar conversion per
-    /// super-block had made each super-block wait on the last).
-    pub unsafe fn dots_k / dots_k_vnni(
-        kind: KindK,
-        row: &[u8],
-        acts: &QuantizedActs,
-        ts: Range<usize>,
-        out: &mut [f32],
-    ) => dots_k_rows
-}
-
-avx2_and_vnni! {
-    /// One activation row against the weight rows `rows` of `data` (k-quant
-    /// super-blocks stored row after row): `out[i]` for row `rows.start + i`.
-    /// The loop over rows runs here, not one call per row: a decode step's
-    /// rows are a few super-blocks long (six at width 1536), and the call,
-    /// the group bookkeeping and the final horizontal sum of each had cost as
-    /// much as a super-block.
-    pub unsafe fn one_row_k / one_row_k_vnni(
+    /// `out[t · rows.len() + i] = Σ_c acts[t, c] · W[rows.start + i, c]` for
+    /// the weight rows `rows` of `data` (k-quant super-blocks stored row
+    /// after row) and every activation row of `acts`, [`GROUP`] activation
+    /// rows at a time. The loops over rows run here, not one call per row: a
+    /// decode step's rows are a few super-blocks long (six at width 1536),
+    /// and the call, the group bookkeeping and the final horizontal sum of
+    /// each had cost as much as a super-block.
+    pub unsafe fn rows_k / rows_k_vnni(
         kind: KindK,
         rows: Range<usize>,
         data: &[u8],
         acts: &QuantizedActs,
         out: &mut [f32],
-    ) => one_row_k_t
+    ) => rows_k_t
 }
 
 #[inline(always)]
-unsafe fn one_row_k_t<const VNNI: bool>(
+unsafe fn rows_k_t<const VNNI: bool>(
     kind: KindK,
     rows: Range<usize>,
     data: &[u8],
@@ -874,13 +860,33 @@ unsafe fn one_row_k_t<const VNNI: bool>(
     out: &mut [f32],
 ) {
     let w = acts.cols / 256 * k_bytes(kind);
+    let (n, len) = (acts.n, rows.len());
     macro_rules! each_row {
-        ($k:literal) => {
-            for (o, r) in out.iter_mut().zip(rows) {
-                let row = &data[r * w..(r + 1) * w];
-                dots_k_t::<1, $k, VNNI>(row, acts, 0, std::slice::from_mut(o));
+        ($k:literal) => {{
+            if n == 1 {
+                for (o, r) in out.iter_mut().zip(rows) {
+                    let row = &data[r * w..(r + 1) * w];
+                    dots_k_t::<1, $k, VNNI>(row, acts, 0, std::slice::from_mut(o));
+                }
+                return;
             }
-        };
+            for (i, r) in rows.enumerate() {
+                let row = &data[r * w..(r + 1) * w];
+                for t0 in (0..n).step_by(GROUP) {
+                    let mut part = [0f32; GROUP];
+                    let group = (n - t0).min(GROUP);
+                    match group {
+                        1 => dots_k_t::<1, $k, VNNI>(row, acts, t0, &mut part),
+                        2 => dots_k_t::<2, $k, VNNI>(row, acts, t0, &mut part),
+                        3 => dots_k_t::<3, $k, VNNI>(row, acts, t0, &mut part),
+                        _ => dots_k_t::<4, $k, VNNI>(row, acts, t0, &mut part),
+                    }
+                    for (k, &y) in part[..group].iter().enumerate() {
+                        out[(t0 + k) * len + i] = y;
+                    }
+                }
+            }
+        }};
     }
     match kind {
         KindK::Q4K => each_row!(0),
@@ -889,34 +895,8 @@ unsafe fn one_row_k_t<const VNNI: bool>(
     }
 }
 
-/// The runtime kind and row count of [`dots_k`] / [`dots_k_vnni`] mapped
-/// to the const parameters of [`dots_k_t`].
-#[inline(always)]
-unsafe fn dots_k_rows<const VNNI: bool>(
-    kind: KindK,
-    row: &[u8],
-    acts: &QuantizedActs,
-    ts: Range<usize>,
-    out: &mut [f32],
-) {
-    macro_rules! by_rows {
-        ($k:literal) => {
-            match ts.len() {
-                1 => dots_k_t::<1, $k, VNNI>(row, acts, ts.start, out),
-                2 => dots_k_t::<2, $k, VNNI>(row, acts, ts.start, out),
-                3 => dots_k_t::<3, $k, VNNI>(row, acts, ts.start, out),
-                _ => dots_k_t::<4, $k, VNNI>(row, acts, ts.start, out),
-            }
-        };
-    }
-    match kind {
-        KindK::Q4K => by_rows!(0),
-        KindK::Q5K => by_rows!(1),
-        KindK::Q6K => by_rows!(2),
-    }
-}
-
-/// [`dots_k`] for `T` activation rows from `t0` and the kind
+/// `out[k] = Σ w · x` of one row of k-quant super-blocks with the `T`
+/// activation rows from `t0`, for the kind
 /// `KindK::ALL[K]`: the accumulators stay in registers, and each level
 /// register meets the rows' activations as soon as it is decoded. `VNNI`:
 /// the caller has AVX-512 VNNI (inlined into a function that enables it).
