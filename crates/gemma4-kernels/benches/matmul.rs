@@ -12,6 +12,7 @@ use gemma4_kernels::float::{FloatMatrix, FloatType};
 use gemma4_kernels::int8::Int8Matrix;
 use gemma4_kernels::intdot::has_vnni;
 use gemma4_kernels::kquant::{self, SuperBlockMatrix};
+use gemma4_kernels::kquant_x8;
 use gemma4_kernels::legacy::{self, BlockMatrix};
 use gemma4_kernels::q4::Q4Matrix;
 use gemma4_kernels::q8_0::{self, Q8_0Matrix};
@@ -148,6 +149,13 @@ fn main() {
                 .expect("shape"),
             ),
         ]);
+    }
+    // Q4_K with eight rows interleaved, as loaded where VNNI is present.
+    if cols % 256 == 0 && rows % kquant_x8::ROWS == 0 {
+        let q4k = blocks(rows, cols, 256, 144, &[0, 2]);
+        mats.push(Box::new(
+            kquant_x8::Q4KRows8::from_q4k(q4k.as_slice(), rows, cols).expect("shape"),
+        ));
     }
     // `cargo bench … -- Q8_0 int8` times only the storage types named.
     let only: Vec<String> = std::env::args()

@@ -600,6 +600,13 @@ mod tests {
                 ),
             ];
             all.extend(kquants);
+            if rows.is_multiple_of(crate::kquant_x8::ROWS) {
+                let q4k = random_blocks(b256, 144, &[0, 2], 15);
+                all.push(Box::new(
+                    crate::kquant_x8::Q4KRows8::from_q4k(q4k.as_slice(), rows, cols)
+                        .expect("sizes"),
+                ));
+            }
         }
         all
     }
@@ -633,8 +640,9 @@ mod tests {
 
     #[test]
     fn integer_kernels_compute_the_product_with_rounded_activations() {
-        // An even and an odd number of blocks per row (pairs of blocks and a tail).
-        for (rows, cols) in [(21, 512), (7, 544)] {
+        // An even and an odd number of blocks per row (pairs of blocks and a
+        // tail); rows in whole groups of eight for the interleaved Q4_K.
+        for (rows, cols) in [(21, 512), (7, 544), (16, 768)] {
             check_integer_kernels(rows, cols);
         }
     }

@@ -32,6 +32,7 @@ mod intdot_avx2;
 #[cfg(target_arch = "x86_64")]
 mod intgemm;
 pub mod kquant;
+pub mod kquant_x8;
 pub mod legacy;
 pub mod norm;
 pub mod pool;

@@ -14,6 +14,7 @@ use std::sync::Arc;
 use candle_core::quantized::GgmlDType;
 use candle_core::Tensor;
 use gemma4_kernels::int8::Int8Matrix;
+use gemma4_kernels::kquant_x8;
 use gemma4_kernels::q4::{Q4Matrix, Q4Report};
 use gemma4_kernels::{Precision, WeightMatrix};
 
@@ -303,6 +304,24 @@ impl<'a> Weights<'a> {
                     Quant::AsStored => m,
                     quant => self.quantize(t, rows, cols, quant)?,
                 }
+            }
+            // Q4_K in the fast mode on a CPU with VNNI: eight rows
+            // interleaved for its kernel, a copy that replaces the mapping.
+            StoredDtype::Ggml(GgmlDType::Q4K)
+                if !self.policy.exact
+                    && gemma4_kernels::intdot::has_vnni()
+                    && rows.is_multiple_of(kquant_x8::ROWS) =>
+            {
+                let m = kquant_x8::Q4KRows8::from_q4k(t.bytes.as_slice(), rows, cols).ok_or_else(
+                    || {
+                        ModelError::Input(format!(
+                            "`{}` cannot be read as a [{rows}, {cols}] Q4_K matrix",
+                            t.name
+                        ))
+                    },
+                )?;
+                t.release();
+                Arc::new(m)
             }
             // Our kernels over the blocks in place; exact mode takes the
             // remaining types through widened tiles.
