@@ -150,12 +150,14 @@ fn main() {
             ),
         ]);
     }
-    // Q4_K with eight rows interleaved, as loaded where VNNI is present.
+    // Q4_K and Q6_K with eight rows interleaved, as loaded where VNNI is present.
     if cols % 256 == 0 && rows % kquant_x8::ROWS == 0 {
         let q4k = blocks(rows, cols, 256, 144, &[0, 2]);
-        mats.push(Box::new(
-            kquant_x8::Q4KRows8::from_q4k(q4k.as_slice(), rows, cols).expect("shape"),
-        ));
+        let q6k = blocks(rows, cols, 256, 210, &[208]);
+        mats.extend::<[Box<dyn WeightMatrix>; 2]>([
+            Box::new(kquant_x8::Q4KRows8::from_gguf(q4k.as_slice(), rows, cols).expect("shape")),
+            Box::new(kquant_x8::Q6KRows8::from_gguf(q6k.as_slice(), rows, cols).expect("shape")),
+        ]);
     }
     // `cargo bench … -- Q8_0 int8` times only the storage types named.
     let only: Vec<String> = std::env::args()

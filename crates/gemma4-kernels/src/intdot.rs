@@ -601,10 +601,14 @@ mod tests {
             ];
             all.extend(kquants);
             if rows.is_multiple_of(crate::kquant_x8::ROWS) {
+                use crate::kquant_x8::{Q4KRows8, Q6KRows8};
                 let q4k = random_blocks(b256, 144, &[0, 2], 15);
+                let q6k = random_blocks(b256, 210, &[208], 17);
                 all.push(Box::new(
-                    crate::kquant_x8::Q4KRows8::from_q4k(q4k.as_slice(), rows, cols)
-                        .expect("sizes"),
+                    Q4KRows8::from_gguf(q4k.as_slice(), rows, cols).expect("sizes"),
+                ));
+                all.push(Box::new(
+                    Q6KRows8::from_gguf(q6k.as_slice(), rows, cols).expect("sizes"),
                 ));
             }
         }

@@ -1,148 +1,243 @@
-//! Q4_K matrices rearranged at load, eight rows interleaved, for the
-//! AVX-512 VNNI kernel of the fast (8-bit activation) mode.
+//! Q4_K and Q6_K matrices rearranged at load, eight rows interleaved, for
+//! the AVX-512 VNNI kernels of the fast (8-bit activation) mode.
 //!
-//! In GGUF's layout a Q4_K row reads as 144-byte super-blocks, and a kernel
-//! spends most of its time per super-block unpacking the twelve bytes of
-//! 6-bit scales and mins and summing one row's lanes: on a decode step it
-//! runs below the memory's rate. Here each super-block column of eight rows
-//! is one 1184-byte block: the eight `d` and `dmin`, the scales and mins as
-//! plain bytes ordered by sub-block then row, and the nibbles in 32-byte
-//! units that hold four consecutive values of each of the eight rows. One
-//! `vpdpbusd` multiplies such a unit with four activation bytes broadcast to
-//! every lane, so the eight rows' sums build up side by side in one
-//! register, and the scales are applied once per sub-block to all eight.
-//! The rearrangement is lossless: [`Q4KRows8::restore`] gives a row's
-//! super-block back in GGUF's bytes, which the exact and fallback paths
-//! use.
+//! In GGUF's layout a k-quant row reads as super-blocks of 256 values, and
+//! a kernel spends most of its time per super-block unpacking one row's
+//! scales and summing one row's lanes: on a decode step it ran below the
+//! memory's rate. Here each super-block column of eight rows is one block:
+//! the eight rows' float scales side by side, their integer scales (and
+//! Q4_K's mins) as plain bytes ordered by sub-block then row, and the level
+//! bits in 32-byte units that hold four consecutive values of each of the
+//! eight rows. One `vpdpbusd` multiplies such a unit with four activation
+//! bytes broadcast to every lane, so the eight rows' sums build up side by
+//! side in one register, and the scales are applied once per sub-block to
+//! all eight. The rearrangement is lossless: [`Rows8::restore`] gives a
+//! row's super-block back in GGUF's bytes, which the exact and fallback
+//! paths use.
 
+use std::marker::PhantomData;
 use std::ops::Range;
 
-use crate::intdot::{self, KindK};
-use crate::kquant::{self, SuperBlock as _, SUPER};
+use crate::intdot;
+use crate::kquant::{self, SuperBlock, SUPER};
 use crate::{ActBlock, IntegerDots, QuantizedActs, WeightMatrix};
 
 /// Rows interleaved in one block.
 pub const ROWS: usize = 8;
-/// Bytes of one Q4_K super-block in GGUF's layout.
-const Q4K_BYTES: usize = 144;
-/// Offsets within an eight-row block: eight f16 `d`, eight f16 `dmin`,
-/// scales `[sub-block j][row]`, mins `[j / 2][row][j % 2]`, nibbles.
-const D: usize = 0;
-const DMIN: usize = 16;
-const SCALES: usize = 32;
-const MINS: usize = 96;
-const QS: usize = 160;
-/// Bytes of one eight-row block.
-pub const BLOCK_BYTES: usize = QS + ROWS * 128;
 
-/// A `[rows, cols]` Q4_K matrix (`rows` a multiple of [`ROWS`]) held as
-/// eight-row blocks: row group after row group, each group's super-blocks
-/// in column order.
+/// A k-quant format's eight-row block.
+pub trait Layout8: Send + Sync + std::fmt::Debug + 'static {
+    /// The format in GGUF's layout.
+    type Gguf: SuperBlock;
+    /// Storage name in reports.
+    const NAME: &'static str;
+    /// Bytes of one eight-row block.
+    const BLOCK_BYTES: usize;
+    /// Writes GGUF super-block `src` as row `r` of the block `dst`.
+    fn pack(src: &[u8], r: usize, dst: &mut [u8]);
+    /// The inverse of [`Layout8::pack`]: row `r` of block `src` in GGUF's bytes.
+    fn unpack(src: &[u8], r: usize, dst: &mut [u8]);
+    /// `Σ x · w` over one row in GGUF's bytes, f32 activations.
+    fn dot_exact(x: &[f32], row: &[u8]) -> f32;
+}
+
+/// Q4_K's block: eight f16 `d`, eight f16 `dmin`, scales `[j][row]` and
+/// mins `[j / 2][row][j % 2]` of the eight 32-value sub-blocks `j`, then 32
+/// units of nibbles: unit `8m + t` holds, for each row, bytes `4t..4t + 4`
+/// of the row's sub-block pair `m` (values `64m + 4t..` in the low nibbles,
+/// `64m + 32 + 4t..` in the high ones). 1184 bytes for 8 · 144.
+#[derive(Debug)]
+pub struct Q4K8;
+
+mod q4k {
+    pub const D: usize = 0;
+    pub const DMIN: usize = 16;
+    pub const SCALES: usize = 32;
+    pub const MINS: usize = 96;
+    pub const QS: usize = 160;
+    pub const BYTES: usize = QS + 8 * 128;
+}
+
+impl Layout8 for Q4K8 {
+    type Gguf = kquant::Q4K;
+    const NAME: &'static str = "Q4_Kx8";
+    const BLOCK_BYTES: usize = q4k::BYTES;
+
+    fn pack(src: &[u8], r: usize, dst: &mut [u8]) {
+        use q4k::*;
+        dst[D + 2 * r..D + 2 * r + 2].copy_from_slice(&src[0..2]);
+        dst[DMIN + 2 * r..DMIN + 2 * r + 2].copy_from_slice(&src[2..4]);
+        for j in 0..8 {
+            let (sc, mn) = intdot::scale_min(j, &src[4..16]);
+            dst[SCALES + ROWS * j + r] = sc as u8;
+            dst[MINS + 2 * ROWS * (j / 2) + 2 * r + j % 2] = mn as u8;
+        }
+        for m in 0..4 {
+            for t in 0..8 {
+                let from = 16 + 32 * m + 4 * t;
+                let to = QS + 32 * (8 * m + t) + 4 * r;
+                dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
+            }
+        }
+    }
+
+    fn unpack(src: &[u8], r: usize, dst: &mut [u8]) {
+        use q4k::*;
+        dst[0..2].copy_from_slice(&src[D + 2 * r..D + 2 * r + 2]);
+        dst[2..4].copy_from_slice(&src[DMIN + 2 * r..DMIN + 2 * r + 2]);
+        let sc = |j: usize| src[SCALES + ROWS * j + r];
+        let mn = |j: usize| src[MINS + 2 * ROWS * (j / 2) + 2 * r + j % 2];
+        // GGUF's twelve bytes: scales and mins 0–3 in the low six bits of
+        // bytes 0–7, 4–7 as nibbles of bytes 8–11 with their top two bits
+        // in the top bits of bytes 0–7 (see `intdot::scale_min`).
+        for j in 0..4 {
+            dst[4 + j] = sc(j) | ((sc(j + 4) >> 4) << 6);
+            dst[8 + j] = mn(j) | ((mn(j + 4) >> 4) << 6);
+            dst[12 + j] = (sc(j + 4) & 0xF) | ((mn(j + 4) & 0xF) << 4);
+        }
+        for m in 0..4 {
+            for t in 0..8 {
+                let to = 16 + 32 * m + 4 * t;
+                let from = QS + 32 * (8 * m + t) + 4 * r;
+                dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
+            }
+        }
+    }
+
+    fn dot_exact(x: &[f32], row: &[u8]) -> f32 {
+        kquant::dot_q4k(x, row)
+    }
+}
+
+/// Q6_K's block: eight f16 `d`, the signed scales of the sixteen 16-value
+/// sub-blocks `j` as `[j / 2][row][j % 2]`, then sixteen steps of three
+/// units in the order the kernel reads them: step `8n + t` holds, for each
+/// row, bytes `64n + 4t..` and `64n + 32 + 4t..` of `ql` and `32n + 4t..`
+/// of `qh`. 1680 bytes, the same as 8 · 210.
+#[derive(Debug)]
+pub struct Q6K8;
+
+mod q6k {
+    pub const D: usize = 0;
+    pub const SCALES: usize = 16;
+    /// Sixteen steps of 96 bytes: `ql` low half, `ql` high half, `qh`.
+    pub const STEPS: usize = 144;
+    pub const BYTES: usize = STEPS + 16 * 96;
+
+    /// The GGUF offsets of step `st`'s three units (one row's four bytes each).
+    pub const fn sources(st: usize) -> [usize; 3] {
+        let (n, t) = (st / 8, st % 8);
+        [64 * n + 4 * t, 64 * n + 32 + 4 * t, 128 + 32 * n + 4 * t]
+    }
+}
+
+impl Layout8 for Q6K8 {
+    type Gguf = kquant::Q6K;
+    const NAME: &'static str = "Q6_Kx8";
+    const BLOCK_BYTES: usize = q6k::BYTES;
+
+    fn pack(src: &[u8], r: usize, dst: &mut [u8]) {
+        use q6k::*;
+        dst[D + 2 * r..D + 2 * r + 2].copy_from_slice(&src[208..210]);
+        for j in 0..16 {
+            dst[SCALES + 2 * ROWS * (j / 2) + 2 * r + j % 2] = src[192 + j];
+        }
+        for st in 0..16 {
+            for (k, from) in sources(st).into_iter().enumerate() {
+                let to = STEPS + 96 * st + 32 * k + 4 * r;
+                dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
+            }
+        }
+    }
+
+    fn unpack(src: &[u8], r: usize, dst: &mut [u8]) {
+        use q6k::*;
+        dst[208..210].copy_from_slice(&src[D + 2 * r..D + 2 * r + 2]);
+        for j in 0..16 {
+            dst[192 + j] = src[SCALES + 2 * ROWS * (j / 2) + 2 * r + j % 2];
+        }
+        for st in 0..16 {
+            for (k, to) in sources(st).into_iter().enumerate() {
+                let from = STEPS + 96 * st + 32 * k + 4 * r;
+                dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
+            }
+        }
+    }
+
+    fn dot_exact(x: &[f32], row: &[u8]) -> f32 {
+        kquant::dot_q6k(x, row)
+    }
+}
+
+/// A `[rows, cols]` k-quant matrix (`rows` a multiple of [`ROWS`]) held as
+/// eight-row blocks of layout `L`: row group after row group, each group's
+/// super-blocks in column order.
 #[derive(Debug, Clone)]
-pub struct Q4KRows8 {
+pub struct Rows8<L> {
     blocks: Vec<u8>,
     rows: usize,
     cols: usize,
+    layout: PhantomData<L>,
 }
 
-impl Q4KRows8 {
-    /// Rearranges GGUF's Q4_K bytes; `None` when the sizes disagree or the
-    /// rows do not fill whole groups of eight.
-    pub fn from_q4k(data: &[u8], rows: usize, cols: usize) -> Option<Self> {
-        let supers = cols / SUPER;
+/// Q4_K with eight rows interleaved.
+pub type Q4KRows8 = Rows8<Q4K8>;
+/// Q6_K with eight rows interleaved.
+pub type Q6KRows8 = Rows8<Q6K8>;
+
+impl<L: Layout8> Rows8<L> {
+    /// Rearranges GGUF's bytes; `None` when the sizes disagree or the rows
+    /// do not fill whole groups of eight.
+    pub fn from_gguf(data: &[u8], rows: usize, cols: usize) -> Option<Self> {
+        let (supers, gguf) = (cols / SUPER, L::Gguf::BYTES);
         let fits = cols.is_multiple_of(SUPER)
             && rows.is_multiple_of(ROWS)
-            && data.len() == rows * supers * Q4K_BYTES;
+            && data.len() == rows * supers * gguf;
         if !fits {
             return None;
         }
-        let mut blocks = vec![0u8; rows / ROWS * supers * BLOCK_BYTES];
-        for (g, group) in blocks.chunks_exact_mut(supers * BLOCK_BYTES).enumerate() {
-            for (s, dst) in group.chunks_exact_mut(BLOCK_BYTES).enumerate() {
+        let mut blocks = vec![0u8; rows / ROWS * supers * L::BLOCK_BYTES];
+        for (g, group) in blocks.chunks_exact_mut(supers * L::BLOCK_BYTES).enumerate() {
+            for (s, dst) in group.chunks_exact_mut(L::BLOCK_BYTES).enumerate() {
                 for r in 0..ROWS {
-                    let at = ((g * ROWS + r) * supers + s) * Q4K_BYTES;
-                    pack(&data[at..at + Q4K_BYTES], r, dst);
+                    let at = ((g * ROWS + r) * supers + s) * gguf;
+                    L::pack(&data[at..at + gguf], r, dst);
                 }
             }
         }
-        Some(Self { blocks, rows, cols })
+        Some(Self {
+            blocks,
+            rows,
+            cols,
+            layout: PhantomData,
+        })
     }
 
     fn supers(&self) -> usize {
         self.cols / SUPER
     }
 
-    /// The eight-row block of row group `g`, super-block `s`.
-    fn block(&self, g: usize, s: usize) -> &[u8] {
-        let at = (g * self.supers() + s) * BLOCK_BYTES;
-        &self.blocks[at..at + BLOCK_BYTES]
+    /// Super-block `s` of row `r` in GGUF's bytes (`out`: one super-block).
+    pub fn restore(&self, r: usize, s: usize, out: &mut [u8]) {
+        let at = ((r / ROWS) * self.supers() + s) * L::BLOCK_BYTES;
+        L::unpack(&self.blocks[at..at + L::BLOCK_BYTES], r % ROWS, out);
     }
 
-    /// Super-block `s` of row `r` in GGUF's Q4_K bytes.
-    pub fn restore(&self, r: usize, s: usize, out: &mut [u8; Q4K_BYTES]) {
-        unpack(self.block(r / ROWS, s), r % ROWS, out);
-    }
-
-    /// Rows `rows` in GGUF's Q4_K bytes, row after row.
+    /// Rows `rows` in GGUF's bytes, row after row.
     fn restore_rows(&self, rows: Range<usize>) -> Vec<u8> {
-        let supers = self.supers();
-        let mut out = vec![0u8; rows.len() * supers * Q4K_BYTES];
+        let (supers, gguf) = (self.supers(), L::Gguf::BYTES);
+        let mut out = vec![0u8; rows.len() * supers * gguf];
         for (blk, (r, s)) in out
-            .chunks_exact_mut(Q4K_BYTES)
+            .chunks_exact_mut(gguf)
             .zip(rows.flat_map(|r| (0..supers).map(move |s| (r, s))))
         {
-            let blk: &mut [u8; Q4K_BYTES] = blk.try_into().expect("144-byte chunks");
             self.restore(r, s, blk);
         }
         out
     }
 }
 
-/// Writes GGUF super-block `src` as row `r` of the eight-row block `dst`.
-fn pack(src: &[u8], r: usize, dst: &mut [u8]) {
-    dst[D + 2 * r..D + 2 * r + 2].copy_from_slice(&src[0..2]);
-    dst[DMIN + 2 * r..DMIN + 2 * r + 2].copy_from_slice(&src[2..4]);
-    for j in 0..8 {
-        let (sc, mn) = intdot::scale_min(j, &src[4..16]);
-        dst[SCALES + ROWS * j + r] = sc as u8;
-        dst[MINS + 2 * ROWS * (j / 2) + 2 * r + j % 2] = mn as u8;
-    }
-    // Unit (m, t) holds, for each row, the nibble bytes 4t..4t+4 of the
-    // row's sub-block pair m: values 64m + 4t.. (low nibbles) and
-    // 64m + 32 + 4t.. (high nibbles).
-    for m in 0..4 {
-        for t in 0..8 {
-            let from = 16 + 32 * m + 4 * t;
-            let to = QS + 32 * (8 * m + t) + 4 * r;
-            dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
-        }
-    }
-}
-
-/// The inverse of [`pack`]: row `r` of block `src` in GGUF's bytes.
-fn unpack(src: &[u8], r: usize, dst: &mut [u8; Q4K_BYTES]) {
-    dst[0..2].copy_from_slice(&src[D + 2 * r..D + 2 * r + 2]);
-    dst[2..4].copy_from_slice(&src[DMIN + 2 * r..DMIN + 2 * r + 2]);
-    let sc = |j: usize| src[SCALES + ROWS * j + r];
-    let mn = |j: usize| src[MINS + 2 * ROWS * (j / 2) + 2 * r + j % 2];
-    // GGUF's twelve bytes: scales and mins 0–3 in the low six bits of
-    // bytes 0–7, 4–7 as nibbles of bytes 8–11 with their top two bits in
-    // the top bits of bytes 0–7 (see `intdot::scale_min`).
-    for j in 0..4 {
-        dst[4 + j] = sc(j) | ((sc(j + 4) >> 4) << 6);
-        dst[8 + j] = mn(j) | ((mn(j + 4) >> 4) << 6);
-        dst[12 + j] = (sc(j + 4) & 0xF) | ((mn(j + 4) & 0xF) << 4);
-    }
-    for m in 0..4 {
-        for t in 0..8 {
-            let to = 16 + 32 * m + 4 * t;
-            let from = QS + 32 * (8 * m + t) + 4 * r;
-            dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
-        }
-    }
-}
-
-impl WeightMatrix for Q4KRows8 {
+impl<L: Layout8> WeightMatrix for Rows8<L> {
     fn rows(&self) -> usize {
         self.rows
     }
@@ -150,19 +245,19 @@ impl WeightMatrix for Q4KRows8 {
         self.cols
     }
     fn storage(&self) -> &'static str {
-        "Q4_Kx8"
+        L::NAME
     }
     fn stored_bytes(&self) -> usize {
         self.blocks.len()
     }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
-        let mut blk = [0u8; Q4K_BYTES];
+        let mut blk = vec![0u8; L::Gguf::BYTES];
         let mut values = [0f32; SUPER];
         for (i, r) in rows.enumerate() {
             let o = &mut out[i * self.cols..(i + 1) * self.cols];
             for (s, ob) in o.chunks_exact_mut(SUPER).enumerate() {
                 self.restore(r, s, &mut blk);
-                kquant::Q4K::decode(&blk, &mut values);
+                L::Gguf::decode(&blk, &mut values);
                 ob.copy_from_slice(&values);
             }
         }
@@ -172,7 +267,7 @@ impl WeightMatrix for Q4KRows8 {
         for (i, r) in rows.enumerate() {
             let row = self.restore_rows(r..r + 1);
             for t in 0..n {
-                out[t * len + i] = kquant::dot_q4k(&x[t * cols..(t + 1) * cols], &row);
+                out[t * len + i] = L::dot_exact(&x[t * cols..(t + 1) * cols], &row);
             }
         }
     }
@@ -181,7 +276,7 @@ impl WeightMatrix for Q4KRows8 {
     }
 }
 
-impl IntegerDots for Q4KRows8 {
+impl<L: Layout8> IntegerDots for Rows8<L> {
     fn act_block(&self) -> ActBlock {
         ActBlock::B256
     }
@@ -211,7 +306,7 @@ impl IntegerDots for Q4KRows8 {
         // Elsewhere (the loader interleaves only where VNNI is present; tests
         // force this path): GGUF's bytes through the k-quant kernels.
         let data = self.restore_rows(rows.clone());
-        intdot::matrix_k(KindK::Q4K, 0..rows.len(), &data, acts, out);
+        intdot::matrix_k(L::Gguf::KIND, 0..rows.len(), &data, acts, out);
     }
 }
 
@@ -220,8 +315,9 @@ mod avx512 {
     use std::arch::x86_64::*;
     use std::ops::Range;
 
-    use super::{Q4KRows8, BLOCK_BYTES, D, DMIN, MINS, QS, ROWS, SCALES};
-    use crate::intdot::GROUP;
+    use super::{q4k, q6k, Layout8, Rows8, ROWS};
+    use crate::intdot::{KindK, GROUP};
+    use crate::kquant::SuperBlock;
     use crate::QuantizedActs;
 
     /// `out[t · len + 8 · (g − groups.start) + r] = Σ_c acts[t, c] ·
@@ -232,56 +328,107 @@ mod avx512 {
     /// # Safety
     /// The CPU must have AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-    pub unsafe fn dots(m: &Q4KRows8, groups: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
+    pub unsafe fn dots<L: Layout8>(
+        m: &Rows8<L>,
+        groups: Range<usize>,
+        acts: &QuantizedActs,
+        out: &mut [f32],
+    ) {
         let supers = m.supers();
-        // Σ q over each 32 activations, two sub-blocks' sums as i16 halves
-        // of one word (`vpmaddwd` against a row's two mins): [n, supers, 4].
-        let mut pairs = vec![0i32; acts.n * supers * 4];
-        for (t, row) in pairs.chunks_exact_mut(supers * 4).enumerate() {
+        let kind = L::Gguf::KIND;
+        // The activations' sums over pairs of sub-blocks (Q4_K's 32 values,
+        // against its mins; Q6_K's 16, against its scales for the offset
+        // of 32), as the i16 halves of one word that `vpmaddwd` multiplies
+        // with a row's two factors: [n, supers, pairs].
+        let (per, span) = if kind == KindK::Q6K { (8, 1) } else { (4, 2) };
+        let mut pairs = vec![0i32; acts.n * supers * per];
+        for (t, row) in pairs.chunks_exact_mut(supers * per).enumerate() {
             for (p, w) in row.iter_mut().enumerate() {
-                let g = |j: usize| acts.sum16(t, 2 * j) + acts.sum16(t, 2 * j + 1);
-                let (lo, hi) = (g(2 * p), g(2 * p + 1));
-                *w = (lo & 0xFFFF) | (hi << 16);
+                let sum = |j: usize| {
+                    let mut s = 0;
+                    for k in 0..span {
+                        s += acts.sum16(t, span * j + k);
+                    }
+                    s
+                };
+                *w = (sum(2 * p) & 0xFFFF) | (sum(2 * p + 1) << 16);
             }
         }
         let len = groups.len() * ROWS;
+        let bytes = supers * L::BLOCK_BYTES;
         for t0 in (0..acts.n).step_by(GROUP) {
             for (i, g) in groups.clone().enumerate() {
+                let w = m.blocks[g * bytes..(g + 1) * bytes].as_ptr();
                 let o = out[t0 * len + i * ROWS..].as_mut_ptr();
-                match (acts.n - t0).min(GROUP) {
-                    1 => group_t::<1>(m, g, acts, &pairs, t0, o, len),
-                    2 => group_t::<2>(m, g, acts, &pairs, t0, o, len),
-                    3 => group_t::<3>(m, g, acts, &pairs, t0, o, len),
-                    _ => group_t::<4>(m, g, acts, &pairs, t0, o, len),
+                let a = Acts {
+                    acts,
+                    pairs: &pairs,
+                    per,
+                    t0,
+                };
+                macro_rules! by_rows {
+                    ($f:ident) => {
+                        match (acts.n - t0).min(GROUP) {
+                            1 => $f::<1>(w, supers, &a, o, len),
+                            2 => $f::<2>(w, supers, &a, o, len),
+                            3 => $f::<3>(w, supers, &a, o, len),
+                            _ => $f::<4>(w, supers, &a, o, len),
+                        }
+                    };
+                }
+                match kind {
+                    KindK::Q4K => by_rows!(q4k_t),
+                    KindK::Q6K => by_rows!(q6k_t),
+                    KindK::Q5K => unreachable!("no eight-row layout for Q5_K"),
                 }
             }
         }
     }
 
-    /// Row group `g` against the `T` activation rows from `t0`; the eight
-    /// sums of row `t0 + k` go to `out + k · len`.
-    #[inline(always)]
-    unsafe fn group_t<const T: usize>(
-        m: &Q4KRows8,
-        g: usize,
-        acts: &QuantizedActs,
-        pairs: &[i32],
+    /// The activation rows from `t0` as a group kernel reads them.
+    struct Acts<'a> {
+        acts: &'a QuantizedActs,
+        pairs: &'a [i32],
+        per: usize,
         t0: usize,
+    }
+
+    impl Acts<'_> {
+        /// Four activation bytes of row `t0 + k` (values `at..at + 4`) in every lane.
+        #[inline(always)]
+        unsafe fn bcast(&self, k: usize, at: usize) -> __m256i {
+            let p = self.acts.row(self.t0 + k).as_ptr().add(at);
+            _mm256_set1_epi32((p as *const i32).read_unaligned())
+        }
+        /// Pair `p` of super-block `s`'s sums for row `t0 + k`, in every lane.
+        #[inline(always)]
+        unsafe fn pair(&self, k: usize, s: usize, p: usize, supers: usize) -> __m256i {
+            let at = ((self.t0 + k) * supers + s) * self.per + p;
+            _mm256_set1_epi32(*self.pairs.get_unchecked(at))
+        }
+        /// Scale of row `t0 + k`'s super-block `s`, in every lane.
+        #[inline(always)]
+        unsafe fn scale(&self, k: usize, s: usize) -> __m256 {
+            _mm256_set1_ps(self.acts.scale(self.t0 + k, s))
+        }
+    }
+
+    /// Eight Q4_K rows (blocks from `w`) against the `T` activation rows;
+    /// row `t0 + k`'s eight sums go to `out + k · len`.
+    #[inline(always)]
+    unsafe fn q4k_t<const T: usize>(
+        w: *const u8,
+        supers: usize,
+        a: &Acts,
         out: *mut f32,
         len: usize,
     ) {
-        let supers = m.supers();
+        use q4k::*;
         let low = _mm256_set1_epi8(0x0F);
         let high = _mm256_set1_epi8(0xF0u8 as i8);
-        let qs: [*const u8; T] = std::array::from_fn(|k| acts.row(t0 + k).as_ptr() as *const u8);
         let mut acc = [_mm256_setzero_ps(); T];
-        let base = m.blocks[g * supers * BLOCK_BYTES..].as_ptr();
         for s in 0..supers {
-            let blk = base.add(s * BLOCK_BYTES);
-            // Four activation bytes (values at `at`..`at + 4`) in every lane.
-            let bcast = |k: usize, at: usize| {
-                _mm256_set1_epi32((qs[k].add(256 * s + at) as *const i32).read_unaligned())
-            };
+            let blk = w.add(s * BYTES);
             let mut sum = [_mm256_setzero_si256(); T];
             for p in 0..4 {
                 // Sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles, kept
@@ -289,11 +436,12 @@ mod avx512 {
                 let mut lo = [_mm256_setzero_si256(); T];
                 let mut hi = [_mm256_setzero_si256(); T];
                 for u in 0..8 {
-                    let w = _mm256_loadu_si256(blk.add(QS + 32 * (8 * p + u)) as *const __m256i);
-                    let (wl, wh) = (_mm256_and_si256(w, low), _mm256_and_si256(w, high));
+                    let q = _mm256_loadu_si256(blk.add(QS + 32 * (8 * p + u)) as *const __m256i);
+                    let (ql, qh) = (_mm256_and_si256(q, low), _mm256_and_si256(q, high));
                     for k in 0..T {
-                        lo[k] = _mm256_dpbusd_epi32(lo[k], wl, bcast(k, 64 * p + 4 * u));
-                        hi[k] = _mm256_dpbusd_epi32(hi[k], wh, bcast(k, 64 * p + 32 + 4 * u));
+                        let at = 256 * s + 64 * p + 4 * u;
+                        lo[k] = _mm256_dpbusd_epi32(lo[k], ql, a.bcast(k, at));
+                        hi[k] = _mm256_dpbusd_epi32(hi[k], qh, a.bcast(k, at + 32));
                     }
                 }
                 let scale = |j: usize| {
@@ -316,21 +464,96 @@ mod avx512 {
                 ))
             });
             for k in 0..T {
-                let t = t0 + k;
-                let pair = pairs.as_ptr().add((t * supers + s) * 4);
-                let mut by_min = _mm256_madd_epi16(mins[0], _mm256_set1_epi32(*pair));
+                let mut by_min = _mm256_madd_epi16(mins[0], a.pair(k, s, 0, supers));
                 for (p, &mn) in mins.iter().enumerate().skip(1) {
-                    let gp = _mm256_set1_epi32(*pair.add(p));
-                    by_min = _mm256_add_epi32(by_min, _mm256_madd_epi16(mn, gp));
+                    by_min =
+                        _mm256_add_epi32(by_min, _mm256_madd_epi16(mn, a.pair(k, s, p, supers)));
                 }
-                let da = _mm256_set1_ps(acts.scale(t, s));
+                let da = a.scale(k, s);
                 acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[k]), _mm256_mul_ps(d, da), acc[k]);
                 acc[k] =
                     _mm256_fnmadd_ps(_mm256_cvtepi32_ps(by_min), _mm256_mul_ps(dmin, da), acc[k]);
             }
         }
-        for (k, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.add(k * len), *a);
+        for (k, v) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.add(k * len), *v);
+        }
+    }
+
+    /// [`q4k_t`] for Q6_K: levels `ql | qh << 4` (0–63) by `vpdpbusd`, the
+    /// offset of 32 taken off once per super-block through the activation
+    /// sums.
+    #[inline(always)]
+    unsafe fn q6k_t<const T: usize>(
+        w: *const u8,
+        supers: usize,
+        a: &Acts,
+        out: *mut f32,
+        len: usize,
+    ) {
+        use q6k::*;
+        let low = _mm256_set1_epi8(0x0F);
+        let top = _mm256_set1_epi8(0x30);
+        let load = |p: *const u8| _mm256_loadu_si256(p as *const __m256i);
+        // Lane r: row r's scales of sub-blocks 2jp and 2jp + 1, as i16 halves.
+        let scale_pair = |blk: *const u8, jp: usize| {
+            _mm256_cvtepi8_epi16(_mm_loadu_si128(blk.add(SCALES + 16 * jp) as *const __m128i))
+        };
+        let mut acc = [_mm256_setzero_ps(); T];
+        for s in 0..supers {
+            let blk = w.add(s * BYTES);
+            let mut sum = [_mm256_setzero_si256(); T];
+            for n in 0..2 {
+                for half in 0..2 {
+                    // Register c holds values 128n + 32c + 4t.. of sub-block
+                    // 8n + 2c + half (t in this half's four units).
+                    let mut dot = [[_mm256_setzero_si256(); T]; 4];
+                    for t in 4 * half..4 * half + 4 {
+                        let step = blk.add(STEPS + 96 * (8 * n + t));
+                        let (l0, l1, qh) = (load(step), load(step.add(32)), load(step.add(64)));
+                        let lo4 = |q: __m256i| _mm256_and_si256(q, low);
+                        let hi4 = |q: __m256i| _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                        let bits = |q: __m256i| _mm256_and_si256(q, top);
+                        let u = [
+                            _mm256_or_si256(lo4(l0), bits(_mm256_slli_epi16(qh, 4))),
+                            _mm256_or_si256(lo4(l1), bits(_mm256_slli_epi16(qh, 2))),
+                            _mm256_or_si256(hi4(l0), bits(qh)),
+                            _mm256_or_si256(hi4(l1), bits(_mm256_srli_epi16(qh, 2))),
+                        ];
+                        for (c, (&uc, dc)) in u.iter().zip(dot.iter_mut()).enumerate() {
+                            for (k, d) in dc.iter_mut().enumerate() {
+                                let v = a.bcast(k, 256 * s + 128 * n + 32 * c + 4 * t);
+                                *d = _mm256_dpbusd_epi32(*d, uc, v);
+                            }
+                        }
+                    }
+                    for (c, d) in dot.iter().enumerate() {
+                        let p = scale_pair(blk, 4 * n + c);
+                        let sc = if half == 0 {
+                            _mm256_srai_epi32(_mm256_slli_epi32(p, 16), 16)
+                        } else {
+                            _mm256_srai_epi32(p, 16)
+                        };
+                        for k in 0..T {
+                            sum[k] = _mm256_add_epi32(sum[k], _mm256_mullo_epi32(d[k], sc));
+                        }
+                    }
+                }
+            }
+            let d = _mm256_cvtph_ps(_mm_loadu_si128(blk.add(D) as *const __m128i));
+            for k in 0..T {
+                let mut offset = _mm256_setzero_si256();
+                for jp in 0..8 {
+                    let by = _mm256_madd_epi16(scale_pair(blk, jp), a.pair(k, s, jp, supers));
+                    offset = _mm256_add_epi32(offset, by);
+                }
+                let total = _mm256_sub_epi32(sum[k], _mm256_slli_epi32(offset, 5));
+                let scale = _mm256_mul_ps(d, a.scale(k, s));
+                acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[k]);
+            }
+        }
+        for (k, v) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.add(k * len), *v);
         }
     }
 }
@@ -338,17 +561,18 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kquant::SuperBlockMatrix;
     use crate::testing::values;
 
-    /// Random Q4_K bytes with sane f16 scales.
-    fn q4k_bytes(blocks: usize, seed: u64) -> Vec<u8> {
-        let raw = values(blocks * Q4K_BYTES, seed, 1.0);
+    /// Random super-blocks of `F` whose f16 fields (at `halves`) are sane scales.
+    fn gguf_bytes<F: SuperBlock>(blocks: usize, halves: &[usize], seed: u64) -> Vec<u8> {
+        let raw = values(blocks * F::BYTES, seed, 1.0);
         let mut out: Vec<u8> = raw.iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
-        let scales = values(blocks * 2, seed + 1, 0.05);
-        for (b, blk) in out.chunks_exact_mut(Q4K_BYTES).enumerate() {
-            for k in 0..2 {
-                let h = half::f16::from_f32(scales[2 * b + k]).to_le_bytes();
-                blk[2 * k..2 * k + 2].copy_from_slice(&h);
+        let scales = values(blocks * halves.len(), seed + 1, 0.05);
+        for (b, blk) in out.chunks_exact_mut(F::BYTES).enumerate() {
+            for (k, &at) in halves.iter().enumerate() {
+                let h = half::f16::from_f32(scales[b * halves.len() + k]).to_le_bytes();
+                blk[at..at + 2].copy_from_slice(&h);
             }
         }
         out
@@ -357,30 +581,39 @@ mod tests {
     #[test]
     fn interleaving_restores_every_byte() {
         let (rows, cols) = (16, 768);
-        let data = q4k_bytes(rows * cols / SUPER, 5);
-        let m = Q4KRows8::from_q4k(&data, rows, cols).expect("sizes");
-        assert_eq!(m.restore_rows(0..rows), data);
-        assert!(Q4KRows8::from_q4k(&data[..data.len() - Q4K_BYTES], rows, cols).is_none());
-        assert!(Q4KRows8::from_q4k(&data, rows / 2 + 1, cols).is_none());
+        let q4 = gguf_bytes::<kquant::Q4K>(rows * cols / SUPER, &[0, 2], 5);
+        let m = Q4KRows8::from_gguf(&q4, rows, cols).expect("sizes");
+        assert_eq!(m.restore_rows(0..rows), q4);
+        assert!(Q4KRows8::from_gguf(&q4[..q4.len() - 144], rows, cols).is_none());
+        assert!(Q4KRows8::from_gguf(&q4, rows / 2 + 1, cols).is_none());
+        let q6 = gguf_bytes::<kquant::Q6K>(rows * cols / SUPER, &[208], 6);
+        let m = Q6KRows8::from_gguf(&q6, rows, cols).expect("sizes");
+        assert_eq!(m.restore_rows(0..rows), q6);
+        assert_eq!(m.stored_bytes(), q6.len());
     }
 
     #[test]
     fn interleaved_products_match_the_gguf_layout() {
         let (rows, cols) = (24, 512);
-        let data = q4k_bytes(rows * cols / SUPER, 9);
-        let m = Q4KRows8::from_q4k(&data, rows, cols).expect("sizes");
-        let gguf =
-            kquant::SuperBlockMatrix::<kquant::Q4K>::new(crate::Bytes::from_vec(data), rows, cols)
-                .expect("sizes");
+        let q4 = gguf_bytes::<kquant::Q4K>(rows * cols / SUPER, &[0, 2], 9);
+        check_against_gguf::<Q4K8>(q4, rows, cols);
+        let q6 = gguf_bytes::<kquant::Q6K>(rows * cols / SUPER, &[208], 10);
+        check_against_gguf::<Q6K8>(q6, rows, cols);
+    }
+
+    fn check_against_gguf<L: Layout8>(data: Vec<u8>, rows: usize, cols: usize) {
+        let m = Rows8::<L>::from_gguf(&data, rows, cols).expect("sizes");
+        let gguf = SuperBlockMatrix::<L::Gguf>::new(crate::Bytes::from_vec(data), rows, cols)
+            .expect("sizes");
         let (mut a, mut b) = (vec![0f32; rows * cols], vec![0f32; rows * cols]);
         m.dequantize_rows(0..rows, &mut a);
         gguf.dequantize_rows(0..rows, &mut b);
-        assert_eq!(a, b);
+        assert_eq!(a, b, "{}", L::NAME);
         for n in [1, 2, 3, 4, 5, 9] {
-            // The same integer sums, added up in another order.
             let x = values(n * cols, n as u64, 2.0);
             let acts = QuantizedActs::quantize(&x, n, cols, ActBlock::B256);
-            // Whole groups, and ranges that cut them.
+            // Whole groups, and ranges that cut them: the same integer sums
+            // as GGUF's layout, added up in another order.
             for rows in [0..rows, 8..16, 3..21, 9..10] {
                 let len = rows.len();
                 let (mut got, mut want) = (vec![0f32; n * len], vec![0f32; n * len]);
@@ -388,15 +621,20 @@ mod tests {
                 gguf.int_dots(rows.clone(), &acts, &mut want);
                 let scale = want.iter().fold(1f32, |a, w| a.max(w.abs()));
                 for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    let tol = 1e-5 * scale;
                     assert!(
-                        (g - w).abs() <= tol,
-                        "n={n} rows {rows:?} [{i}]: {g} vs {w}"
+                        (g - w).abs() <= 1e-5 * scale,
+                        "{} n={n} rows {rows:?} [{i}]: {g} vs {w}",
+                        L::NAME
                     );
                 }
             }
             let exact = crate::matmul(&m, &x, n);
-            assert_eq!(exact, crate::matmul(&gguf, &x, n), "n={n} exact");
+            assert_eq!(
+                exact,
+                crate::matmul(&gguf, &x, n),
+                "{} n={n} exact",
+                L::NAME
+            );
         }
     }
 }

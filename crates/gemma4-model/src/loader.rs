@@ -305,23 +305,28 @@ impl<'a> Weights<'a> {
                     quant => self.quantize(t, rows, cols, quant)?,
                 }
             }
-            // Q4_K in the fast mode on a CPU with VNNI: eight rows
-            // interleaved for its kernel, a copy that replaces the mapping.
-            StoredDtype::Ggml(GgmlDType::Q4K)
+            // Q4_K and Q6_K in the fast mode on a CPU with VNNI: eight rows
+            // interleaved for their kernels, a copy that replaces the mapping.
+            StoredDtype::Ggml(d @ (GgmlDType::Q4K | GgmlDType::Q6K))
                 if !self.policy.exact
                     && gemma4_kernels::intdot::has_vnni()
                     && rows.is_multiple_of(kquant_x8::ROWS) =>
             {
-                let m = kquant_x8::Q4KRows8::from_q4k(t.bytes.as_slice(), rows, cols).ok_or_else(
-                    || {
-                        ModelError::Input(format!(
-                            "`{}` cannot be read as a [{rows}, {cols}] Q4_K matrix",
-                            t.name
-                        ))
-                    },
-                )?;
+                let data = t.bytes.as_slice();
+                let m: Option<Arc<dyn WeightMatrix>> = if d == GgmlDType::Q4K {
+                    kquant_x8::Q4KRows8::from_gguf(data, rows, cols).map(|m| Arc::new(m) as _)
+                } else {
+                    kquant_x8::Q6KRows8::from_gguf(data, rows, cols).map(|m| Arc::new(m) as _)
+                };
+                let m = m.ok_or_else(|| {
+                    ModelError::Input(format!(
+                        "`{}` cannot be read as a [{rows}, {cols}] {} matrix",
+                        t.name,
+                        t.dtype.name()
+                    ))
+                })?;
                 t.release();
-                Arc::new(m)
+                m
             }
             // Our kernels over the blocks in place; exact mode takes the
             // remaining types through widened tiles.
