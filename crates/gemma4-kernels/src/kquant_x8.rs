@@ -189,28 +189,47 @@ impl<L: Layout8> Rows8<L> {
     /// Rearranges GGUF's bytes; `None` when the sizes disagree or the rows
     /// do not fill whole groups of eight.
     pub fn from_gguf(data: &[u8], rows: usize, cols: usize) -> Option<Self> {
-        let (supers, gguf) = (cols / SUPER, L::Gguf::BYTES);
-        let fits = cols.is_multiple_of(SUPER)
-            && rows.is_multiple_of(ROWS)
-            && data.len() == rows * supers * gguf;
-        if !fits {
-            return None;
-        }
-        let mut blocks = vec![0u8; rows / ROWS * supers * L::BLOCK_BYTES];
-        for (g, group) in blocks.chunks_exact_mut(supers * L::BLOCK_BYTES).enumerate() {
-            for (s, dst) in group.chunks_exact_mut(L::BLOCK_BYTES).enumerate() {
-                for r in 0..ROWS {
-                    let at = ((g * ROWS + r) * supers + s) * gguf;
-                    L::pack(&data[at..at + gguf], r, dst);
-                }
-            }
-        }
-        Some(Self {
-            blocks,
-            rows,
+        let mut m = Self::with_capacity(rows, cols)?;
+        (m.append_gguf(data) && m.rows == rows).then_some(m)
+    }
+
+    /// An empty matrix of `cols` columns with room for `rows` rows, to
+    /// [append](Self::append_gguf) to a slice at a time (the loader drops
+    /// each slice of the file's pages once it is rearranged); `None` when
+    /// `cols` does not tile into super-blocks or `rows` into groups.
+    pub fn with_capacity(rows: usize, cols: usize) -> Option<Self> {
+        (cols.is_multiple_of(SUPER) && rows.is_multiple_of(ROWS)).then(|| Self {
+            blocks: Vec::with_capacity(rows * cols / SUPER / ROWS * L::BLOCK_BYTES),
+            rows: 0,
             cols,
             layout: PhantomData,
         })
+    }
+
+    /// Rearranges whole rows given in GGUF's bytes onto the end, row groups
+    /// spread over the thread pool; false (and nothing added) when they are
+    /// not whole groups of eight rows.
+    pub fn append_gguf(&mut self, data: &[u8]) -> bool {
+        let (supers, gguf) = (self.supers(), L::Gguf::BYTES);
+        let group_in = ROWS * supers * gguf;
+        if supers == 0 || !data.len().is_multiple_of(group_in) {
+            return false;
+        }
+        let groups = data.len() / group_in;
+        let group_out = supers * L::BLOCK_BYTES;
+        let start = self.blocks.len();
+        self.blocks.resize(start + groups * group_out, 0);
+        crate::pool::global().for_each_chunk(&mut self.blocks[start..], group_out, &|g, out| {
+            let src = &data[g * group_in..(g + 1) * group_in];
+            for (s, dst) in out.chunks_exact_mut(L::BLOCK_BYTES).enumerate() {
+                for r in 0..ROWS {
+                    let at = (r * supers + s) * gguf;
+                    L::pack(&src[at..at + gguf], r, dst);
+                }
+            }
+        });
+        self.rows += groups * ROWS;
+        true
     }
 
     fn supers(&self) -> usize {

@@ -312,21 +312,11 @@ impl<'a> Weights<'a> {
                     && gemma4_kernels::intdot::has_vnni()
                     && rows.is_multiple_of(kquant_x8::ROWS) =>
             {
-                let data = t.bytes.as_slice();
-                let m: Option<Arc<dyn WeightMatrix>> = if d == GgmlDType::Q4K {
-                    kquant_x8::Q4KRows8::from_gguf(data, rows, cols).map(|m| Arc::new(m) as _)
+                if d == GgmlDType::Q4K {
+                    Arc::new(self.interleave::<kquant_x8::Q4K8>(t, rows, cols)?)
                 } else {
-                    kquant_x8::Q6KRows8::from_gguf(data, rows, cols).map(|m| Arc::new(m) as _)
-                };
-                let m = m.ok_or_else(|| {
-                    ModelError::Input(format!(
-                        "`{}` cannot be read as a [{rows}, {cols}] {} matrix",
-                        t.name,
-                        t.dtype.name()
-                    ))
-                })?;
-                t.release();
-                m
+                    Arc::new(self.interleave::<kquant_x8::Q6K8>(t, rows, cols)?)
+                }
             }
             // Our kernels over the blocks in place; exact mode takes the
             // remaining types through widened tiles.
@@ -351,6 +341,38 @@ impl<'a> Weights<'a> {
             Precision::Int8Activations
         };
         Linear::new(Arc::new(KernelLinear::with_precision(matrix, precision)))
+    }
+
+    /// A k-quant matrix with eight rows interleaved, rearranged a slice of
+    /// rows at a time, each slice's mapped pages dropped once it is copied.
+    fn interleave<L: kquant_x8::Layout8>(
+        &self,
+        t: &StoredTensor,
+        rows: usize,
+        cols: usize,
+    ) -> Result<kquant_x8::Rows8<L>> {
+        const SLICE_BYTES: usize = 16 << 20;
+        let misfit = || {
+            ModelError::Input(format!(
+                "`{}` cannot be read as a [{rows}, {cols}] {} matrix",
+                t.name,
+                t.dtype.name()
+            ))
+        };
+        let mut m = kquant_x8::Rows8::<L>::with_capacity(rows, cols).ok_or_else(misfit)?;
+        let row_bytes = (t.bytes.len() / rows.max(1)).max(1);
+        let step = (SLICE_BYTES / row_bytes / kquant_x8::ROWS).max(1) * kquant_x8::ROWS;
+        for start in (0..rows).step_by(step) {
+            let part = t.row_range(start..(start + step).min(rows), cols)?;
+            if !m.append_gguf(part.bytes.as_slice()) {
+                return Err(misfit());
+            }
+            part.release();
+        }
+        if m.rows() != rows {
+            return Err(misfit());
+        }
+        Ok(m)
     }
 
     /// Quantizes a float matrix a slice of rows at a time, dropping each
