@@ -119,6 +119,7 @@ impl ModelArgs {
         LoadPolicy {
             quant: self.quant,
             exact: self.exact,
+            measure_only: false,
         }
     }
 

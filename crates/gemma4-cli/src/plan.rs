@@ -104,7 +104,11 @@ fn resident_of_load(
     if !has_weights {
         return Ok(None);
     }
-    let loaded = gemma4_model::load_with(path, LoadPolicy::default(), None)
+    let measure = LoadPolicy {
+        measure_only: true,
+        ..LoadPolicy::default()
+    };
+    let loaded = gemma4_model::load_with(path, measure, None)
         .with_context(|| format!("cannot measure the weights of {}", path.display()))?;
     let weights = loaded.report.projected_weights(args.quant);
     let mut estimate = resident_estimate(

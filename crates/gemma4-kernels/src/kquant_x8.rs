@@ -33,10 +33,29 @@ pub trait Layout8: Send + Sync + std::fmt::Debug + 'static {
     const NAME: &'static str;
     /// Bytes of one eight-row block.
     const BLOCK_BYTES: usize;
+    /// Calls `copy(at, to, len)` for each run of bytes that moves unchanged
+    /// between a GGUF super-block (from `at`) and row `r` of the block
+    /// (from `to`).
+    fn runs(r: usize, copy: impl FnMut(usize, usize, usize));
+    /// Writes what does not move as bytes (Q4_K's packed 6-bit scales) of
+    /// GGUF super-block `src` into row `r` of the block `dst`.
+    fn pack_rest(_src: &[u8], _r: usize, _dst: &mut [u8]) {}
+    /// The inverse of [`Layout8::pack_rest`].
+    fn unpack_rest(_src: &[u8], _r: usize, _dst: &mut [u8]) {}
     /// Writes GGUF super-block `src` as row `r` of the block `dst`.
-    fn pack(src: &[u8], r: usize, dst: &mut [u8]);
+    fn pack(src: &[u8], r: usize, dst: &mut [u8]) {
+        Self::runs(r, |at, to, len| {
+            dst[to..to + len].copy_from_slice(&src[at..at + len]);
+        });
+        Self::pack_rest(src, r, dst);
+    }
     /// The inverse of [`Layout8::pack`]: row `r` of block `src` in GGUF's bytes.
-    fn unpack(src: &[u8], r: usize, dst: &mut [u8]);
+    fn unpack(src: &[u8], r: usize, dst: &mut [u8]) {
+        Self::runs(r, |at, from, len| {
+            dst[at..at + len].copy_from_slice(&src[from..from + len]);
+        });
+        Self::unpack_rest(src, r, dst);
+    }
     /// `Σ x · w` over one row in GGUF's bytes, f32 activations.
     fn dot_exact(x: &[f32], row: &[u8]) -> f32;
 }
@@ -63,28 +82,28 @@ impl Layout8 for Q4K8 {
     const NAME: &'static str = "Q4_Kx8";
     const BLOCK_BYTES: usize = q4k::BYTES;
 
-    fn pack(src: &[u8], r: usize, dst: &mut [u8]) {
+    fn runs(r: usize, mut copy: impl FnMut(usize, usize, usize)) {
         use q4k::*;
-        dst[D + 2 * r..D + 2 * r + 2].copy_from_slice(&src[0..2]);
-        dst[DMIN + 2 * r..DMIN + 2 * r + 2].copy_from_slice(&src[2..4]);
+        copy(0, D + 2 * r, 2);
+        copy(2, DMIN + 2 * r, 2);
+        for m in 0..4 {
+            for t in 0..8 {
+                copy(16 + 32 * m + 4 * t, QS + 32 * (8 * m + t) + 4 * r, 4);
+            }
+        }
+    }
+
+    fn pack_rest(src: &[u8], r: usize, dst: &mut [u8]) {
+        use q4k::*;
         for j in 0..8 {
             let (sc, mn) = intdot::scale_min(j, &src[4..16]);
             dst[SCALES + ROWS * j + r] = sc as u8;
             dst[MINS + 2 * ROWS * (j / 2) + 2 * r + j % 2] = mn as u8;
         }
-        for m in 0..4 {
-            for t in 0..8 {
-                let from = 16 + 32 * m + 4 * t;
-                let to = QS + 32 * (8 * m + t) + 4 * r;
-                dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
-            }
-        }
     }
 
-    fn unpack(src: &[u8], r: usize, dst: &mut [u8]) {
+    fn unpack_rest(src: &[u8], r: usize, dst: &mut [u8]) {
         use q4k::*;
-        dst[0..2].copy_from_slice(&src[D + 2 * r..D + 2 * r + 2]);
-        dst[2..4].copy_from_slice(&src[DMIN + 2 * r..DMIN + 2 * r + 2]);
         let sc = |j: usize| src[SCALES + ROWS * j + r];
         let mn = |j: usize| src[MINS + 2 * ROWS * (j / 2) + 2 * r + j % 2];
         // GGUF's twelve bytes: scales and mins 0–3 in the low six bits of
@@ -94,13 +113,6 @@ impl Layout8 for Q4K8 {
             dst[4 + j] = sc(j) | ((sc(j + 4) >> 4) << 6);
             dst[8 + j] = mn(j) | ((mn(j + 4) >> 4) << 6);
             dst[12 + j] = (sc(j + 4) & 0xF) | ((mn(j + 4) & 0xF) << 4);
-        }
-        for m in 0..4 {
-            for t in 0..8 {
-                let to = 16 + 32 * m + 4 * t;
-                let from = QS + 32 * (8 * m + t) + 4 * r;
-                dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
-            }
         }
     }
 
@@ -136,30 +148,15 @@ impl Layout8 for Q6K8 {
     const NAME: &'static str = "Q6_Kx8";
     const BLOCK_BYTES: usize = q6k::BYTES;
 
-    fn pack(src: &[u8], r: usize, dst: &mut [u8]) {
+    fn runs(r: usize, mut copy: impl FnMut(usize, usize, usize)) {
         use q6k::*;
-        dst[D + 2 * r..D + 2 * r + 2].copy_from_slice(&src[208..210]);
+        copy(208, D + 2 * r, 2);
         for j in 0..16 {
-            dst[SCALES + 2 * ROWS * (j / 2) + 2 * r + j % 2] = src[192 + j];
+            copy(192 + j, SCALES + 2 * ROWS * (j / 2) + 2 * r + j % 2, 1);
         }
         for st in 0..16 {
-            for (k, from) in sources(st).into_iter().enumerate() {
-                let to = STEPS + 96 * st + 32 * k + 4 * r;
-                dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
-            }
-        }
-    }
-
-    fn unpack(src: &[u8], r: usize, dst: &mut [u8]) {
-        use q6k::*;
-        dst[208..210].copy_from_slice(&src[D + 2 * r..D + 2 * r + 2]);
-        for j in 0..16 {
-            dst[192 + j] = src[SCALES + 2 * ROWS * (j / 2) + 2 * r + j % 2];
-        }
-        for st in 0..16 {
-            for (k, to) in sources(st).into_iter().enumerate() {
-                let from = STEPS + 96 * st + 32 * k + 4 * r;
-                dst[to..to + 4].copy_from_slice(&src[from..from + 4]);
+            for (k, at) in sources(st).into_iter().enumerate() {
+                copy(at, STEPS + 96 * st + 32 * k + 4 * r, 4);
             }
         }
     }
@@ -230,6 +227,11 @@ impl<L: Layout8> Rows8<L> {
         });
         self.rows += groups * ROWS;
         true
+    }
+
+    /// Bytes a `[rows, cols]` matrix takes in this layout.
+    pub fn bytes_for(rows: usize, cols: usize) -> usize {
+        rows / ROWS * (cols / SUPER) * L::BLOCK_BYTES
     }
 
     fn supers(&self) -> usize {

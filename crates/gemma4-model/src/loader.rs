@@ -75,6 +75,10 @@ pub struct LoadPolicy {
     /// bits per block, and the types our kernels lack (Q2_K, Q3_K) run
     /// through candle's, which do the same. Float matrices are exact either way.
     pub exact: bool,
+    /// Map every matrix as stored and report the bytes a load would hold
+    /// (what `plan` measures): the k-quant matrices a load copies into
+    /// another layout are counted at the copy's size, not copied.
+    pub measure_only: bool,
 }
 
 /// Where a load's bytes went, by storage.
@@ -312,6 +316,17 @@ impl<'a> Weights<'a> {
                     && gemma4_kernels::intdot::has_vnni()
                     && rows.is_multiple_of(kquant_x8::ROWS) =>
             {
+                use kquant_x8::{Layout8, Rows8, Q4K8, Q6K8};
+                if self.policy.measure_only {
+                    let m = t.matrix(rows, cols)?;
+                    let (name, bytes) = if d == GgmlDType::Q4K {
+                        (Q4K8::NAME, Rows8::<Q4K8>::bytes_for(rows, cols))
+                    } else {
+                        (Q6K8::NAME, Rows8::<Q6K8>::bytes_for(rows, cols))
+                    };
+                    self.record(name, bytes, true);
+                    return Ok(self.kernel_linear(m));
+                }
                 if d == GgmlDType::Q4K {
                     Arc::new(self.interleave::<kquant_x8::Q4K8>(t, rows, cols)?)
                 } else {

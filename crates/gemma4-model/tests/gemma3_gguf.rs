@@ -281,7 +281,11 @@ fn hugging_face_gemma3_layout_matches_the_reference() {
         (gemma4_model::Quant::Q4, true, 2, 7),
         (gemma4_model::Quant::Q4, false, 2, 7),
     ] {
-        let policy = LoadPolicy { quant, exact };
+        let policy = LoadPolicy {
+            quant,
+            exact,
+            measure_only: false,
+        };
         let model = load(&dir, policy).expect("quantized load");
         let mut shown = Vec::new();
         for p in &golden().prompts {

@@ -37,7 +37,11 @@ fn argmax(row: &[f32]) -> usize {
 /// (positions, top-1 agreements, summed KL(reference ‖ ours)) of one variant.
 fn measure(variant: &str, quant: Quant, exact: bool) -> (usize, usize, f64) {
     let dir = fixture(variant);
-    let policy = LoadPolicy { quant, exact };
+    let policy = LoadPolicy {
+        quant,
+        exact,
+        measure_only: false,
+    };
     let model = load(&dir, policy).unwrap_or_else(|e| panic!("{variant}: {e}"));
     let golden = Golden::read(&dir.join("golden.json")).expect("golden");
     let tensors =
