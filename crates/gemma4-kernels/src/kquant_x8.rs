@@ -355,6 +355,9 @@ mod avx512 {
         acts: &QuantizedActs,
         out: &mut [f32],
     ) {
+        // The kernels below read and write through raw pointers within these bounds.
+        assert!(acts.cols == m.cols && groups.end * ROWS <= m.rows);
+        assert!(out.len() >= acts.n * groups.len() * ROWS);
         let supers = m.supers();
         let kind = L::Gguf::KIND;
         // The activations' sums over pairs of sub-blocks (Q4_K's 32 values,
