@@ -524,18 +524,8 @@ mod tests {
     use crate::testing::values;
     use crate::{matmul_with, Bytes, Precision, WeightMatrix};
 
-    /// Random block bytes whose f16 fields (at `halves` within each block) are sane scales.
     fn random_blocks(blocks: usize, bytes: usize, halves: &[usize], seed: u64) -> Bytes {
-        let raw = values(blocks * bytes, seed, 1.0);
-        let mut out: Vec<u8> = raw.iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
-        let scales = values(blocks * halves.len(), seed + 1, 0.05);
-        for (b, blk) in out.chunks_exact_mut(bytes).enumerate() {
-            for (k, &at) in halves.iter().enumerate() {
-                let h = half::f16::from_f32(scales[b * halves.len() + k]).to_le_bytes();
-                blk[at..at + 2].copy_from_slice(&h);
-            }
-        }
-        Bytes::from_vec(out)
+        Bytes::from_vec(crate::testing::random_blocks(blocks, bytes, halves, seed))
     }
 
     fn matrices(rows: usize, cols: usize) -> Vec<Box<dyn WeightMatrix>> {

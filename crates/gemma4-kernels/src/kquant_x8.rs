@@ -590,16 +590,7 @@ mod tests {
 
     /// Random super-blocks of `F` whose f16 fields (at `halves`) are sane scales.
     fn gguf_bytes<F: SuperBlock>(blocks: usize, halves: &[usize], seed: u64) -> Vec<u8> {
-        let raw = values(blocks * F::BYTES, seed, 1.0);
-        let mut out: Vec<u8> = raw.iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
-        let scales = values(blocks * halves.len(), seed + 1, 0.05);
-        for (b, blk) in out.chunks_exact_mut(F::BYTES).enumerate() {
-            for (k, &at) in halves.iter().enumerate() {
-                let h = half::f16::from_f32(scales[b * halves.len() + k]).to_le_bytes();
-                blk[at..at + 2].copy_from_slice(&h);
-            }
-        }
-        out
+        crate::testing::random_blocks(blocks, F::BYTES, halves, seed)
     }
 
     #[test]

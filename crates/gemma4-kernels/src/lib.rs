@@ -297,6 +297,21 @@ pub(crate) mod testing {
             .collect()
     }
 
+    /// `blocks` random blocks of `bytes` bytes whose f16 fields (at
+    /// `halves` within each block) are sane scales.
+    pub fn random_blocks(blocks: usize, bytes: usize, halves: &[usize], seed: u64) -> Vec<u8> {
+        let raw = values(blocks * bytes, seed, 1.0);
+        let mut out: Vec<u8> = raw.iter().map(|v| ((v + 1.0) * 127.9) as u8).collect();
+        let scales = values(blocks * halves.len(), seed + 1, 0.05);
+        for (b, blk) in out.chunks_exact_mut(bytes).enumerate() {
+            for (k, &at) in halves.iter().enumerate() {
+                let h = half::f16::from_f32(scales[b * halves.len() + k]).to_le_bytes();
+                blk[at..at + 2].copy_from_slice(&h);
+            }
+        }
+        out
+    }
+
     /// The f64 product of `x` `[n, cols]` and the widened rows of `w`.
     pub fn reference(w: &dyn super::WeightMatrix, x: &[f32], n: usize) -> Vec<f64> {
         let (rows, cols) = (w.rows(), w.cols());

@@ -328,9 +328,9 @@ impl<'a> Weights<'a> {
                     return Ok(self.kernel_linear(m));
                 }
                 if d == GgmlDType::Q4K {
-                    Arc::new(self.interleave::<kquant_x8::Q4K8>(t, rows, cols)?)
+                    Arc::new(self.interleave::<Q4K8>(t, rows, cols)?)
                 } else {
-                    Arc::new(self.interleave::<kquant_x8::Q6K8>(t, rows, cols)?)
+                    Arc::new(self.interleave::<Q6K8>(t, rows, cols)?)
                 }
             }
             // Our kernels over the blocks in place; exact mode takes the
