@@ -169,9 +169,13 @@ impl Layout8 for Q6K8 {
 /// A `[rows, cols]` k-quant matrix (`rows` a multiple of [`ROWS`]) held as
 /// eight-row blocks of layout `L`: row group after row group, each group's
 /// super-blocks in column order.
-#[derive(Debug, Clone)]
+/// The blocks live in [`arena`](crate::arena) memory (huge pages where the
+/// system grants them), filled as rows are appended.
+#[derive(Debug)]
 pub struct Rows8<L> {
-    blocks: Vec<u8>,
+    store: crate::arena::Piece,
+    /// Bytes of `store` the appended rows fill.
+    filled: usize,
     rows: usize,
     cols: usize,
     layout: PhantomData<L>,
@@ -196,7 +200,8 @@ impl<L: Layout8> Rows8<L> {
     /// `cols` does not tile into super-blocks or `rows` into groups.
     pub fn with_capacity(rows: usize, cols: usize) -> Option<Self> {
         (cols.is_multiple_of(SUPER) && rows.is_multiple_of(ROWS)).then(|| Self {
-            blocks: Vec::with_capacity(rows * cols / SUPER / ROWS * L::BLOCK_BYTES),
+            store: crate::arena::alloc_zeroed(Self::bytes_for(rows, cols)),
+            filled: 0,
             rows: 0,
             cols,
             layout: PhantomData,
@@ -205,7 +210,7 @@ impl<L: Layout8> Rows8<L> {
 
     /// Rearranges whole rows given in GGUF's bytes onto the end, row groups
     /// spread over the thread pool; false (and nothing added) when they are
-    /// not whole groups of eight rows.
+    /// not whole groups of eight rows or more than the room left.
     pub fn append_gguf(&mut self, data: &[u8]) -> bool {
         let (supers, gguf) = (self.supers(), L::Gguf::BYTES);
         let group_in = ROWS * supers * gguf;
@@ -214,9 +219,12 @@ impl<L: Layout8> Rows8<L> {
         }
         let groups = data.len() / group_in;
         let group_out = supers * L::BLOCK_BYTES;
-        let start = self.blocks.len();
-        self.blocks.resize(start + groups * group_out, 0);
-        crate::pool::global().for_each_chunk(&mut self.blocks[start..], group_out, &|g, out| {
+        let (start, end) = (self.filled, self.filled + groups * group_out);
+        if end > self.store.len() {
+            return false;
+        }
+        let fresh = &mut self.store.as_mut_slice()[start..end];
+        crate::pool::global().for_each_chunk(fresh, group_out, &|g, out| {
             let src = &data[g * group_in..(g + 1) * group_in];
             for (s, dst) in out.chunks_exact_mut(L::BLOCK_BYTES).enumerate() {
                 for r in 0..ROWS {
@@ -225,6 +233,7 @@ impl<L: Layout8> Rows8<L> {
                 }
             }
         });
+        self.filled = end;
         self.rows += groups * ROWS;
         true
     }
@@ -238,10 +247,15 @@ impl<L: Layout8> Rows8<L> {
         self.cols / SUPER
     }
 
+    /// The appended rows' blocks.
+    fn blocks(&self) -> &[u8] {
+        &self.store.as_slice()[..self.filled]
+    }
+
     /// Super-block `s` of row `r` in GGUF's bytes (`out`: one super-block).
     pub fn restore(&self, r: usize, s: usize, out: &mut [u8]) {
         let at = ((r / ROWS) * self.supers() + s) * L::BLOCK_BYTES;
-        L::unpack(&self.blocks[at..at + L::BLOCK_BYTES], r % ROWS, out);
+        L::unpack(&self.blocks()[at..at + L::BLOCK_BYTES], r % ROWS, out);
     }
 
     /// Rows `rows` in GGUF's bytes, row after row.
@@ -269,7 +283,7 @@ impl<L: Layout8> WeightMatrix for Rows8<L> {
         L::NAME
     }
     fn stored_bytes(&self) -> usize {
-        self.blocks.len()
+        self.filled
     }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         let mut blk = vec![0u8; L::Gguf::BYTES];
@@ -380,9 +394,10 @@ mod avx512 {
         }
         let len = groups.len() * ROWS;
         let bytes = supers * L::BLOCK_BYTES;
+        let blocks = m.blocks();
         for t0 in (0..acts.n).step_by(GROUP) {
             for (i, g) in groups.clone().enumerate() {
-                let w = m.blocks[g * bytes..(g + 1) * bytes].as_ptr();
+                let w = blocks[g * bytes..(g + 1) * bytes].as_ptr();
                 let o = out[t0 * len + i * ROWS..].as_mut_ptr();
                 let a = Acts {
                     acts,

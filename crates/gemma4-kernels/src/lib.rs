@@ -21,6 +21,7 @@
 //! of the step's tokens.
 
 pub mod acts;
+pub mod arena;
 mod bytes;
 mod dispatch;
 pub mod float;

@@ -305,7 +305,7 @@ impl<'a> Weights<'a> {
                     r.float_matrices.2 += m.stored_bytes() as u64;
                 }
                 match self.policy.quant {
-                    Quant::AsStored => m,
+                    Quant::AsStored => self.in_arena(t)?.matrix(rows, cols)?,
                     quant => self.quantize(t, rows, cols, quant)?,
                 }
             }
@@ -335,7 +335,9 @@ impl<'a> Weights<'a> {
             }
             // Our kernels over the blocks in place; exact mode takes the
             // remaining types through widened tiles.
-            StoredDtype::Ggml(d) if self.policy.exact || has_kernel(d) => t.matrix(rows, cols)?,
+            StoredDtype::Ggml(d) if self.policy.exact || has_kernel(d) => {
+                self.in_arena(t)?.matrix(rows, cols)?
+            }
             StoredDtype::Ggml(d) => {
                 let op = CandleQuantLinear::new(t.bytes.as_slice(), d, rows, cols)?;
                 // The blocks now live in candle's copy.
@@ -356,6 +358,34 @@ impl<'a> Weights<'a> {
             Precision::Int8Activations
         };
         Linear::new(Arc::new(KernelLinear::with_precision(matrix, precision)))
+    }
+
+    /// `t` with its bytes copied into [arena](gemma4_kernels::arena) memory
+    /// (huge pages where the system grants them: every step reads a
+    /// matrix in full), a slice at a time, each slice's mapped pages
+    /// dropped once copied. Resident memory stays what the mapped matrix
+    /// would hold. A measuring load keeps the mapping.
+    fn in_arena(&self, t: &StoredTensor) -> Result<StoredTensor> {
+        const SLICE_BYTES: usize = 2 << 20;
+        if self.policy.measure_only {
+            return Ok(t.clone());
+        }
+        let mut piece = gemma4_kernels::arena::alloc_zeroed(t.bytes.len());
+        let src = t.bytes.as_slice();
+        let mapping = t.file_range();
+        for (i, dst) in piece.as_mut_slice().chunks_mut(SLICE_BYTES).enumerate() {
+            let at = i * SLICE_BYTES;
+            dst.copy_from_slice(&src[at..at + dst.len()]);
+            if let Some((file, range)) = &mapping {
+                file.release(range.start + at..range.start + at + dst.len());
+            }
+        }
+        Ok(StoredTensor::new(
+            t.name.clone(),
+            t.dtype,
+            t.shape.clone(),
+            gemma4_kernels::Bytes::new(Arc::new(piece)),
+        ))
     }
 
     /// A k-quant matrix with eight rows interleaved, rearranged a slice of
