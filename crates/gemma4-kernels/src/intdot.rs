@@ -678,6 +678,33 @@ mod tests {
     }
 
     #[test]
+    fn several_matrices_in_one_product_give_each_alone() {
+        // 256 rows: several chunks per matrix; every storage type, with
+        // 32- and 256-value activation blocks side by side.
+        let (rows, cols) = (256, 512);
+        let all = matrices(rows, cols);
+        let ws: Vec<&dyn WeightMatrix> = all.iter().map(|w| w.as_ref()).collect();
+        for precision in [Precision::Exact, Precision::Int8Activations] {
+            for n in [1, 3, crate::GEMM_MIN_ROWS + 1] {
+                let x = values(n * cols, n as u64 + 90, 1.0);
+                let together = crate::matmul_many(&ws, &x, n, precision);
+                assert_eq!(together.len(), ws.len());
+                for (w, y) in ws.iter().zip(&together) {
+                    let alone = matmul_with(*w, &x, n, precision);
+                    assert_eq!(y.len(), n * rows);
+                    for (i, (a, b)) in y.iter().zip(&alone).enumerate() {
+                        assert!(
+                            a.to_bits() == b.to_bits(),
+                            "{} {precision:?} n={n} [{i}]: {a} vs {b}",
+                            w.storage()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn rounded_activations_stay_close_to_the_exact_product() {
         let (rows, cols) = (16, 512);
         for w in matrices(rows, cols) {

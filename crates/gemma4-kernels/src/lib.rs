@@ -150,79 +150,144 @@ pub fn matmul(w: &dyn WeightMatrix, x: &[f32], n: usize) -> Vec<f32> {
 
 /// [`matmul`] with the activations treated as `precision` says.
 pub fn matmul_with(w: &dyn WeightMatrix, x: &[f32], n: usize, precision: Precision) -> Vec<f32> {
-    let (rows, cols) = (w.rows(), w.cols());
+    let mut ys = matmul_many(&[w], x, n, precision);
+    ys.pop().unwrap_or_default()
+}
+
+/// How one matrix of a [`matmul_many`] call computes its rows.
+enum Method<'a> {
+    /// The integer kernel, against the activations rounded for it (an
+    /// index into the call's rounded activations).
+    Integer(&'a dyn IntegerDots, usize),
+    /// Widened tiles and `gemm` (many activation rows).
+    Tiled,
+    /// The storage's fused f32 dot products.
+    Dots,
+}
+
+/// [`matmul_with`] for several matrices of one width against the same
+/// activations (a layer's q/k/v, gate/up): the activations are rounded
+/// once per block length, and every matrix's chunks go to the pool as one
+/// job, so the threads wait for each other once. Returns `[n, rows]` per
+/// matrix, each exactly what [`matmul_with`] gives for it alone.
+pub fn matmul_many(
+    ws: &[&dyn WeightMatrix],
+    x: &[f32],
+    n: usize,
+    precision: Precision,
+) -> Vec<Vec<f32>> {
+    let cols = ws.first().map_or(0, |w| w.cols());
+    for w in ws {
+        assert_eq!(w.cols(), cols, "matrices of one product differ in width");
+    }
     assert_eq!(
         x.len(),
         n * cols,
         "activations do not match the weight's width"
     );
-    let mut y = vec![0f32; n * rows];
-    if n == 0 || rows == 0 {
-        return y;
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; n * w.rows()]).collect();
+    if n == 0 {
+        return ys;
     }
     // Many activation rows (prefill) take the integer panels where the CPU
     // has VNNI; elsewhere dequantized tiles and f32 `gemm` are faster than
     // the portable integer kernels there (see the matmul bench).
-    let integer = match (precision, w.integer()) {
-        (Precision::Int8Activations, Some(k))
-            if (n < GEMM_MIN_ROWS || intdot::has_vnni())
-                && cols.is_multiple_of(k.act_block().values()) =>
-        {
-            Some((k, QuantizedActs::quantize(x, n, cols, k.act_block())))
-        }
-        _ => None,
-    };
-    let tiled = integer.is_none() && n >= GEMM_MIN_ROWS;
+    let mut rounded: Vec<QuantizedActs> = Vec::new();
+    let methods: Vec<Method> = ws
+        .iter()
+        .map(|w| match (precision, w.integer()) {
+            (Precision::Int8Activations, Some(k))
+                if (n < GEMM_MIN_ROWS || intdot::has_vnni())
+                    && cols.is_multiple_of(k.act_block().values()) =>
+            {
+                let block = k.act_block();
+                let at = match rounded.iter().position(|a| a.block == block) {
+                    Some(at) => at,
+                    None => {
+                        rounded.push(QuantizedActs::quantize(x, n, cols, block));
+                        rounded.len() - 1
+                    }
+                };
+                Method::Integer(k, at)
+            }
+            _ if n >= GEMM_MIN_ROWS => Method::Tiled,
+            _ => Method::Dots,
+        })
+        .collect();
     let pool = pool::global();
     let threads = pool.threads();
-    // Several chunks per thread balance uneven progress; on the tiled path a
-    // chunk is a whole number of tiles. One activation row (decode) takes up
-    // to 16 chunks per thread, one per `DECODE_CHUNK_BYTES` of weights: the
-    // caller's wait for the last chunk had been a tenth of a large model's
-    // decode step with four, while a small matrix's claims would cost more
-    // than its imbalance.
-    let granule = if tiled { TILE_ROWS } else { 16 };
-    let chunks = if n == 1 {
-        (w.stored_bytes() / DECODE_CHUNK_BYTES).clamp(threads * 4, threads * 16)
-    } else {
-        threads * 4
-    };
-    let chunk = rows.div_ceil(chunks).div_ceil(granule).max(1) * granule;
-    // `out` (`[n, range.len()]`) for the weight rows `range`.
-    let product = |range: Range<usize>, out: &mut [f32]| {
-        if let Some((k, acts)) = &integer {
-            k.int_dots(range, acts, out);
-        } else if tiled {
-            tiled_product(w, range, x, n, out);
+    // Every matrix's rows in chunks: (matrix, rows). Several chunks per
+    // thread balance uneven progress; on the tiled path a chunk is a whole
+    // number of tiles. One activation row (decode) takes up to 16 chunks
+    // per thread, one per `DECODE_CHUNK_BYTES` of weights: the caller's
+    // wait for the last chunk had been a tenth of a large model's decode
+    // step with four, while a small matrix's claims would cost more than
+    // its imbalance.
+    let mut jobs: Vec<(usize, Range<usize>)> = Vec::new();
+    for (i, w) in ws.iter().enumerate() {
+        let rows = w.rows();
+        let granule = if matches!(methods[i], Method::Tiled) {
+            TILE_ROWS
         } else {
-            w.dots(range, x, n, out);
-        }
-    };
+            16
+        };
+        let chunks = if n == 1 {
+            (w.stored_bytes() / DECODE_CHUNK_BYTES).clamp(threads * 4, threads * 16)
+        } else {
+            threads * 4
+        };
+        let chunk = rows.div_ceil(chunks).div_ceil(granule).max(1) * granule;
+        jobs.extend(
+            (0..rows)
+                .step_by(chunk)
+                .map(|s| (i, s..(s + chunk).min(rows))),
+        );
+    }
+    // Each chunk writes `[n, range.len()]` into a part of its own: with one
+    // activation row, the chunk's rows of the output itself (nothing to
+    // copy); with more, a part of one buffer, copied out row by row after.
+    let lens: Vec<usize> = jobs.iter().map(|(_, r)| n * r.len()).collect();
+    let mut scratch = vec![0f32; if n == 1 { 0 } else { lens.iter().sum() }];
+    let mut parts: Vec<&mut [f32]> = Vec::with_capacity(jobs.len());
     if n == 1 {
-        // One activation row: a chunk's outputs are a contiguous part of `y`,
-        // written in place (no buffer per chunk to allocate and copy).
-        pool.for_each_chunk(&mut y, chunk, &|ci, part| {
-            let start = ci * chunk;
-            product(start..start + part.len(), part);
-        });
-        return y;
-    }
-    let starts: Vec<usize> = (0..rows).step_by(chunk).collect();
-    let parts: Vec<Vec<f32>> = pool.map(starts.len(), &|ci| {
-        let start = starts[ci];
-        let range = start..(start + chunk).min(rows);
-        let mut out = vec![0f32; n * range.len()];
-        product(range, &mut out);
-        out
-    });
-    for (&start, part) in starts.iter().zip(&parts) {
-        let len = part.len() / n;
-        for t in 0..n {
-            y[t * rows + start..t * rows + start + len]
-                .copy_from_slice(&part[t * len..(t + 1) * len]);
+        let mut outputs = ys.iter_mut().map(|y| y.as_mut_slice());
+        let mut rest: &mut [f32] = &mut [];
+        for &len in &lens {
+            while rest.is_empty() {
+                rest = outputs.next().expect("the chunks cover every output");
+            }
+            let (part, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            parts.push(part);
+            rest = tail;
+        }
+    } else {
+        let mut rest = scratch.as_mut_slice();
+        for &len in &lens {
+            let (part, tail) = std::mem::take(&mut rest).split_at_mut(len);
+            parts.push(part);
+            rest = tail;
         }
     }
-    y
+    pool.for_each_part(parts, &|j, out| {
+        let (i, range) = (jobs[j].0, jobs[j].1.clone());
+        match methods[i] {
+            Method::Integer(k, at) => k.int_dots(range, &rounded[at], out),
+            Method::Tiled => tiled_product(ws[i], range, x, n, out),
+            Method::Dots => ws[i].dots(range, x, n, out),
+        }
+    });
+    if n > 1 {
+        let mut at = 0;
+        for (i, range) in &jobs {
+            let (y, rows, len) = (&mut ys[*i], ws[*i].rows(), range.len());
+            for t in 0..n {
+                y[t * rows + range.start..t * rows + range.end]
+                    .copy_from_slice(&scratch[at + t * len..at + (t + 1) * len]);
+            }
+            at += n * len;
+        }
+    }
+    ys
 }
 
 /// `out` (`[n, rows.len()]`) for weight rows `rows`, tile by tile: widen

@@ -168,7 +168,17 @@ impl Pool {
         chunk: usize,
         f: &(dyn Fn(usize, &mut [T]) + Sync),
     ) {
-        let parts: Vec<Mutex<&mut [T]>> = out.chunks_mut(chunk.max(1)).map(Mutex::new).collect();
+        self.for_each_part(out.chunks_mut(chunk.max(1)).collect(), f);
+    }
+
+    /// `f(i, part)` for the `i`-th of `parts` (disjoint slices of any
+    /// lengths), spread over the pool.
+    pub fn for_each_part<T: Send>(
+        &self,
+        parts: Vec<&mut [T]>,
+        f: &(dyn Fn(usize, &mut [T]) + Sync),
+    ) {
+        let parts: Vec<Mutex<&mut [T]>> = parts.into_iter().map(Mutex::new).collect();
         self.run(parts.len(), &|i| {
             let mut part = parts[i].lock().unwrap_or_else(|e| e.into_inner());
             f(i, &mut part);

@@ -687,12 +687,24 @@ impl DecoderLayer {
             .find(|r| r.spec == self.spec.rope)
             .ok_or_else(|| ModelError::Input(format!("no RoPE table for layer {}", self.index)))?;
         let (cos, sin) = (&table.cos, &table.sin);
-        let q = at.q_proj.forward(x)?.reshape((n, at.num_heads, hd))?;
+        // q, k and v read the same input: one product where they can.
+        let mut projections = vec![&at.q_proj];
+        if let Some(p) = &at.own_kv {
+            projections.push(&p.k_proj);
+            projections.extend(p.v_proj.as_ref());
+        }
+        let mut projected = Linear::forward_many(&projections, x)?.into_iter();
+        let mut next = || {
+            projected
+                .next()
+                .ok_or_else(|| ModelError::Input("a projection is missing".into()))
+        };
+        let q = next()?.reshape((n, at.num_heads, hd))?;
         let q = Rotary::apply(&at.q_norm.forward(&q)?, cos, sin)?;
         if let Some(p) = &at.own_kv {
-            let raw_k = p.k_proj.forward(x)?.reshape((n, kvh, hd))?;
+            let raw_k = next()?.reshape((n, kvh, hd))?;
             let v = match &p.v_proj {
-                Some(vp) => vp.forward(x)?.reshape((n, kvh, hd))?,
+                Some(_) => next()?.reshape((n, kvh, hd))?,
                 None => raw_k.clone(),
             };
             let k = Rotary::apply(&p.k_norm.forward(&raw_k)?, cos, sin)?;
@@ -752,8 +764,10 @@ impl DecoderLayer {
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.down
-            .forward(&gated_gelu(&self.gate.forward(x)?, &self.up.forward(x)?)?)
+        let [gate, up]: [Tensor; 2] = Linear::forward_many(&[&self.gate, &self.up], x)?
+            .try_into()
+            .map_err(|_| ModelError::Input("gate/up projections missing".into()))?;
+        self.down.forward(&gated_gelu(&gate, &up)?)
     }
 }
 

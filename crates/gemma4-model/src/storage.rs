@@ -31,6 +31,11 @@ pub trait LinearOp: Send + Sync + std::fmt::Debug {
     fn out_features(&self) -> usize;
     /// The storage, as reported to users (`bf16`, `int8`, `Q4K`, …).
     fn storage(&self) -> &'static str;
+    /// The kernels' matrix and activation precision, where this op is one
+    /// of our kernels (so that it can join products over the same input).
+    fn kernel(&self) -> Option<(&dyn WeightMatrix, Precision)> {
+        None
+    }
 }
 
 /// Rows of an embedding table; `[ids.len(), dim]` in f32.
@@ -60,6 +65,29 @@ impl Linear {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.0.forward(x)
+    }
+
+    /// Each of `linears` applied to the same `x`. Where all are our kernels
+    /// with one activation precision, they run as one product
+    /// ([`gemma4_kernels::matmul_many`]: activations rounded once, one pass
+    /// of the thread pool); the results are the same as one by one.
+    pub fn forward_many(linears: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
+        let kernels: Option<Vec<(&dyn WeightMatrix, Precision)>> =
+            linears.iter().map(|l| l.0.kernel()).collect();
+        let joint = kernels.filter(|k| {
+            k.windows(2)
+                .all(|p| p[0].1 == p[1].1 && p[0].0.cols() == p[1].0.cols())
+        });
+        let Some(kernels) = joint.filter(|k| k.len() > 1) else {
+            return linears.iter().map(|l| l.forward(x)).collect();
+        };
+        let (xs, n) = activations(x, kernels[0].0.cols())?;
+        let ws: Vec<&dyn WeightMatrix> = kernels.iter().map(|k| k.0).collect();
+        gemma4_kernels::matmul_many(&ws, &xs, n, kernels[0].1)
+            .into_iter()
+            .zip(&ws)
+            .map(|(y, w)| Ok(Tensor::from_vec(y, (n, w.rows()), x.device())?))
+            .collect()
     }
 
     pub fn out_features(&self) -> usize {
@@ -143,6 +171,9 @@ impl LinearOp for KernelLinear {
     }
     fn storage(&self) -> &'static str {
         self.matrix.storage()
+    }
+    fn kernel(&self) -> Option<(&dyn WeightMatrix, Precision)> {
+        Some((self.matrix.as_ref(), self.precision))
     }
 }
 
