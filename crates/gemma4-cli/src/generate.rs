@@ -1,12 +1,12 @@
-//! `gemma4 generate`: greedy decoding of one prompt.
+//! `gemma4 generate`: greedy decoding of one prompt, through the serving
+//! engine (its paged cache and attention kernels, as `serve` runs it).
 
 use std::io::Write;
 use std::process::ExitCode;
+use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use gemma4_model::golden::argmax;
-use gemma4_model::LogitsFor;
-use gemma4_text::IncrementalDecoder;
+use gemma4_engine::{EngineConfig, EngineEvent, FinishReason, GenerationRequest, SamplingParams};
 
 use crate::model_io::ModelArgs;
 
@@ -41,35 +41,72 @@ pub fn run(args: Args) -> Result<ExitCode> {
     if prompt.is_empty() {
         bail!("the prompt is empty");
     }
-    let mut stops: Vec<u32> = model.config().eos_token_ids.clone();
-    stops.extend(tokenizer.stop_token_ids());
-    let mut cache = model.new_cache();
-    let logits = model.forward(&prompt, &mut cache, LogitsFor::Last, None)?;
-    let mut row = logits.squeeze(0)?.to_vec1::<f32>()?;
-    let mut out = Vec::new();
-    let mut detok = IncrementalDecoder::new(tokenizer);
-    let mut stdout = std::io::stdout();
-    for step in 0..args.max_tokens {
-        let (next, _) = argmax(&row);
-        if !args.ignore_eos && stops.contains(&next) {
-            break;
-        }
-        out.push(next);
-        if let Some(text) = detok.push(next)? {
-            write!(stdout, "{text}")?;
-            stdout.flush()?;
-        }
-        if step + 1 < args.max_tokens {
-            let logits = model.forward(&[next], &mut cache, LogitsFor::Last, None)?;
-            row = logits.squeeze(0)?.to_vec1::<f32>()?;
-        }
+    let stop_token_ids = if args.ignore_eos {
+        Vec::new()
+    } else {
+        let mut stops = model.config().eos_token_ids.clone();
+        stops.extend(tokenizer.stop_token_ids());
+        stops
+    };
+    let context = prompt.len() + args.max_tokens;
+    if context > model.config().max_position_embeddings {
+        bail!(
+            "{} prompt tokens and --max-tokens {} exceed the model's {} positions",
+            prompt.len(),
+            args.max_tokens,
+            model.config().max_position_embeddings
+        );
     }
-    if let Some(text) = detok.finish()? {
-        write!(stdout, "{text}")?;
+    if args.max_tokens == 0 {
+        println!();
+        eprintln!("ids: ");
+        return Ok(ExitCode::SUCCESS);
+    }
+    let engine = gemma4_engine::start(
+        loaded.model,
+        Arc::new(loaded.tokenizer),
+        EngineConfig {
+            max_num_seqs: 1,
+            max_queue: 1,
+            max_model_len: context,
+            max_batch_tokens: prompt.len().max(1),
+            prefix_caching: false,
+            ..EngineConfig::default()
+        },
+    )?;
+    let mut stream = engine
+        .submit(GenerationRequest {
+            prompt_ids: prompt,
+            params: SamplingParams {
+                temperature: 0.0,
+                max_tokens: args.max_tokens,
+                stop_token_ids,
+                ..SamplingParams::default()
+            },
+            deadline: None,
+            soft_prompt: None,
+        })
+        .context("the engine refused the prompt")?;
+    let mut stdout = std::io::stdout();
+    let mut ids = Vec::new();
+    while let Some(event) = stream.blocking_next() {
+        match event {
+            EngineEvent::Token { id, text, .. } => {
+                ids.push(id.to_string());
+                write!(stdout, "{text}")?;
+                stdout.flush()?;
+            }
+            EngineEvent::Finished { reason, text, .. } => {
+                write!(stdout, "{text}")?;
+                if let FinishReason::Error(e) = reason {
+                    bail!("generation failed: {e}");
+                }
+                break;
+            }
+        }
     }
     writeln!(stdout)?;
     stdout.flush()?;
-    let ids: Vec<String> = out.iter().map(u32::to_string).collect();
     eprintln!("ids: {}", ids.join(","));
     Ok(ExitCode::SUCCESS)
 }

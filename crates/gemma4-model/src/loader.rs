@@ -333,7 +333,7 @@ impl<'a> Weights<'a> {
                     Arc::new(self.interleave::<Q6K8>(t, rows, cols)?)
                 }
             }
-            // Our kernels over the blocks in place; exact mode takes the
+            // Our kernels over a copy of the blocks; exact mode takes the
             // remaining types through widened tiles.
             StoredDtype::Ggml(d) if self.policy.exact || has_kernel(d) => {
                 self.in_arena(t)?.matrix(rows, cols)?
