@@ -170,7 +170,13 @@ pub fn load_model(path: &Path, policy: LoadPolicy) -> Result<(Gemma4, LoadReport
         );
         bar
     });
+    let first_tensor = std::cell::Cell::new(true);
     let progress = |done: u64, total: u64| {
+        // The checkpoint's metadata is parsed by now and its garbage freed:
+        // hand it back before the weight copies grow the resident set.
+        if first_tensor.replace(false) {
+            release_freed_memory();
+        }
         if let Some(b) = &bar {
             b.set_length(total.max(done));
             b.set_position(done);

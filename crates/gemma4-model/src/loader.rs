@@ -18,7 +18,7 @@ use gemma4_kernels::kquant_x8;
 use gemma4_kernels::q4::{Q4Matrix, Q4Report};
 use gemma4_kernels::{Precision, WeightMatrix};
 
-use crate::error::{ModelError, Result};
+use crate::error::{ModelError, Result, WeightError};
 use crate::source::WeightSource;
 use crate::storage::{
     CandleQuantLinear, Embedding, Experts, KernelLinear, Linear, RowsEmbedding, StoredDtype,
@@ -362,23 +362,23 @@ impl<'a> Weights<'a> {
 
     /// `t` with its bytes copied into [arena](gemma4_kernels::arena) memory
     /// (huge pages where the system grants them: every step reads a
-    /// matrix in full), a slice at a time, each slice's mapped pages
-    /// dropped once copied. Resident memory stays what the mapped matrix
-    /// would hold. A measuring load keeps the mapping.
+    /// matrix in full). A mapped tensor is read from the file, not the
+    /// mapping, so its pages never count as this process's memory beside
+    /// the copy. A measuring load keeps the mapping.
     fn in_arena(&self, t: &StoredTensor) -> Result<StoredTensor> {
-        const SLICE_BYTES: usize = 2 << 20;
         if self.policy.measure_only {
             return Ok(t.clone());
         }
         let mut piece = gemma4_kernels::arena::alloc_zeroed(t.bytes.len());
-        let src = t.bytes.as_slice();
-        let mapping = t.file_range();
-        for (i, dst) in piece.as_mut_slice().chunks_mut(SLICE_BYTES).enumerate() {
-            let at = i * SLICE_BYTES;
-            dst.copy_from_slice(&src[at..at + dst.len()]);
-            if let Some((file, range)) = &mapping {
-                file.release(range.start + at..range.start + at + dst.len());
+        match t.file_range() {
+            Some((file, range)) => {
+                file.read_at(range.start, piece.as_mut_slice())
+                    .map_err(|source| WeightError::Io {
+                        path: file.path().display().to_string(),
+                        source,
+                    })?
             }
+            None => piece.as_mut_slice().copy_from_slice(t.bytes.as_slice()),
         }
         Ok(StoredTensor::new(
             t.name.clone(),
