@@ -48,6 +48,16 @@ impl GgufSource {
         &self.path
     }
 
+    /// Drops the tokenizer's arrays (vocabulary, scores, merges) from the
+    /// metadata: tens of MB of small allocations that a weight load never
+    /// reads once the config is resolved (the tokenizer has its own copy).
+    pub fn forget_vocabulary(&mut self) {
+        self.content
+            .metadata
+            .retain(|k, v| !(k.starts_with("tokenizer.") && matches!(v, Value::Array(_))));
+        self.content.metadata.shrink_to_fit();
+    }
+
     /// `general.architecture`.
     pub fn architecture(&self) -> Option<&str> {
         self.content

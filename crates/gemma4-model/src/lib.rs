@@ -64,8 +64,10 @@ pub fn load_with(
 ) -> Result<Loaded> {
     let (cfg, src): (TextConfig, Box<dyn WeightSource>) = match gguf_file(path)? {
         Some(file) => {
-            let src = GgufSource::open(&file)?;
-            (src.config()?, Box::new(src))
+            let mut src = GgufSource::open(&file)?;
+            let cfg = src.config()?;
+            src.forget_vocabulary();
+            (cfg, Box::new(src))
         }
         None => (
             TextConfig::from_dir(path)?,
