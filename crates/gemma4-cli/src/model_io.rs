@@ -172,8 +172,9 @@ pub fn load_model(path: &Path, policy: LoadPolicy) -> Result<(Gemma4, LoadReport
     });
     let first_tensor = std::cell::Cell::new(true);
     let progress = |done: u64, total: u64| {
-        // The checkpoint's metadata is parsed by now and its garbage freed:
-        // hand it back before the weight copies grow the resident set.
+        // By the first tensor the loader has dropped the GGUF's parsed
+        // vocabulary: hand that memory back before the weight copies grow
+        // the resident set (without it the demo's peak is ~35 MiB higher).
         if first_tensor.replace(false) {
             release_freed_memory();
         }

@@ -249,34 +249,32 @@ pub fn matmul_many(
     // copy); with more, a part of one buffer, copied out row by row after.
     let lens: Vec<usize> = jobs.iter().map(|(_, r)| n * r.len()).collect();
     let mut scratch = vec![0f32; if n == 1 { 0 } else { lens.iter().sum() }];
-    let mut parts: Vec<&mut [f32]> = Vec::with_capacity(jobs.len());
-    if n == 1 {
-        let mut outputs = ys.iter_mut().map(|y| y.as_mut_slice());
+    {
+        let buffers: Vec<&mut [f32]> = if n == 1 {
+            ys.iter_mut().map(|y| y.as_mut_slice()).collect()
+        } else {
+            vec![scratch.as_mut_slice()]
+        };
+        let mut buffers = buffers.into_iter();
+        let mut parts: Vec<&mut [f32]> = Vec::with_capacity(jobs.len());
         let mut rest: &mut [f32] = &mut [];
         for &len in &lens {
             while rest.is_empty() {
-                rest = outputs.next().expect("the chunks cover every output");
+                rest = buffers.next().expect("the chunks cover every output");
             }
             let (part, tail) = std::mem::take(&mut rest).split_at_mut(len);
             parts.push(part);
             rest = tail;
         }
-    } else {
-        let mut rest = scratch.as_mut_slice();
-        for &len in &lens {
-            let (part, tail) = std::mem::take(&mut rest).split_at_mut(len);
-            parts.push(part);
-            rest = tail;
-        }
+        pool.for_each_part(parts, &|j, out| {
+            let (i, range) = (jobs[j].0, jobs[j].1.clone());
+            match methods[i] {
+                Method::Integer(k, at) => k.int_dots(range, &rounded[at], out),
+                Method::Tiled => tiled_product(ws[i], range, x, n, out),
+                Method::Dots => ws[i].dots(range, x, n, out),
+            }
+        });
     }
-    pool.for_each_part(parts, &|j, out| {
-        let (i, range) = (jobs[j].0, jobs[j].1.clone());
-        match methods[i] {
-            Method::Integer(k, at) => k.int_dots(range, &rounded[at], out),
-            Method::Tiled => tiled_product(ws[i], range, x, n, out),
-            Method::Dots => ws[i].dots(range, x, n, out),
-        }
-    });
     if n > 1 {
         let mut at = 0;
         for (i, range) in &jobs {
