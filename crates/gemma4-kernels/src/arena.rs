@@ -9,7 +9,8 @@
 //! matrix would leave most matrices (a few hundred KiB to a few MiB) on
 //! small pages; consecutive pieces of one mapping share its huge pages.
 
-use std::sync::{Arc, Mutex};
+use std::ops::Range;
+use std::sync::{Arc, Mutex, RwLock};
 
 /// The huge page size the mappings are aligned to.
 const HUGE_PAGE: usize = 2 << 20;
@@ -46,12 +47,65 @@ impl Region {
         }
         // SAFETY: skip + len ≤ the mapping's length.
         let base = unsafe { at.add(skip) };
+        LIVE.write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(base as usize..base as usize + len);
         Ok(Self {
             _map: map,
             base,
             len,
         })
     }
+}
+
+impl Drop for Region {
+    fn drop(&mut self) {
+        // Out of the list before the mapping goes (the field drops after
+        // this): a read-ahead in progress holds the read guard.
+        let start = self.base as usize;
+        LIVE.write()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|r| r.start != start);
+    }
+}
+
+/// The address ranges of the regions mapped now. [`read_ahead`] reads a
+/// region's memory only under this lock's read guard, and a region leaves
+/// the list under the write guard before it is unmapped.
+static LIVE: RwLock<Vec<Range<usize>>> = RwLock::new(Vec::new());
+
+/// Pulls `start..start + len` toward this core's caches by loading a word
+/// of each cache line, if the range lies inside one live region (anything
+/// else is left alone: it may be unmapped already). Checks `go_on` every
+/// 4 KiB and returns `false` as soon as it says stop, `true` otherwise.
+///
+/// The pool's idle workers read the next product's weights this way while
+/// the caller does single-threaded work between products.
+pub(crate) fn read_ahead(start: usize, len: usize, go_on: &dyn Fn() -> bool) -> bool {
+    const LINE: usize = 64;
+    const PAGE: usize = 4096;
+    let live = LIVE.read().unwrap_or_else(|e| e.into_inner());
+    let end = start.saturating_add(len);
+    if !live.iter().any(|r| r.start <= start && end <= r.end) {
+        return true;
+    }
+    let mut at = start;
+    let mut sink = 0u8;
+    while at < end {
+        if !go_on() {
+            return false;
+        }
+        let stop = (at + PAGE).min(end);
+        while at < stop {
+            // SAFETY: `at` lies in a live region, which stays mapped while
+            // `live` is held. The value is discarded; a volatile read keeps
+            // the load (the point of it) from being optimized away.
+            sink ^= unsafe { std::ptr::read_volatile(at as *const u8) };
+            at += LINE;
+        }
+    }
+    std::hint::black_box(sink);
+    true
 }
 
 /// A zero-filled byte buffer of fixed length, owned alone (not `Clone`):
@@ -185,5 +239,46 @@ mod tests {
         let big = alloc_zeroed(REGION_BYTES + 5);
         assert_eq!(big.len(), REGION_BYTES + 5);
         assert_eq!(big.as_slice()[REGION_BYTES + 4], 0);
+    }
+
+    /// How many 4 KiB steps `read_ahead` takes over a range (0: skipped).
+    fn steps(start: usize, len: usize) -> usize {
+        let n = std::cell::Cell::new(0);
+        read_ahead(start, len, &|| {
+            n.set(n.get() + 1);
+            true
+        });
+        n.get()
+    }
+
+    #[test]
+    fn read_ahead_reads_live_regions_only() {
+        let piece = alloc_zeroed(REGION_BYTES + (1 << 20));
+        let at = piece.as_slice().as_ptr() as usize;
+        assert_eq!(steps(at, 3 << 12), 3);
+        assert_eq!(
+            steps(at + 100, piece.len() - 100),
+            piece.len().div_ceil(4096)
+        );
+        // Past the region's end, or memory the arena does not hold: skipped.
+        assert_eq!(steps(at, piece.len() + (4 << 20)), 0);
+        let heap = vec![1u8; 1 << 16];
+        assert_eq!(steps(heap.as_ptr() as usize, heap.len()), 0);
+        // A region that is gone is not read (unless a test running
+        // alongside has mapped a new one at its address since).
+        drop(piece);
+        let mapped_again = || {
+            let live = LIVE.read().unwrap_or_else(|e| e.into_inner());
+            live.iter()
+                .any(|r| r.start <= at && at + (1 << 20) <= r.end)
+        };
+        assert!(steps(at, 1 << 20) == 0 || mapped_again());
+        // A stop request ends the reading at once.
+        let other = alloc_zeroed(1 << 20);
+        assert!(!read_ahead(
+            other.as_slice().as_ptr() as usize,
+            other.len(),
+            &|| false
+        ));
     }
 }

@@ -85,6 +85,9 @@ impl WeightMatrix for FloatMatrix {
     fn stored_bytes(&self) -> usize {
         self.bytes.len()
     }
+    fn stored_run(&self) -> Option<&[u8]> {
+        Some(self.bytes.as_slice())
+    }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         let w = self.cols * self.ty.size();
         let src = &self.bytes.as_slice()[rows.start * w..rows.end * w];

@@ -157,6 +157,9 @@ impl<F: SuperBlock> WeightMatrix for SuperBlockMatrix<F> {
     fn stored_bytes(&self) -> usize {
         self.bytes.len()
     }
+    fn stored_run(&self) -> Option<&[u8]> {
+        Some(self.bytes.as_slice())
+    }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         let mut buf = [0f32; SUPER];
         for (i, r) in rows.enumerate() {

@@ -285,6 +285,9 @@ impl<L: Layout8> WeightMatrix for Rows8<L> {
     fn stored_bytes(&self) -> usize {
         self.filled
     }
+    fn stored_run(&self) -> Option<&[u8]> {
+        Some(self.blocks())
+    }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         let mut blk = vec![0u8; L::Gguf::BYTES];
         let mut values = [0f32; SUPER];

@@ -36,6 +36,7 @@ pub mod kquant;
 pub mod kquant_x8;
 pub mod legacy;
 pub mod norm;
+mod order;
 pub mod pool;
 pub mod q4;
 pub mod q8_0;
@@ -54,6 +55,11 @@ pub trait WeightMatrix: Send + Sync + std::fmt::Debug {
     fn storage(&self) -> &'static str;
     /// Bytes this matrix keeps in memory (or maps), for planning and reports.
     fn stored_bytes(&self) -> usize;
+    /// The bytes a product reads, in the order its row chunks read them,
+    /// where they are one run in memory (for the pool's read-ahead).
+    fn stored_run(&self) -> Option<&[u8]> {
+        None
+    }
     /// Rows `rows` widened to f32, row-major, into `out` (`rows.len() · cols` values).
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]);
     /// `out[t · rows.len() + (r − rows.start)] = Σ_c x[t · cols + c] · W[r, c]`
@@ -216,6 +222,7 @@ pub fn matmul_many(
         .collect();
     let pool = pool::global();
     let threads = pool.threads();
+    let followed_by = order::starts(order::key(ws), ws);
     // Every matrix's rows in chunks: (matrix, rows). Several chunks per
     // thread balance uneven progress; on the tiled path a chunk is a whole
     // number of tiles. One activation row (decode) takes one chunk per
@@ -274,6 +281,11 @@ pub fn matmul_many(
                 Method::Dots => ws[i].dots(range, x, n, out),
             }
         });
+    }
+    // The caller's work until the next product leaves the memory bus idle:
+    // the workers read that product's first weights meanwhile.
+    if let Some(runs) = followed_by {
+        pool.read_ahead(runs);
     }
     if n > 1 {
         let mut at = 0;

@@ -9,6 +9,11 @@
 //! so back-to-back products find them awake. The pool has one worker fewer
 //! than its thread count (the caller is the last thread), so spinning never
 //! takes a core from the thread that runs the model.
+//!
+//! An idle worker also reads ahead: between two products the caller runs
+//! that short single-threaded work while the memory bus sits idle, so a
+//! worker that knows the next product's weights ([`Pool::read_ahead`])
+//! pulls their first bytes toward the caches until the product starts.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU64, AtomicUsize, Ordering};
@@ -20,6 +25,14 @@ const CLOSED: u32 = u32::MAX;
 
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_micros(200);
+
+/// Memory runs an idle worker reads ahead, at most.
+pub const READ_AHEAD_RUNS: usize = 4;
+
+/// `(address, length)` runs of memory to read ahead. Only runs inside the
+/// weight arena's live mappings are read (see [`crate::arena::read_ahead`]),
+/// so a run whose memory has since been freed is skipped.
+pub type ReadAhead = [(usize, usize); READ_AHEAD_RUNS];
 
 /// One job: `f(i)` for every chunk `i` below its count.
 struct Job<'a> {
@@ -39,6 +52,10 @@ struct Shared {
     job: AtomicPtr<Job<'static>>,
     /// A panic of a chunk run by a worker, re-raised in the caller.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
+    /// The runs to read ahead (taken by the first idle worker to see them,
+    /// so that one reads them), and a count bumped each time they are set.
+    ahead: Mutex<ReadAhead>,
+    ahead_serial: AtomicU64,
     sleepers: AtomicUsize,
     shutdown: AtomicBool,
     park: Mutex<()>,
@@ -63,6 +80,8 @@ impl Pool {
             done: AtomicUsize::new(0),
             job: AtomicPtr::new(std::ptr::null_mut()),
             panic: Mutex::new(None),
+            ahead: Mutex::new([(0, 0); READ_AHEAD_RUNS]),
+            ahead_serial: AtomicU64::new(0),
             sleepers: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
             park: Mutex::new(()),
@@ -138,6 +157,19 @@ impl Pool {
         if let Some(p) = panic {
             std::panic::resume_unwind(p);
         }
+    }
+
+    /// Tells an idle worker what the next job will read first, so that it
+    /// pulls those bytes toward the caches while the caller does other
+    /// work. The worker stops reading ahead as soon as a job arrives; parked
+    /// workers are not woken for it.
+    pub fn read_ahead(&self, runs: ReadAhead) {
+        if self.threads < 2 {
+            return;
+        }
+        let s = &self.shared;
+        *s.ahead.lock().unwrap_or_else(|e| e.into_inner()) = runs;
+        s.ahead_serial.fetch_add(1, Ordering::Release);
     }
 }
 
@@ -229,8 +261,20 @@ fn claim_all(s: &Shared, epoch: u64) {
     }
 }
 
+/// Reads `runs` toward this core's caches until job `epoch` is over (the
+/// next job has been published).
+fn read_ahead(s: &Shared, epoch: u64, runs: &ReadAhead) {
+    let current = || s.state.load(Ordering::Relaxed) >> 32 == epoch;
+    for &(start, len) in runs {
+        if len > 0 && !crate::arena::read_ahead(start, len, &current) {
+            return;
+        }
+    }
+}
+
 fn worker(s: &Shared) {
     let mut seen = s.state.load(Ordering::SeqCst) >> 32;
+    let mut ahead_seen = s.ahead_serial.load(Ordering::Acquire);
     while !s.shutdown.load(Ordering::SeqCst) {
         let spin_until = Instant::now() + SPIN;
         let mut spins = 0u32;
@@ -240,6 +284,13 @@ fn worker(s: &Shared) {
                 seen = epoch;
                 claim_all(s, epoch);
                 break;
+            }
+            let serial = s.ahead_serial.load(Ordering::Acquire);
+            if serial != ahead_seen {
+                ahead_seen = serial;
+                let runs = std::mem::take(&mut *s.ahead.lock().unwrap_or_else(|e| e.into_inner()));
+                read_ahead(s, epoch, &runs);
+                continue;
             }
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(64) && Instant::now() >= spin_until {
@@ -313,6 +364,32 @@ mod tests {
             wrong += usize::from(!hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
         }
         assert_eq!(wrong, 0, "jobs whose chunks did not run exactly once");
+    }
+
+    /// Read-ahead posted between jobs (over weight memory, over memory the
+    /// arena does not hold, over a freed region) never disturbs the jobs.
+    #[test]
+    fn jobs_run_whole_between_read_aheads() {
+        let pool = Pool::new(3);
+        let piece = crate::arena::alloc_zeroed(3 << 20);
+        let freed = crate::arena::alloc_zeroed(100 << 20);
+        let freed_at = freed.as_slice().as_ptr() as usize;
+        drop(freed);
+        let heap = vec![0u8; 1 << 20];
+        let mut runs = [(0, 0); READ_AHEAD_RUNS];
+        runs[0] = (piece.as_slice().as_ptr() as usize, piece.len());
+        runs[1] = (heap.as_ptr() as usize, heap.len());
+        runs[2] = (freed_at, 100 << 20);
+        for count in [2usize, 9, 64] {
+            for _ in 0..200 {
+                pool.read_ahead(runs);
+                let hits: Vec<AtomicUsize> = (0..count).map(|_| AtomicUsize::new(0)).collect();
+                pool.run(count, &|i| {
+                    hits[i].fetch_add(1, Ordering::Relaxed);
+                });
+                assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
+            }
+        }
     }
 
     #[test]

@@ -49,6 +49,9 @@ impl WeightMatrix for Q8_0Matrix {
     fn stored_bytes(&self) -> usize {
         self.bytes.len()
     }
+    fn stored_run(&self) -> Option<&[u8]> {
+        Some(self.bytes.as_slice())
+    }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         for (i, r) in rows.enumerate() {
             let o = &mut out[i * self.cols..(i + 1) * self.cols];

@@ -369,6 +369,9 @@ impl WeightMatrix for GgmlMatrix {
     fn stored_bytes(&self) -> usize {
         self.bytes.len()
     }
+    fn stored_run(&self) -> Option<&[u8]> {
+        Some(self.bytes.as_slice())
+    }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         let mut r = rows.start;
         while r < rows.end {
