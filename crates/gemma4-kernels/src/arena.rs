@@ -184,6 +184,51 @@ impl std::fmt::Debug for Piece {
     }
 }
 
+/// Bytes written front to back into a [`Piece`] reserved for them: a
+/// `Vec<u8>` whose buffer lives in the arena, for the layouts the loader
+/// quantizes a slice at a time (`--quant int8`, `q4`).
+#[derive(Debug)]
+pub struct Filling {
+    piece: Piece,
+    len: usize,
+}
+
+impl Filling {
+    /// Room for `capacity` bytes (untouched pages cost nothing).
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            piece: alloc_zeroed(capacity),
+            len: 0,
+        }
+    }
+
+    /// Appends `bytes`, moving to a larger piece (as a `Vec` grows) when
+    /// they do not fit in the room reserved.
+    pub fn extend_from_slice(&mut self, bytes: &[u8]) {
+        let end = self.len + bytes.len();
+        if end > self.piece.len() {
+            let mut grown = alloc_zeroed(end.max(2 * self.piece.len()));
+            grown.as_mut_slice()[..self.len].copy_from_slice(self.as_slice());
+            self.piece = grown;
+        }
+        self.piece.as_mut_slice()[self.len..end].copy_from_slice(bytes);
+        self.len = end;
+    }
+
+    /// The bytes written so far.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.piece.as_slice()[..self.len]
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
 /// The mapping pieces are cut from and how much of it is handed out; a
 /// region is unmapped once this and all its pieces are gone.
 static CURRENT: Mutex<Option<(Arc<Region>, usize)>> = Mutex::new(None);
@@ -239,6 +284,21 @@ mod tests {
         let big = alloc_zeroed(REGION_BYTES + 5);
         assert_eq!(big.len(), REGION_BYTES + 5);
         assert_eq!(big.as_slice()[REGION_BYTES + 4], 0);
+    }
+
+    #[test]
+    fn a_filling_keeps_its_bytes_as_it_grows() {
+        let mut f = Filling::with_capacity(10);
+        assert!(f.is_empty());
+        f.extend_from_slice(&[1, 2, 3]);
+        f.extend_from_slice(&[4; 20]);
+        f.extend_from_slice(&[]);
+        f.extend_from_slice(&[5]);
+        let mut want = vec![1, 2, 3];
+        want.extend([4; 20]);
+        want.push(5);
+        assert_eq!(f.as_slice(), &want[..]);
+        assert_eq!(f.len(), 24);
     }
 
     /// How many 4 KiB steps `read_ahead` takes over a range (0: skipped).

@@ -3,6 +3,7 @@
 
 use std::ops::Range;
 
+use crate::arena::Filling;
 use crate::dispatch::multiversion;
 use crate::intdot::{matrix32, Kind32, Row};
 use crate::{ActBlock, IntegerDots, QuantizedActs, WeightMatrix};
@@ -10,9 +11,10 @@ use crate::{ActBlock, IntegerDots, QuantizedActs, WeightMatrix};
 const LANES: usize = 16;
 
 /// `W[r, c] ≈ scale[r] · q[r, c]`, `q` in −127..=127.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Int8Matrix {
-    quants: Vec<i8>,
+    /// `q` as bytes, in the weight arena (huge pages; see [`crate::arena`]).
+    quants: Filling,
     scales: Vec<f32>,
     rows: usize,
     cols: usize,
@@ -32,7 +34,7 @@ impl Int8Matrix {
     /// nothing), never through parts that a join would then copy.
     pub fn with_capacity(rows: usize, cols: usize) -> Self {
         Self {
-            quants: Vec::with_capacity(rows * cols),
+            quants: Filling::with_capacity(rows * cols),
             scales: Vec::with_capacity(rows),
             rows: 0,
             cols,
@@ -47,19 +49,28 @@ impl Int8Matrix {
             return false;
         }
         let mut row = vec![0f32; cols];
+        let mut levels = vec![0u8; cols];
         for r in 0..src.rows() {
             src.dequantize_rows(r..r + 1, &mut row);
             let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
             let scale = amax / 127.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            self.quants.extend(
-                row.iter()
-                    .map(|v| (v * inv).round().clamp(-127.0, 127.0) as i8),
-            );
+            for (q, v) in levels.iter_mut().zip(&row) {
+                *q = (v * inv).round().clamp(-127.0, 127.0) as i8 as u8;
+            }
+            self.quants.extend_from_slice(&levels);
             self.scales.push(scale);
         }
         self.rows += src.rows();
         true
+    }
+
+    /// The levels, row after row.
+    fn quants(&self) -> &[i8] {
+        let bytes = self.quants.as_slice();
+        // SAFETY: i8 has u8's size and alignment, and every bit pattern is
+        // an i8.
+        unsafe { std::slice::from_raw_parts(bytes.as_ptr().cast::<i8>(), bytes.len()) }
     }
 }
 
@@ -76,13 +87,16 @@ impl WeightMatrix for Int8Matrix {
     fn stored_bytes(&self) -> usize {
         self.quants.len() + 4 * self.scales.len()
     }
+    fn stored_run(&self) -> Option<&[u8]> {
+        Some(self.quants.as_slice())
+    }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         let cols = self.cols;
         for (i, r) in rows.enumerate() {
             let s = self.scales[r];
             for (o, &q) in out[i * cols..(i + 1) * cols]
                 .iter_mut()
-                .zip(&self.quants[r * cols..(r + 1) * cols])
+                .zip(&self.quants()[r * cols..(r + 1) * cols])
             {
                 *o = s * f32::from(q);
             }
@@ -91,7 +105,7 @@ impl WeightMatrix for Int8Matrix {
     fn dots(&self, rows: Range<usize>, x: &[f32], n: usize, out: &mut [f32]) {
         let (len, cols) = (rows.len(), self.cols);
         for (i, r) in rows.enumerate() {
-            let q = &self.quants[r * cols..(r + 1) * cols];
+            let q = &self.quants()[r * cols..(r + 1) * cols];
             for t in 0..n {
                 out[t * len + i] = self.scales[r] * dot_i8(&x[t * cols..(t + 1) * cols], q);
             }
@@ -109,7 +123,7 @@ impl IntegerDots for Int8Matrix {
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         let cols = self.cols;
         let row_of = |r: usize| {
-            let q = &self.quants[r * cols..(r + 1) * cols];
+            let q = &self.quants()[r * cols..(r + 1) * cols];
             Row {
                 // SAFETY: i8 and u8 have the same size and alignment.
                 data: unsafe { std::slice::from_raw_parts(q.as_ptr().cast::<u8>(), q.len()) },
@@ -165,8 +179,8 @@ mod tests {
         );
         assert!(!joined.append_quantized(&FloatMatrix::from_f32(&v[..32], 1, 32).expect("shape")));
         assert_eq!(
-            (joined.quants, joined.scales, joined.rows),
-            (whole.quants, whole.scales, 10)
+            (joined.quants(), &joined.scales, joined.rows),
+            (whole.quants(), &whole.scales, 10)
         );
     }
 
@@ -186,6 +200,6 @@ mod tests {
         }
         // A zero row stays zero (no division by zero).
         let z = Int8Matrix::quantize(&FloatMatrix::from_f32(&[0.0; 32], 1, 32).expect("shape"));
-        assert!(z.quants.iter().all(|&q| q == 0));
+        assert!(z.quants().iter().all(|&q| q == 0));
     }
 }

@@ -10,6 +10,7 @@
 
 use std::ops::Range;
 
+use crate::arena::Filling;
 use crate::dispatch::multiversion;
 use crate::intdot::{matrix32, Kind32, Row};
 use crate::{ActBlock, IntegerDots, QuantizedActs, WeightMatrix};
@@ -18,10 +19,11 @@ use crate::{ActBlock, IntegerDots, QuantizedActs, WeightMatrix};
 pub const GROUP: usize = 32;
 
 /// A `[rows, cols]` matrix of 4-bit groups; `cols` is a multiple of [`GROUP`].
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct Q4Matrix {
-    /// 16 bytes per group: value j in the low nibble of byte j, value j + 16 in the high one.
-    nibbles: Vec<u8>,
+    /// 16 bytes per group: value j in the low nibble of byte j, value j + 16
+    /// in the high one; in the weight arena (huge pages; see [`crate::arena`]).
+    nibbles: Filling,
     scales: Vec<f32>,
     rows: usize,
     cols: usize,
@@ -49,7 +51,7 @@ impl Q4Matrix {
     /// multiple of [`GROUP`].
     pub fn with_capacity(rows: usize, cols: usize) -> Option<Self> {
         cols.is_multiple_of(GROUP).then(|| Self {
-            nibbles: Vec::with_capacity(rows * cols / 2),
+            nibbles: Filling::with_capacity(rows * cols / 2),
             scales: Vec::with_capacity(rows * cols / GROUP),
             rows: 0,
             cols,
@@ -124,15 +126,14 @@ impl Q4Matrix {
         {
             return None;
         }
-        let mut nibbles = vec![0u8; packed.len()];
-        for (src, dst) in packed
-            .chunks_exact(GROUP / 2)
-            .zip(nibbles.chunks_exact_mut(GROUP / 2))
-        {
+        let mut nibbles = Filling::with_capacity(packed.len());
+        let mut group = [0u8; GROUP / 2];
+        for src in packed.chunks_exact(GROUP / 2) {
             let level = |e: usize| (src[e / 2] >> (4 * (e % 2))) & 15;
-            for (j, d) in dst.iter_mut().enumerate() {
+            for (j, d) in group.iter_mut().enumerate() {
                 *d = level(j) | (level(j + GROUP / 2) << 4);
             }
+            nibbles.extend_from_slice(&group);
         }
         Some(Self {
             nibbles,
@@ -156,6 +157,9 @@ impl WeightMatrix for Q4Matrix {
     fn stored_bytes(&self) -> usize {
         self.nibbles.len() + 4 * self.scales.len()
     }
+    fn stored_run(&self) -> Option<&[u8]> {
+        Some(self.nibbles.as_slice())
+    }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         let per_row = self.cols / GROUP;
         for (i, r) in rows.enumerate() {
@@ -163,7 +167,7 @@ impl WeightMatrix for Q4Matrix {
             for g in 0..per_row {
                 let gi = r * per_row + g;
                 let s = self.scales[gi];
-                let q = &self.nibbles[gi * GROUP / 2..(gi + 1) * GROUP / 2];
+                let q = &self.nibbles.as_slice()[gi * GROUP / 2..(gi + 1) * GROUP / 2];
                 let o = &mut row_out[g * GROUP..(g + 1) * GROUP];
                 for j in 0..GROUP / 2 {
                     o[j] = s * (f32::from(q[j] & 15) - 8.0);
@@ -176,7 +180,7 @@ impl WeightMatrix for Q4Matrix {
         let (len, cols) = (rows.len(), self.cols);
         let per_row = cols / GROUP;
         for (i, r) in rows.enumerate() {
-            let q = &self.nibbles[r * cols / 2..(r + 1) * cols / 2];
+            let q = &self.nibbles.as_slice()[r * cols / 2..(r + 1) * cols / 2];
             let s = &self.scales[r * per_row..(r + 1) * per_row];
             for t in 0..n {
                 out[t * len + i] = dot_q4(&x[t * cols..(t + 1) * cols], q, s);
@@ -196,7 +200,7 @@ impl IntegerDots for Q4Matrix {
         let cols = self.cols;
         let per_row = cols / GROUP;
         let row_of = |r: usize| Row {
-            data: &self.nibbles[r * cols / 2..(r + 1) * cols / 2],
+            data: &self.nibbles.as_slice()[r * cols / 2..(r + 1) * cols / 2],
             scales: &self.scales[r * per_row..(r + 1) * per_row],
             scale: 0.0,
         };
@@ -287,8 +291,8 @@ mod tests {
             .append_quantized(&FloatMatrix::from_f32(&v[..32], 1, 32).expect("shape"))
             .is_none());
         assert_eq!(
-            (joined.nibbles, joined.scales, joined.rows),
-            (whole.nibbles, whole.scales, 10)
+            (joined.nibbles.as_slice(), &joined.scales, joined.rows),
+            (whole.nibbles.as_slice(), &whole.scales, 10)
         );
     }
 
