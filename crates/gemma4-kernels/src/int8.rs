@@ -122,14 +122,11 @@ impl IntegerDots for Int8Matrix {
     }
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         let cols = self.cols;
-        let row_of = |r: usize| {
-            let q = &self.quants()[r * cols..(r + 1) * cols];
-            Row {
-                // SAFETY: i8 and u8 have the same size and alignment.
-                data: unsafe { std::slice::from_raw_parts(q.as_ptr().cast::<u8>(), q.len()) },
-                scales: &[],
-                scale: self.scales[r],
-            }
+        // The kernel takes the levels' bytes (two's complement) as stored.
+        let row_of = |r: usize| Row {
+            data: &self.quants.as_slice()[r * cols..(r + 1) * cols],
+            scales: &[],
+            scale: self.scales[r],
         };
         matrix32(Kind32::Int8, rows, &row_of, acts, out);
     }
