@@ -92,11 +92,12 @@ impl WeightMatrix for Int8Matrix {
     }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         let cols = self.cols;
+        let quants = self.quants();
         for (i, r) in rows.enumerate() {
             let s = self.scales[r];
             for (o, &q) in out[i * cols..(i + 1) * cols]
                 .iter_mut()
-                .zip(&self.quants()[r * cols..(r + 1) * cols])
+                .zip(&quants[r * cols..(r + 1) * cols])
             {
                 *o = s * f32::from(q);
             }
@@ -104,8 +105,9 @@ impl WeightMatrix for Int8Matrix {
     }
     fn dots(&self, rows: Range<usize>, x: &[f32], n: usize, out: &mut [f32]) {
         let (len, cols) = (rows.len(), self.cols);
+        let quants = self.quants();
         for (i, r) in rows.enumerate() {
-            let q = &self.quants()[r * cols..(r + 1) * cols];
+            let q = &quants[r * cols..(r + 1) * cols];
             for t in 0..n {
                 out[t * len + i] = self.scales[r] * dot_i8(&x[t * cols..(t + 1) * cols], q);
             }
@@ -123,8 +125,9 @@ impl IntegerDots for Int8Matrix {
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         let cols = self.cols;
         // The kernel takes the levels' bytes (two's complement) as stored.
+        let quants = self.quants.as_slice();
         let row_of = |r: usize| Row {
-            data: &self.quants.as_slice()[r * cols..(r + 1) * cols],
+            data: &quants[r * cols..(r + 1) * cols],
             scales: &[],
             scale: self.scales[r],
         };

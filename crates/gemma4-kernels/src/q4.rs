@@ -162,12 +162,13 @@ impl WeightMatrix for Q4Matrix {
     }
     fn dequantize_rows(&self, rows: Range<usize>, out: &mut [f32]) {
         let per_row = self.cols / GROUP;
+        let nibbles = self.nibbles.as_slice();
         for (i, r) in rows.enumerate() {
             let row_out = &mut out[i * self.cols..(i + 1) * self.cols];
             for g in 0..per_row {
                 let gi = r * per_row + g;
                 let s = self.scales[gi];
-                let q = &self.nibbles.as_slice()[gi * GROUP / 2..(gi + 1) * GROUP / 2];
+                let q = &nibbles[gi * GROUP / 2..(gi + 1) * GROUP / 2];
                 let o = &mut row_out[g * GROUP..(g + 1) * GROUP];
                 for j in 0..GROUP / 2 {
                     o[j] = s * (f32::from(q[j] & 15) - 8.0);
@@ -179,8 +180,9 @@ impl WeightMatrix for Q4Matrix {
     fn dots(&self, rows: Range<usize>, x: &[f32], n: usize, out: &mut [f32]) {
         let (len, cols) = (rows.len(), self.cols);
         let per_row = cols / GROUP;
+        let nibbles = self.nibbles.as_slice();
         for (i, r) in rows.enumerate() {
-            let q = &self.nibbles.as_slice()[r * cols / 2..(r + 1) * cols / 2];
+            let q = &nibbles[r * cols / 2..(r + 1) * cols / 2];
             let s = &self.scales[r * per_row..(r + 1) * per_row];
             for t in 0..n {
                 out[t * len + i] = dot_q4(&x[t * cols..(t + 1) * cols], q, s);
@@ -199,8 +201,9 @@ impl IntegerDots for Q4Matrix {
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         let cols = self.cols;
         let per_row = cols / GROUP;
+        let nibbles = self.nibbles.as_slice();
         let row_of = |r: usize| Row {
-            data: &self.nibbles.as_slice()[r * cols / 2..(r + 1) * cols / 2],
+            data: &nibbles[r * cols / 2..(r + 1) * cols / 2],
             scales: &self.scales[r * per_row..(r + 1) * per_row],
             scale: 0.0,
         };
