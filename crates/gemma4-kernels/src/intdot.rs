@@ -421,7 +421,7 @@ pub fn matrix32<'a>(
     assert_eq!(acts.block, ActBlock::B32);
     #[cfg(target_arch = "x86_64")]
     if has_vnni() {
-        if acts.n >= crate::GEMM_MIN_ROWS {
+        if acts.n >= crate::INTGEMM_MIN_ROWS {
             crate::intgemm::matrix32(kind, rows, row_of, acts, out);
         } else if acts.n == 1 {
             // SAFETY: the features the kernel is compiled for were detected.
@@ -467,7 +467,7 @@ pub fn matrix_k(
     let row_of = |r: usize| &data[r * w..(r + 1) * w];
     let (vnni, avx2) = (has_vnni(), has_avx2());
     #[cfg(target_arch = "x86_64")]
-    if vnni && acts.n >= crate::GEMM_MIN_ROWS {
+    if vnni && acts.n >= crate::INTGEMM_MIN_ROWS {
         return crate::intgemm::matrix_k(kind, rows, data, acts, out);
     }
     #[cfg(target_arch = "x86_64")]

@@ -514,6 +514,32 @@ pub unsafe fn few_rows32_vnni<'a>(
     with_kind32!(kind, K => few_rows32_t::<K>(rows, row_of, acts, out))
 }
 
+/// Row `row`'s levels as the integer GEMM stages them, `v + 128` for
+/// each value `v` of [`crate::intdot::decode32`] (all lie in −128..=127),
+/// into `out` (`cols` bytes), and each block's `(d, m)` into `dm`: the
+/// same numbers as `decode32`, 32 at a time in registers instead of one by
+/// one through 16-bit values.
+///
+/// # Safety
+/// The CPU must have AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C;
+/// `row` holds `out.len() / 32` blocks of `kind` and `dm` that many pairs.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub unsafe fn stage32_vnni(kind: Kind32, row: &Row, out: &mut [u8], dm: &mut [(f32, f32)]) {
+    with_kind32!(kind, K => stage32_t::<K>(row, out, dm))
+}
+
+#[inline(always)]
+unsafe fn stage32_t<const K: usize>(row: &Row, out: &mut [u8], dm: &mut [(f32, f32)]) {
+    // `v = level − offset` (signed levels: offset 0), so `v + 128` is the
+    // level plus `128 − offset` in wrapping byte arithmetic.
+    let lift = _mm256_set1_epi8(128u8.wrapping_sub(level_offset(Kind32::ALL[K]) as u8) as i8);
+    for (b, (dst, dm)) in out.chunks_exact_mut(32).zip(dm.iter_mut()).enumerate() {
+        let (u, d, m) = levels32::<K, true>(row, b);
+        _mm256_storeu_si256(dst.as_mut_ptr().cast(), _mm256_add_epi8(u, lift));
+        *dm = (_mm256_cvtss_f32(d), m);
+    }
+}
+
 /// Whether `kind` stores signed levels (no offset, not affine).
 const fn signed_levels(kind: Kind32) -> bool {
     level_offset(kind) == 0 && !kind.affine()

@@ -18,7 +18,7 @@
 use std::ops::Range;
 
 use crate::acts::QuantizedActs;
-use crate::intdot::{decode32, k_bytes, scales_k, Kind32, KindK, Row};
+use crate::intdot::{k_bytes, scales_k, Kind32, KindK, Row};
 
 /// Weight rows per panel: one 512-bit register of 32-bit sums.
 pub const PANEL_ROWS: usize = 16;
@@ -110,17 +110,22 @@ impl Panel {
     }
 
     fn fill_32<'a>(&mut self, kind: Kind32, rows: Range<usize>, row_of: &dyn Fn(usize) -> Row<'a>) {
-        let mut v = [0i16; 32];
-        let filled = rows.len();
-        self.staging.resize(self.cols * PANEL_ROWS, 0);
+        let (cols, filled) = (self.cols, rows.len());
+        let mut dm = vec![(0f32, 0f32); cols / 32];
+        self.staging.resize(cols * PANEL_ROWS, 0);
         for (r, row) in rows.map(row_of).enumerate() {
-            for b in 0..self.cols / 32 {
-                let (d, m) = decode32(kind, &row, b, &mut v);
-                let out = &mut self.staging[r * self.cols + 32 * b..r * self.cols + 32 * (b + 1)];
-                for (o, &x) in out.iter_mut().zip(&v) {
-                    // Every format's levels lie in −128..=127.
-                    *o = (x + 128) as u8;
-                }
+            // SAFETY: callers of this module checked the features; the row
+            // holds `cols / 32` blocks of `kind`.
+            unsafe {
+                crate::intdot_avx2::stage32_vnni(
+                    kind,
+                    &row,
+                    &mut self.staging[r * cols..(r + 1) * cols],
+                    &mut dm,
+                )
+            };
+            // Staged as `v + 128`: `w = d·v + m = d·(v + 128) − (128·d − m)`.
+            for (b, &(d, m)) in dm.iter().enumerate() {
                 self.scale[b * PANEL_ROWS + r] = d;
                 self.off[b * PANEL_ROWS + r] = 128.0 * d - m;
             }

@@ -138,6 +138,14 @@ pub fn f16_to_f32(h: u16) -> f32 {
 /// From this many activation rows on, [`matmul`] multiplies dequantized
 /// tiles with `gemm` instead of taking fused dot products row by row.
 pub const GEMM_MIN_ROWS: usize = 8;
+/// From this many activation rows on, the VNNI integer products decode
+/// each weight panel once and multiply it by every row (`intgemm.rs`);
+/// below, the row kernels decode a weight row per group of four activation
+/// rows. Decoding a panel costs about as much as multiplying it by eight
+/// rows, so batched decode steps of 8–11 sequences ran up to twice as fast
+/// on the row kernels (the matmul bench, 2048×2048 and the demo's
+/// 262144×640 head, AVX-512 VNNI): the two meet at about 12 rows.
+pub const INTGEMM_MIN_ROWS: usize = 12;
 /// Weight bytes per chunk that a one-row product aims at (several
 /// microseconds of one thread's reading). Each chunk starts the hardware
 /// prefetchers over; on huge pages 256 KiB decoded the E2B-shaped Q4_K_M
