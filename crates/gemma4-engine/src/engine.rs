@@ -363,6 +363,14 @@ fn start_worker(
     #[cfg(feature = "fault-injection")] fault: Option<crate::fault::FaultPlan>,
 ) -> gemma4_model::Result<EngineHandle> {
     let cfg = model.config().clone();
+    // Positions past the model's are never reached: a sequence ends at
+    // `max_model_len` tokens.
+    if config.max_model_len > cfg.max_position_embeddings {
+        return Err(gemma4_model::ModelError::Input(format!(
+            "the context length (max_model_len) {} is larger than the model's {} positions",
+            config.max_model_len, cfg.max_position_embeddings
+        )));
+    }
     // A token id must be known to both the tokenizer (added tokens included) and the embedding.
     let token_id_limit = tokenizer.vocab_size().min(cfg.vocab_size);
     if tokenizer.vocab_size() != cfg.vocab_size {

@@ -536,3 +536,32 @@ fn int8_kv_cache_leaves_the_reference_only_at_near_ties() {
     let (kept, total) = departures_only_at_near_ties(gemma4_model::paged::KvDtype::Int8);
     assert!(kept * 10 >= total * 8, "{kept} of {total}");
 }
+
+#[test]
+fn a_context_longer_than_the_model_positions_is_refused_at_start() {
+    let v = VARIANTS[0];
+    let m = model(v);
+    let positions = m.config().max_position_embeddings;
+    let too_long = EngineConfig {
+        max_model_len: positions + 1,
+        ..config(64)
+    };
+    let err = match start(m, tokenizer(v), too_long) {
+        Ok(_) => panic!(
+            "an engine started with {} > {positions} positions",
+            positions + 1
+        ),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains(&format!("{}", positions + 1))
+            && err.contains(&format!("{positions} positions")),
+        "{err}"
+    );
+    // Exactly the model's positions is allowed.
+    let exact = EngineConfig {
+        max_model_len: positions,
+        ..config(64)
+    };
+    assert!(start(model(v), tokenizer(v), exact).is_ok());
+}
