@@ -58,22 +58,35 @@ enum Command {
     Bench(bench::Command),
 }
 
-/// glibc gives each thread that allocates its own heap (arena) and keeps
-/// freed memory in it. A model step allocates its activations on several
-/// threads (the engine, the kernel pool, the tensor library's pool), so each
-/// arena holds a step's worth of freed buffers; one shared arena lets every
-/// thread reuse the same freed memory (10 MiB less peak on the demo model
-/// serving 1,024 tokens, no slower).
-fn one_malloc_arena() {
+/// Allocator tuning for a process whose steps allocate and free the same
+/// large activation buffers over and over.
+///
+/// - glibc gives each thread that allocates its own heap (arena) and keeps
+///   freed memory in it. A model step allocates its activations on several
+///   threads (the engine, the kernel pool, the tensor library's pool), so each
+///   arena holds a step's worth of freed buffers; one shared arena lets every
+///   thread reuse the same freed memory (10 MiB less peak on the demo model
+///   serving 1,024 tokens, no slower).
+/// - Buffers up to 32 MiB come from that heap instead of fresh mappings, and
+///   up to 256 MiB of freed memory at its top stays there: a prefill's
+///   buffers (a 512-token step of an E2B-shaped model allocates many of
+///   4–13 MiB) are reused by the next operation instead of being unmapped and
+///   faulted in zeroed again. E2B-shaped Q4_K_M, 512-token prefill on 2
+///   cores: 77 → 99–103 tok/s, decode about 2.5% faster, peak RSS about
+///   50 MiB (3%) higher. [`model_io::release_freed_memory`] still hands
+///   loading's leftovers back.
+fn tune_malloc() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator tuning; called before any thread starts.
     unsafe {
         libc::mallopt(libc::M_ARENA_MAX, 1);
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
     }
 }
 
 fn main() -> ExitCode {
-    one_malloc_arena();
+    tune_malloc();
     let cli = Cli::parse();
     if std::env::var_os("CANDLE_NUM_THREADS").is_none() {
         // The tensor library's few element-wise operations run on the
