@@ -16,7 +16,8 @@ use gemma4_kernels::kquant_x8;
 use gemma4_kernels::legacy::{self, BlockMatrix};
 use gemma4_kernels::q4::Q4Matrix;
 use gemma4_kernels::q8_0::{self, Q8_0Matrix};
-use gemma4_kernels::{matmul_with, Bytes, Precision, WeightMatrix, GEMM_MIN_ROWS};
+use gemma4_kernels::q8_0_x8;
+use gemma4_kernels::{matmul_with, Bytes, Precision, Rearranged, WeightMatrix, GEMM_MIN_ROWS};
 
 fn values(len: usize, seed: u32) -> Vec<f32> {
     (0..len)
@@ -158,6 +159,13 @@ fn main() {
             Box::new(kquant_x8::Q4KRows8::from_gguf(q4k.as_slice(), rows, cols).expect("shape")),
             Box::new(kquant_x8::Q6KRows8::from_gguf(q6k.as_slice(), rows, cols).expect("shape")),
         ]);
+    }
+    // Q8_0 with eight rows interleaved, as loaded where VNNI is present.
+    if rows % q8_0_x8::ROWS == 0 {
+        let gguf = q8_0::quantize(&w, cols);
+        mats.push(Box::new(
+            q8_0_x8::Q8_0Rows8::from_gguf(&gguf, rows, cols).expect("shape"),
+        ));
     }
     // `cargo bench … -- Q8_0 int8` times only the storage types named.
     let only: Vec<String> = std::env::args()

@@ -522,7 +522,7 @@ mod tests {
     use crate::q4::Q4Matrix;
     use crate::q8_0::{self, Q8_0Matrix};
     use crate::testing::values;
-    use crate::{matmul_with, Bytes, Precision, WeightMatrix};
+    use crate::{matmul_with, Bytes, Precision, Rearranged, WeightMatrix};
 
     fn random_blocks(blocks: usize, bytes: usize, halves: &[usize], seed: u64) -> Bytes {
         Bytes::from_vec(crate::testing::random_blocks(blocks, bytes, halves, seed))
@@ -561,6 +561,12 @@ mod tests {
             Box::new(Int8Matrix::quantize(&f)),
             Box::new(Q4Matrix::quantize(&f).expect("width").0),
         ];
+        if rows.is_multiple_of(crate::q8_0_x8::ROWS) {
+            let q8 = q8_0::quantize(&values(rows * cols, 9, 0.3), cols);
+            all.push(Box::new(
+                crate::q8_0_x8::Q8_0Rows8::from_gguf(&q8, rows, cols).expect("sizes"),
+            ));
+        }
         // The k-quants' super-blocks span 256 columns.
         if cols.is_multiple_of(256) {
             let kquants: Vec<Box<dyn WeightMatrix>> = vec![

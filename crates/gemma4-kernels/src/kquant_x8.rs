@@ -20,7 +20,7 @@ use std::ops::Range;
 
 use crate::intdot;
 use crate::kquant::{self, SuperBlock, SUPER};
-use crate::{ActBlock, IntegerDots, QuantizedActs, WeightMatrix};
+use crate::{ActBlock, IntegerDots, QuantizedActs, Rearranged, WeightMatrix};
 
 /// Rows interleaved in one block.
 pub const ROWS: usize = 8;
@@ -186,19 +186,11 @@ pub type Q4KRows8 = Rows8<Q4K8>;
 /// Q6_K with eight rows interleaved.
 pub type Q6KRows8 = Rows8<Q6K8>;
 
-impl<L: Layout8> Rows8<L> {
-    /// Rearranges GGUF's bytes; `None` when the sizes disagree or the rows
-    /// do not fill whole groups of eight.
-    pub fn from_gguf(data: &[u8], rows: usize, cols: usize) -> Option<Self> {
-        let mut m = Self::with_capacity(rows, cols)?;
-        (m.append_gguf(data) && m.rows == rows).then_some(m)
-    }
+impl<L: Layout8> Rearranged for Rows8<L> {
+    const NAME: &'static str = L::NAME;
+    const GROUP_ROWS: usize = ROWS;
 
-    /// An empty matrix of `cols` columns with room for `rows` rows, to
-    /// [append](Self::append_gguf) to a slice at a time (the loader drops
-    /// each slice of the file's pages once it is rearranged); `None` when
-    /// `cols` does not tile into super-blocks or `rows` into groups.
-    pub fn with_capacity(rows: usize, cols: usize) -> Option<Self> {
+    fn with_capacity(rows: usize, cols: usize) -> Option<Self> {
         (cols.is_multiple_of(SUPER) && rows.is_multiple_of(ROWS)).then(|| Self {
             store: crate::arena::alloc_zeroed(Self::bytes_for(rows, cols)),
             filled: 0,
@@ -208,10 +200,12 @@ impl<L: Layout8> Rows8<L> {
         })
     }
 
-    /// Rearranges whole rows given in GGUF's bytes onto the end, row groups
-    /// spread over the thread pool; false (and nothing added) when they are
-    /// not whole groups of eight rows or more than the room left.
-    pub fn append_gguf(&mut self, data: &[u8]) -> bool {
+    fn bytes_for(rows: usize, cols: usize) -> usize {
+        rows / ROWS * (cols / SUPER) * L::BLOCK_BYTES
+    }
+
+    /// Row groups are spread over the thread pool.
+    fn append_gguf(&mut self, data: &[u8]) -> bool {
         let (supers, gguf) = (self.supers(), L::Gguf::BYTES);
         let group_in = ROWS * supers * gguf;
         if supers == 0 || !data.len().is_multiple_of(group_in) {
@@ -237,12 +231,9 @@ impl<L: Layout8> Rows8<L> {
         self.rows += groups * ROWS;
         true
     }
+}
 
-    /// Bytes a `[rows, cols]` matrix takes in this layout.
-    pub fn bytes_for(rows: usize, cols: usize) -> usize {
-        rows / ROWS * (cols / SUPER) * L::BLOCK_BYTES
-    }
-
+impl<L: Layout8> Rows8<L> {
     fn supers(&self) -> usize {
         self.cols / SUPER
     }

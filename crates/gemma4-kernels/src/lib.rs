@@ -40,6 +40,7 @@ mod order;
 pub mod pool;
 pub mod q4;
 pub mod q8_0;
+pub mod q8_0_x8;
 pub mod softcap;
 
 pub use acts::{ActBlock, QuantizedActs};
@@ -90,6 +91,29 @@ pub trait IntegerDots: Sync {
     /// `out[t · rows.len() + (r − rows.start)] = Σ_c acts[t, c] · W[r, c]`
     /// for every activation row `t` of `acts`.
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]);
+}
+
+/// A matrix rearranged at load from GGUF's row-major blocks (rows
+/// interleaved for a kernel), built a slice of whole row groups at a time so
+/// the loader can drop each slice of the file's pages once it is copied.
+pub trait Rearranged: WeightMatrix + Sized {
+    /// Storage name in reports.
+    const NAME: &'static str;
+    /// Rows rearranged together: a slice holds whole groups of them.
+    const GROUP_ROWS: usize;
+    /// An empty matrix of `cols` columns with room for `rows` rows; `None`
+    /// when `cols` does not tile into the format's blocks or `rows` into groups.
+    fn with_capacity(rows: usize, cols: usize) -> Option<Self>;
+    /// Bytes a `[rows, cols]` matrix takes in this layout.
+    fn bytes_for(rows: usize, cols: usize) -> usize;
+    /// Rearranges whole rows given in GGUF's bytes onto the end; false (and
+    /// nothing added) when they are not whole groups or more than the room left.
+    fn append_gguf(&mut self, data: &[u8]) -> bool;
+    /// The whole matrix from GGUF's bytes; `None` when the sizes disagree.
+    fn from_gguf(data: &[u8], rows: usize, cols: usize) -> Option<Self> {
+        let mut m = Self::with_capacity(rows, cols)?;
+        (m.append_gguf(data) && m.rows() == rows).then_some(m)
+    }
 }
 
 /// How a product treats the activations of a few rows (decode); products

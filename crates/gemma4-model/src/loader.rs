@@ -16,7 +16,7 @@ use candle_core::Tensor;
 use gemma4_kernels::int8::Int8Matrix;
 use gemma4_kernels::kquant_x8;
 use gemma4_kernels::q4::{Q4Matrix, Q4Report};
-use gemma4_kernels::{Precision, WeightMatrix};
+use gemma4_kernels::{Precision, Rearranged, WeightMatrix};
 
 use crate::error::{ModelError, Result, WeightError};
 use crate::source::WeightSource;
@@ -251,9 +251,13 @@ impl<'a> Weights<'a> {
         {
             let mut r = self.report.borrow_mut();
             r.table_bytes = r.table_bytes.saturating_sub(table.bytes.len() as u64);
-            if let Some(e) = r.by_storage.get_mut(table.dtype.name()) {
+            let name = table.dtype.name();
+            if let Some(e) = r.by_storage.get_mut(name) {
                 e.0 = e.0.saturating_sub(1);
                 e.1 = e.1.saturating_sub(table.bytes.len() as u64);
+                if e.0 == 0 {
+                    r.by_storage.remove(name);
+                }
             }
         }
         let head = self.linear_from(table, rows, cols)?;
@@ -309,29 +313,21 @@ impl<'a> Weights<'a> {
                     quant => self.quantize(t, rows, cols, quant)?,
                 }
             }
-            // Q4_K and Q6_K in the fast mode on a CPU with VNNI: eight rows
-            // interleaved for their kernels, a copy that replaces the mapping.
-            StoredDtype::Ggml(d @ (GgmlDType::Q4K | GgmlDType::Q6K))
+            // Q4_K, Q6_K and Q8_0 in the fast mode on a CPU with VNNI: eight
+            // rows interleaved for their kernels, a copy that replaces the mapping.
+            StoredDtype::Ggml(d @ (GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q8_0))
                 if !self.policy.exact
                     && gemma4_kernels::intdot::has_vnni()
                     && rows.is_multiple_of(kquant_x8::ROWS) =>
             {
-                use kquant_x8::{Layout8, Rows8, Q4K8, Q6K8};
-                if self.policy.measure_only {
-                    let m = t.matrix(rows, cols)?;
-                    let (name, bytes) = if d == GgmlDType::Q4K {
-                        (Q4K8::NAME, Rows8::<Q4K8>::bytes_for(rows, cols))
-                    } else {
-                        (Q6K8::NAME, Rows8::<Q6K8>::bytes_for(rows, cols))
-                    };
-                    self.record(name, bytes, true);
-                    return Ok(self.kernel_linear(m));
-                }
-                if d == GgmlDType::Q4K {
-                    Arc::new(self.interleave::<Q4K8>(t, rows, cols)?)
-                } else {
-                    Arc::new(self.interleave::<Q6K8>(t, rows, cols)?)
-                }
+                use gemma4_kernels::q8_0_x8::Q8_0Rows8;
+                use kquant_x8::{Q4KRows8, Q6KRows8};
+                let m = match d {
+                    GgmlDType::Q4K => self.interleave::<Q4KRows8>(t, rows, cols)?,
+                    GgmlDType::Q6K => self.interleave::<Q6KRows8>(t, rows, cols)?,
+                    _ => self.interleave::<Q8_0Rows8>(t, rows, cols)?,
+                };
+                return Ok(self.kernel_linear(m));
             }
             // Our kernels over a copy of the blocks; exact mode takes the
             // remaining types through widened tiles.
@@ -388,15 +384,22 @@ impl<'a> Weights<'a> {
         ))
     }
 
-    /// A k-quant matrix with eight rows interleaved, rearranged a slice of
-    /// rows at a time, each slice's mapped pages dropped once it is copied.
-    fn interleave<L: kquant_x8::Layout8>(
+    /// A matrix with rows interleaved for its kernel, rearranged a slice of
+    /// rows at a time, each slice's mapped pages dropped once it is copied,
+    /// and recorded in the report. A measuring load keeps the mapping and
+    /// records the rearranged size.
+    fn interleave<M: Rearranged + 'static>(
         &self,
         t: &StoredTensor,
         rows: usize,
         cols: usize,
-    ) -> Result<kquant_x8::Rows8<L>> {
+    ) -> Result<Arc<dyn WeightMatrix>> {
         const SLICE_BYTES: usize = 16 << 20;
+        if self.policy.measure_only {
+            let m = t.matrix(rows, cols)?;
+            self.record(M::NAME, M::bytes_for(rows, cols), true);
+            return Ok(m);
+        }
         let misfit = || {
             ModelError::Input(format!(
                 "`{}` cannot be read as a [{rows}, {cols}] {} matrix",
@@ -404,9 +407,9 @@ impl<'a> Weights<'a> {
                 t.dtype.name()
             ))
         };
-        let mut m = kquant_x8::Rows8::<L>::with_capacity(rows, cols).ok_or_else(misfit)?;
+        let mut m = M::with_capacity(rows, cols).ok_or_else(misfit)?;
         let row_bytes = (t.bytes.len() / rows.max(1)).max(1);
-        let step = (SLICE_BYTES / row_bytes / kquant_x8::ROWS).max(1) * kquant_x8::ROWS;
+        let step = (SLICE_BYTES / row_bytes / M::GROUP_ROWS).max(1) * M::GROUP_ROWS;
         for start in (0..rows).step_by(step) {
             let part = t.row_range(start..(start + step).min(rows), cols)?;
             if !m.append_gguf(part.bytes.as_slice()) {
@@ -417,7 +420,8 @@ impl<'a> Weights<'a> {
         if m.rows() != rows {
             return Err(misfit());
         }
-        Ok(m)
+        self.record(M::NAME, m.stored_bytes(), true);
+        Ok(Arc::new(m))
     }
 
     /// Quantizes a float matrix a slice of rows at a time, dropping each
