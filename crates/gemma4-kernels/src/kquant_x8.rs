@@ -313,23 +313,10 @@ impl<L: Layout8> IntegerDots for Rows8<L> {
         assert_eq!(acts.block, ActBlock::B256);
         #[cfg(target_arch = "x86_64")]
         if intdot::has_vnni() {
-            let (n, len) = (acts.n, rows.len());
-            let groups = rows.start / ROWS..rows.end.div_ceil(ROWS);
-            if rows.start.is_multiple_of(ROWS) && rows.end.is_multiple_of(ROWS) {
+            crate::in_whole_groups(rows, ROWS, acts.n, out, |groups, out| {
                 // SAFETY: `has_vnni` detected the features the kernel needs.
-                unsafe { avx512::dots(self, groups, acts, out) };
-            } else {
-                // A range that cuts a group: the whole groups, then the rows asked for.
-                let wide = groups.len() * ROWS;
-                let mut all = vec![0f32; n * wide];
-                let skip = rows.start - groups.start * ROWS;
-                // SAFETY: as above.
-                unsafe { avx512::dots(self, groups, acts, &mut all) };
-                for t in 0..n {
-                    out[t * len..(t + 1) * len]
-                        .copy_from_slice(&all[t * wide + skip..t * wide + skip + len]);
-                }
-            }
+                unsafe { avx512::dots(self, groups, acts, out) }
+            });
             return;
         }
         // Elsewhere (the loader interleaves only where VNNI is present; tests

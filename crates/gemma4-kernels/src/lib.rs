@@ -116,6 +116,30 @@ pub trait Rearranged: WeightMatrix + Sized {
     }
 }
 
+/// Runs `kernel(groups, out)`, which computes whole groups of `group`
+/// interleaved rows (`[n, 8 · groups.len()]` into `out`), for the rows
+/// `rows` (`[n, rows.len()]` into `out`): directly when `rows` covers whole
+/// groups, else over every group it touches, keeping the rows asked for.
+pub(crate) fn in_whole_groups(
+    rows: Range<usize>,
+    group: usize,
+    n: usize,
+    out: &mut [f32],
+    kernel: impl FnOnce(Range<usize>, &mut [f32]),
+) {
+    let groups = rows.start / group..rows.end.div_ceil(group);
+    if rows.start.is_multiple_of(group) && rows.end.is_multiple_of(group) {
+        return kernel(groups, out);
+    }
+    let (len, wide) = (rows.len(), groups.len() * group);
+    let skip = rows.start - groups.start * group;
+    let mut all = vec![0f32; n * wide];
+    kernel(groups, &mut all);
+    for t in 0..n {
+        out[t * len..(t + 1) * len].copy_from_slice(&all[t * wide + skip..t * wide + skip + len]);
+    }
+}
+
 /// How a product treats the activations of a few rows (decode); products
 /// of [`GEMM_MIN_ROWS`] rows or more always keep f32 activations.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

@@ -171,30 +171,17 @@ impl IntegerDots for Q8_0Rows8 {
     }
     fn int_dots(&self, rows: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
         assert_eq!(acts.block, ActBlock::B32);
-        let (n, len) = (acts.n, rows.len());
+        let len = rows.len();
         #[cfg(target_arch = "x86_64")]
         if intdot::has_vnni() {
-            let groups = rows.start / ROWS..rows.end.div_ceil(ROWS);
-            if rows.start.is_multiple_of(ROWS) && rows.end.is_multiple_of(ROWS) {
+            crate::in_whole_groups(rows, ROWS, acts.n, out, |groups, out| {
                 // SAFETY: `has_vnni` detected the features the kernel needs.
-                unsafe { avx512::dots(self, groups, acts, out) };
-            } else {
-                // A range that cuts a group: the whole groups, then the rows asked for.
-                let wide = groups.len() * ROWS;
-                let mut all = vec![0f32; n * wide];
-                let skip = rows.start - groups.start * ROWS;
-                // SAFETY: as above.
-                unsafe { avx512::dots(self, groups, acts, &mut all) };
-                for t in 0..n {
-                    out[t * len..(t + 1) * len]
-                        .copy_from_slice(&all[t * wide + skip..t * wide + skip + len]);
-                }
-            }
+                unsafe { avx512::dots(self, groups, acts, out) }
+            });
             return;
         }
         // Elsewhere (the loader interleaves only where VNNI is present; tests
         // force this path): GGUF's bytes through the row kernels.
-        let _ = n;
         let m = self.restore_rows(rows);
         m.int_dots(0..len, acts, out);
     }
