@@ -37,6 +37,27 @@ pub struct LocalArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// Also measure the memory's read bandwidth with the kernels' threads
+    /// (1 GiB in huge pages, best of 5 passes, before and after the runs)
+    /// and report generation against the roofline of the larger: every
+    /// resident weight read once per token (a dense model's decode step; an
+    /// MoE reads only its routed experts).
+    #[arg(long)]
+    bandwidth: bool,
+}
+
+/// Generation against the memory's read bandwidth.
+#[derive(Serialize)]
+struct Roofline {
+    /// Read bandwidth before and after the runs, GB/s (10⁹ bytes), the
+    /// kernels' threads together (this machine's rate can move between them).
+    bandwidth_gb_s: [f64; 2],
+    /// Weight bytes a decode step reads (every resident weight).
+    bytes_per_token: u64,
+    /// Tokens per second the bandwidth allows at that many bytes each.
+    roofline_tok_s: f64,
+    /// Mean generation rate over the roofline.
+    fraction: f64,
 }
 
 /// One test's figures over the repetitions.
@@ -58,6 +79,8 @@ struct LocalReport {
     kernels: String,
     tests: Vec<Figure>,
     peak_rss_mib: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    roofline: Option<Roofline>,
 }
 
 pub fn run(args: LocalArgs) -> Result<ExitCode> {
@@ -66,6 +89,9 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
     }
     if args.n_prompt == 0 && args.n_gen == 0 {
         bail!("nothing to measure: -p and -n are both 0");
+    }
+    if args.bandwidth && args.n_gen < 2 {
+        bail!("--bandwidth judges generation against the memory's rate: give -n 2 or more");
     }
     let path = args.model.path()?;
     let tokenizer = Arc::new(load_tokenizer(&path)?);
@@ -84,6 +110,7 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
     let engine =
         gemma4_engine::start(model, tokenizer, config).context("cannot start the engine")?;
     let prompt = random_ids(args.seed, prompt_len, vocab);
+    let bandwidth_before = args.bandwidth.then(measure_bandwidth);
     let mut prompt_rates = Vec::new();
     let mut gen_rates = Vec::new();
     for rep in 0..=args.repetitions {
@@ -104,8 +131,21 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
             prompt_rates,
         ));
     }
+    let mut roofline = None;
     if args.n_gen >= 2 {
-        tests.push(figure(format!("tg{}", args.n_gen), args.n_gen, gen_rates));
+        let tg = figure(format!("tg{}", args.n_gen), args.n_gen, gen_rates);
+        if let Some(before) = bandwidth_before {
+            let after = measure_bandwidth();
+            let bytes = report.resident_bytes;
+            let roof = before.max(after) / bytes.max(1) as f64;
+            roofline = Some(Roofline {
+                bandwidth_gb_s: [before / 1e9, after / 1e9],
+                bytes_per_token: bytes,
+                roofline_tok_s: roof,
+                fraction: tg.mean / roof,
+            });
+        }
+        tests.push(tg);
     }
     let out = LocalReport {
         model: path.display().to_string(),
@@ -119,6 +159,7 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         kernels: gemma4_kernels::describe(),
         tests,
         peak_rss_mib: peak_rss_bytes() as f64 / MIB,
+        roofline,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -129,6 +170,12 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
+
+/// Bytes per second the kernels' threads read together (the buffer is
+/// freed before anything else runs).
+fn measure_bandwidth() -> f64 {
+    gemma4_kernels::bandwidth::read_bandwidth(1 << 30, 5)
+}
 
 struct Run {
     first_token_s: f64,
@@ -222,6 +269,17 @@ fn print_table(r: &LocalReport) {
         );
     }
     println!("peak RSS: {:.0} MiB", r.peak_rss_mib);
+    if let Some(f) = &r.roofline {
+        println!(
+            "memory read bandwidth before / after the runs: {:.1} / {:.1} GB/s ({} threads); decode reads {:.2} GB per token: roofline {:.2} t/s (the larger rate), generation at {:.0}% of it",
+            f.bandwidth_gb_s[0],
+            f.bandwidth_gb_s[1],
+            r.threads,
+            f.bytes_per_token as f64 / 1e9,
+            f.roofline_tok_s,
+            100.0 * f.fraction
+        );
+    }
 }
 
 /// The process's peak resident set so far.

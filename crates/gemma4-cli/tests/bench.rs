@@ -356,3 +356,67 @@ fn probes_against_gemma4_serve() {
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `bench local --bandwidth` judges generation against the memory's rate
+/// measured in the same process: the roofline is the larger rate over the
+/// bytes a step reads, and the fraction is the generation rate over it.
+#[test]
+fn local_bench_reports_generation_against_the_measured_bandwidth() {
+    let model = workspace().join("tests/fixtures/oracle/e-style");
+    let model = model.to_string_lossy();
+    let out = gemma4(&[
+        "--threads",
+        "2",
+        "bench",
+        "local",
+        "--model",
+        &model,
+        "-p",
+        "4",
+        "-n",
+        "4",
+        "-r",
+        "1",
+        "--bandwidth",
+        "--json",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let report: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}"));
+    let roof = &report["roofline"];
+    let rates: Vec<f64> = roof["bandwidth_gb_s"]
+        .as_array()
+        .map(|a| a.iter().filter_map(Value::as_f64).collect())
+        .unwrap_or_default();
+    assert_eq!(rates.len(), 2, "{roof}");
+    assert!(rates.iter().all(|&r| r.is_finite() && r > 0.1), "{roof}");
+    let bytes = roof["bytes_per_token"].as_f64().unwrap_or(0.0);
+    assert!(bytes > 0.0, "{roof}");
+    let tok_s = roof["roofline_tok_s"].as_f64().unwrap_or(0.0);
+    let larger = rates[0].max(rates[1]) * 1e9;
+    assert!((tok_s - larger / bytes).abs() <= 1e-9 * tok_s, "{roof}");
+    let tg = report["tests"]
+        .as_array()
+        .and_then(|t| t.iter().find(|t| t["test"] == "tg4"))
+        .and_then(|t| t["mean"].as_f64())
+        .unwrap_or(0.0);
+    let fraction = roof["fraction"].as_f64().unwrap_or(0.0);
+    assert!(
+        tg > 0.0 && (fraction - tg / tok_s).abs() <= 1e-9 * fraction,
+        "{report}"
+    );
+
+    // Nothing generated, nothing to judge: refused before loading.
+    let out = gemma4(&[
+        "bench",
+        "local",
+        "--model",
+        &model,
+        "-n",
+        "0",
+        "--bandwidth",
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--bandwidth"), "{stderr}");
+}

@@ -22,6 +22,7 @@
 
 pub mod acts;
 pub mod arena;
+pub mod bandwidth;
 mod bytes;
 mod dispatch;
 pub mod float;
