@@ -14,8 +14,10 @@
 //! module [`intdot`]): with [`Precision::Int8Activations`] the activations
 //! are rounded to 8 bits per block once per product and meet the weights'
 //! integer levels in 8-bit multiplies, as llama.cpp computes; faster, and
-//! not exact. For many activation rows on a CPU with AVX-512 VNNI the
-//! integer product runs on 16-row panels (module `intgemm`).
+//! not exact. On a CPU with AVX-512 VNNI, products of
+//! [`INTGEMM_MIN_ROWS`] activation rows or more run on 16-row panels
+//! (module `intgemm`), and the layouts rearranged at load ([`kquant_x8`],
+//! [`q8_0_x8`]) run their own kernels for any number of rows.
 //!
 //! Embedding tables use the same interface: a lookup widens only the rows
 //! of the step's tokens.
@@ -141,8 +143,9 @@ pub(crate) fn in_whole_groups(
     }
 }
 
-/// How a product treats the activations of a few rows (decode); products
-/// of [`GEMM_MIN_ROWS`] rows or more always keep f32 activations.
+/// How a product treats the activations. Without AVX-512 VNNI, products
+/// of [`GEMM_MIN_ROWS`] rows or more keep f32 activations either way (see
+/// [`matmul_many`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Precision {
     /// f32 activations against the stored values (exact up to summation order).
