@@ -72,8 +72,8 @@ enum Command {
 ///   buffers (a 512-token step of an E2B-shaped model allocates many of
 ///   4–13 MiB) are reused by the next operation instead of being unmapped and
 ///   faulted in zeroed again. E2B-shaped Q4_K_M, 512-token prefill on 2
-///   cores: 77 → 99–103 tok/s, decode about 2.5% faster, peak RSS about
-///   50 MiB (3%) higher. [`model_io::release_freed_memory`] still hands
+///   cores: 75–78 → 92–103 tok/s in alternating runs, peak RSS 35–60 MiB
+///   higher. [`model_io::release_freed_memory`] still hands
 ///   loading's leftovers back.
 fn tune_malloc() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]

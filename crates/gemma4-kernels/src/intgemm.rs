@@ -40,6 +40,8 @@ struct Panel {
     /// The rows as decoded, `[16][cols]`, before interleaving (the 32-value
     /// formats only; the k-quants are gathered from their own bytes).
     staging: Vec<u8>,
+    /// One staged row's `(d, m)` per 32-value block (the 32-value formats only).
+    dm: Vec<(f32, f32)>,
 }
 
 impl Panel {
@@ -52,6 +54,7 @@ impl Panel {
             scale: vec![0.0; groups],
             off: vec![0.0; groups],
             staging: Vec::new(),
+            dm: Vec::new(),
         }
     }
 
@@ -111,7 +114,7 @@ impl Panel {
 
     fn fill_32<'a>(&mut self, kind: Kind32, rows: Range<usize>, row_of: &dyn Fn(usize) -> Row<'a>) {
         let (cols, filled) = (self.cols, rows.len());
-        let mut dm = vec![(0f32, 0f32); cols / 32];
+        self.dm.resize(cols / 32, (0.0, 0.0));
         self.staging.resize(cols * PANEL_ROWS, 0);
         for (r, row) in rows.map(row_of).enumerate() {
             // SAFETY: callers of this module checked the features; the row
@@ -121,11 +124,11 @@ impl Panel {
                     kind,
                     &row,
                     &mut self.staging[r * cols..(r + 1) * cols],
-                    &mut dm,
+                    &mut self.dm,
                 )
             };
             // Staged as `v + 128`: `w = d·v + m = d·(v + 128) − (128·d − m)`.
-            for (b, &(d, m)) in dm.iter().enumerate() {
+            for (b, &(d, m)) in self.dm.iter().enumerate() {
                 self.scale[b * PANEL_ROWS + r] = d;
                 self.off[b * PANEL_ROWS + r] = 128.0 * d - m;
             }

@@ -283,11 +283,7 @@ pub fn matmul_many(
     let pool = pool::global();
     let threads = pool.threads();
     // One thread has no idle worker to read ahead: skip the bookkeeping.
-    let followed_by = if threads > 1 {
-        order::starts(order::key(ws), ws)
-    } else {
-        None
-    };
+    let followed_by = if threads > 1 { order::starts(ws) } else { None };
     // Every matrix's rows in chunks: (matrix, rows). Several chunks per
     // thread balance uneven progress; on the tiled path a chunk is a whole
     // number of tiles. One activation row (decode) takes one chunk per

@@ -32,14 +32,19 @@ struct ProductOrder {
 }
 
 impl ProductOrder {
-    /// Notes that product `key`, over `ws`, starts now, and returns what
-    /// followed it last time.
-    fn starts(&mut self, key: usize, ws: &[&dyn WeightMatrix]) -> Option<ReadAhead> {
+    /// Notes that the product over `ws` starts now, and returns what
+    /// followed it last time. A successor is written only when it changed
+    /// (steps repeat the same order).
+    fn starts(&mut self, ws: &[&dyn WeightMatrix]) -> Option<ReadAhead> {
         if self.next.len() >= MAX_ENTRIES {
             self.next.clear();
         }
+        let key = key(ws);
         if let Some(last) = self.last.replace(key) {
-            self.next.insert(last, runs(ws));
+            let now = runs(ws);
+            if self.next.get(&last) != Some(&now) {
+                self.next.insert(last, now);
+            }
         }
         self.next.get(&key).copied()
     }
@@ -48,19 +53,19 @@ impl ProductOrder {
 static ORDER: Mutex<Option<ProductOrder>> = Mutex::new(None);
 
 /// Identifies a product by its first matrix.
-pub(crate) fn key(ws: &[&dyn WeightMatrix]) -> usize {
+fn key(ws: &[&dyn WeightMatrix]) -> usize {
     ws.first()
         .map_or(0, |w| (*w as *const dyn WeightMatrix).cast::<()>() as usize)
 }
 
-/// Notes that product `key`, over `ws`, starts now, and returns what the
+/// Notes that the product over `ws` starts now, and returns what the
 /// product after it read first last time (to read ahead once it is done).
-pub(crate) fn starts(key: usize, ws: &[&dyn WeightMatrix]) -> Option<ReadAhead> {
+pub(crate) fn starts(ws: &[&dyn WeightMatrix]) -> Option<ReadAhead> {
     ORDER
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .get_or_insert_with(ProductOrder::default)
-        .starts(key, ws)
+        .starts(ws)
 }
 
 /// The stored bytes of `ws` in the order a product's chunks read them,
@@ -98,7 +103,7 @@ mod tests {
         let step = |order: &mut ProductOrder| -> Vec<Option<ReadAhead>> {
             [&a as &dyn WeightMatrix, &b, &c]
                 .iter()
-                .map(|w| order.starts(key(&[*w]), &[*w]))
+                .map(|w| order.starts(&[*w]))
                 .collect()
         };
         // The first step knows nothing yet.

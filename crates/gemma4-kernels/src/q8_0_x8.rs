@@ -207,26 +207,36 @@ mod avx512 {
     /// The CPU must have AVX-512 F, BW, VL and VNNI, AVX2, FMA and F16C.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     pub unsafe fn dots(m: &Q8_0Rows8, groups: Range<usize>, acts: &QuantizedActs, out: &mut [f32]) {
-        let len = groups.len() * ROWS;
+        let (len, blocks) = (groups.len() * ROWS, m.blocks_per_row());
         assert!(out.len() >= acts.n * len && acts.cols == m.cols);
-        assert!(groups.end * m.blocks_per_row() * GROUP_BLOCK_BYTES <= m.filled);
+        assert!(groups.end * blocks * GROUP_BLOCK_BYTES <= m.filled);
+        assert!(acts.scales.len() >= acts.n * blocks);
+        // Σ (q + 128) · a = Σ q · a + 128 · Σ a: each block's sum starts from
+        // −128 · Σ a, the same for every row group, so worked out once here.
+        let starts: Vec<i32> = (0..acts.n * blocks)
+            .map(|i| {
+                let (t, b) = (i / blocks, i % blocks);
+                -128 * (acts.sum16(t, 2 * b) + acts.sum16(t, 2 * b + 1))
+            })
+            .collect();
         for (i, g) in groups.enumerate() {
             let mut t0 = 0;
             while t0 < acts.n {
                 let tn = T_MAX.min(acts.n - t0);
                 // SAFETY (all arms): the features are enabled here; group `g`
-                // lies inside the filled blocks and rows `t0..t0 + tn` inside
-                // the activations and `out`, as asserted above.
+                // lies inside the filled blocks, and rows `t0..t0 + tn` inside
+                // the activations, their scales, `starts` and `out`, as
+                // asserted above.
                 let y: [[f32; ROWS]; T_MAX] = unsafe {
                     match tn {
-                        1 => group_t::<1>(m, g, acts, t0),
-                        2 => group_t::<2>(m, g, acts, t0),
-                        3 => group_t::<3>(m, g, acts, t0),
-                        4 => group_t::<4>(m, g, acts, t0),
-                        5 => group_t::<5>(m, g, acts, t0),
-                        6 => group_t::<6>(m, g, acts, t0),
-                        7 => group_t::<7>(m, g, acts, t0),
-                        _ => group_t::<8>(m, g, acts, t0),
+                        1 => group_t::<1>(m, g, acts, &starts, t0),
+                        2 => group_t::<2>(m, g, acts, &starts, t0),
+                        3 => group_t::<3>(m, g, acts, &starts, t0),
+                        4 => group_t::<4>(m, g, acts, &starts, t0),
+                        5 => group_t::<5>(m, g, acts, &starts, t0),
+                        6 => group_t::<6>(m, g, acts, &starts, t0),
+                        7 => group_t::<7>(m, g, acts, &starts, t0),
+                        _ => group_t::<8>(m, g, acts, &starts, t0),
                     }
                 };
                 for (k, y) in y.iter().enumerate().take(tn) {
@@ -238,27 +248,30 @@ mod avx512 {
         }
     }
 
-    /// Row group `g` against the `T` activation rows from `t0`.
+    /// Row group `g` against the `T` activation rows from `t0`; `starts`
+    /// holds each activation block's starting sum (`[n, blocks]`).
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
     unsafe fn group_t<const T: usize>(
         m: &Q8_0Rows8,
         g: usize,
         acts: &QuantizedActs,
+        starts: &[i32],
         t0: usize,
     ) -> [[f32; ROWS]; T_MAX] {
         let blocks = m.blocks_per_row();
         let base = m.blocks().as_ptr().add(g * blocks * GROUP_BLOCK_BYTES);
         let qs: [*const u8; T] = std::array::from_fn(|k| acts.row(t0 + k).as_ptr().cast());
+        let first: [*const i32; T] =
+            std::array::from_fn(|k| starts.as_ptr().add((t0 + k) * blocks));
+        let scales: [*const f32; T] =
+            std::array::from_fn(|k| acts.scales.as_ptr().add((t0 + k) * blocks));
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..blocks {
             let blk = base.add(b * GROUP_BLOCK_BYTES);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
-            // Σ (q + 128) · a = Σ q · a + 128 · Σ a: each sum starts from −128 · Σ a.
-            let mut isum: [__m256i; T] = std::array::from_fn(|k| {
-                let t = t0 + k;
-                _mm256_set1_epi32(-128 * (acts.sum16(t, 2 * b) + acts.sum16(t, 2 * b + 1)))
-            });
+            let mut isum: [__m256i; T] =
+                std::array::from_fn(|k| _mm256_set1_epi32(*first[k].add(b)));
             for u in 0..BLOCK / 4 {
                 let w = _mm256_loadu_si256(blk.add(UNITS + 32 * u).cast());
                 for k in 0..T {
@@ -267,7 +280,7 @@ mod avx512 {
                 }
             }
             for k in 0..T {
-                let d = _mm256_mul_ps(dw, _mm256_set1_ps(acts.scale(t0 + k, b)));
+                let d = _mm256_mul_ps(dw, _mm256_set1_ps(*scales[k].add(b)));
                 acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[k]), d, acc[k]);
             }
         }
