@@ -4,6 +4,7 @@
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use gemma4_engine::{EngineConfig, EngineEvent, FinishReason, GenerationRequest, SamplingParams};
@@ -74,6 +75,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
             ..EngineConfig::default()
         },
     )?;
+    let prompt_len = prompt.len();
+    let submitted = Instant::now();
     let mut stream = engine
         .submit(GenerationRequest {
             prompt_ids: prompt,
@@ -89,9 +92,13 @@ pub fn run(args: Args) -> Result<ExitCode> {
         .context("the engine refused the prompt")?;
     let mut stdout = std::io::stdout();
     let mut ids = Vec::new();
+    // When the first and the last token arrived.
+    let mut arrivals: Option<(Instant, Instant)> = None;
     while let Some(event) = stream.blocking_next() {
         match event {
             EngineEvent::Token { id, text, .. } => {
+                let now = Instant::now();
+                arrivals = Some((arrivals.map_or(now, |(first, _)| first), now));
                 ids.push(id.to_string());
                 write!(stdout, "{text}")?;
                 stdout.flush()?;
@@ -108,5 +115,47 @@ pub fn run(args: Args) -> Result<ExitCode> {
     writeln!(stdout)?;
     stdout.flush()?;
     eprintln!("ids: {}", ids.join(","));
+    if let Some((first, last)) = arrivals {
+        eprintln!(
+            "{}",
+            timing(prompt_len, first - submitted, ids.len(), last - first)
+        );
+    }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One line on the run's speed: the prompt's tokens and the wait for the
+/// first generated token (the prefill), then the rate of the tokens after it
+/// (the decode steps).
+fn timing(prompt: usize, first_after: Duration, generated: usize, rest: Duration) -> String {
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let mut line = format!(
+        "timing: prompt {prompt} tokens, first token after {:.1} ms",
+        ms(first_after)
+    );
+    if generated > 1 && !rest.is_zero() {
+        let more = generated - 1;
+        line += &format!(
+            "; {more} more in {:.1} ms ({:.1} tok/s)",
+            ms(rest),
+            more as f64 / rest.as_secs_f64()
+        );
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timing_names_the_prefill_wait_and_the_decode_rate() {
+        let line = timing(7, Duration::from_millis(45), 33, Duration::from_millis(320));
+        assert_eq!(
+            line,
+            "timing: prompt 7 tokens, first token after 45.0 ms; 32 more in 320.0 ms (100.0 tok/s)"
+        );
+        let one = timing(7, Duration::from_millis(45), 1, Duration::ZERO);
+        assert_eq!(one, "timing: prompt 7 tokens, first token after 45.0 ms");
+    }
 }

@@ -424,6 +424,11 @@ fn generate_matches_the_reference_continuation() {
         .map(|v| v.to_string())
         .collect();
     assert!(text.contains(&format!("ids: {}", want.join(","))), "{text}");
+    assert!(
+        text.contains(&format!("timing: prompt {} tokens", ids.len()))
+            && text.contains("23 more in"),
+        "{text}"
+    );
 }
 
 #[test]
