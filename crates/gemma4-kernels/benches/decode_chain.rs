@@ -16,7 +16,7 @@ mod common;
 
 use std::time::Instant;
 
-use common::time;
+use common::{blocks, time};
 
 use gemma4_kernels::kquant_x8::Q4KRows8;
 use gemma4_kernels::{matmul_many, Precision, Rearranged, WeightMatrix};
@@ -32,17 +32,11 @@ const KINDS: [&str; 6] = [
     "per-layer projection",
 ];
 
-/// A Q4_K matrix (144 bytes per 256 values) of varied codes and sane
-/// scales, rearranged as a load on a VNNI machine holds it.
-fn q4k(rows: usize, cols: usize, seed: u32) -> Q4KRows8 {
-    let mut bytes: Vec<u8> = (0..rows * cols / 256 * 144)
-        .map(|i| ((i as u32).wrapping_mul(2_654_435_761).wrapping_add(seed) >> 24) as u8)
-        .collect();
-    for block in bytes.chunks_exact_mut(144) {
-        block[0..2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
-        block[2..4].copy_from_slice(&half::f16::from_f32(0.001).to_le_bytes());
-    }
-    Q4KRows8::from_gguf(&bytes, rows, cols).expect("whole groups of eight rows")
+/// A Q4_K matrix of varied codes and sane scales, rearranged as a load on
+/// a VNNI machine holds it.
+fn q4k(rows: usize, cols: usize) -> Q4KRows8 {
+    let gguf = blocks(rows, cols, 256, 144, &[0, 2]);
+    Q4KRows8::from_gguf(gguf.as_slice(), rows, cols).expect("whole groups of eight rows")
 }
 
 /// The products of one decode step: each entry is the matrices that read
@@ -50,20 +44,19 @@ fn q4k(rows: usize, cols: usize, seed: u32) -> Q4KRows8 {
 fn step_products(layers: usize) -> Vec<Vec<Q4KRows8>> {
     let mut products = Vec::with_capacity(layers * KINDS.len());
     for layer in 0..layers {
-        let seed = layer as u32 * 16;
         let shares_kv = layer >= 15;
         let ffn = if shares_kv { 2 * 6144 } else { 6144 };
-        let mut qkv = vec![q4k(2048, HIDDEN, seed)];
+        let mut qkv = vec![q4k(2048, HIDDEN)];
         if !shares_kv {
-            qkv.push(q4k(256, HIDDEN, seed + 1));
-            qkv.push(q4k(256, HIDDEN, seed + 2));
+            qkv.push(q4k(256, HIDDEN));
+            qkv.push(q4k(256, HIDDEN));
         }
         products.push(qkv);
-        products.push(vec![q4k(HIDDEN, 2048, seed + 3)]);
-        products.push(vec![q4k(ffn, HIDDEN, seed + 4), q4k(ffn, HIDDEN, seed + 5)]);
-        products.push(vec![q4k(HIDDEN, ffn, seed + 6)]);
-        products.push(vec![q4k(PER_LAYER, HIDDEN, seed + 7)]);
-        products.push(vec![q4k(HIDDEN, PER_LAYER, seed + 8)]);
+        products.push(vec![q4k(HIDDEN, 2048)]);
+        products.push(vec![q4k(ffn, HIDDEN), q4k(ffn, HIDDEN)]);
+        products.push(vec![q4k(HIDDEN, ffn)]);
+        products.push(vec![q4k(PER_LAYER, HIDDEN)]);
+        products.push(vec![q4k(HIDDEN, PER_LAYER)]);
     }
     products
 }
@@ -95,7 +88,7 @@ fn main() {
         .unwrap_or(35);
     let products = step_products(layers);
     let chain_bytes: usize = products.iter().map(|ms| bytes(ms)).sum();
-    let one = [q4k(131_072, HIDDEN, 999)];
+    let one = [q4k(131_072, HIDDEN)];
     let x: Vec<f32> = (0..2 * 6144).map(|i| (i as f32 * 0.37).sin()).collect();
     println!(
         "{layers} layers: {} products, {:.1} MB; one matrix {:.1} MB; {} threads",

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::time;
+use common::{blocks, time, values};
 
 use gemma4_kernels::float::{FloatMatrix, FloatType};
 use gemma4_kernels::int8::Int8Matrix;
@@ -18,27 +18,6 @@ use gemma4_kernels::q4::Q4Matrix;
 use gemma4_kernels::q8_0::{self, Q8_0Matrix};
 use gemma4_kernels::q8_0_x8;
 use gemma4_kernels::{matmul_with, Bytes, Precision, Rearranged, WeightMatrix, GEMM_MIN_ROWS};
-
-fn values(len: usize, seed: u32) -> Vec<f32> {
-    (0..len)
-        .map(|i| {
-            ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0 - 0.5
-        })
-        .collect()
-}
-
-/// Block bytes with sane f16 scales at offsets `halves` of each block.
-fn blocks(rows: usize, cols: usize, per: usize, bytes: usize, halves: &[usize]) -> Bytes {
-    let n = rows * cols / per;
-    let raw = values(n * bytes, 3);
-    let mut out: Vec<u8> = raw.iter().map(|v| ((v + 0.5) * 255.0) as u8).collect();
-    for blk in out.chunks_exact_mut(bytes) {
-        for &at in halves {
-            blk[at..at + 2].copy_from_slice(&half::f16::from_f32(0.01).to_le_bytes());
-        }
-    }
-    Bytes::from_vec(out)
-}
 
 fn gemm_f32(w: &[f32], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
     let mut y = vec![0f32; n * rows];
