@@ -5,9 +5,11 @@
 //! matrix in the eight-row interleaved Q4_K layout, about 1 GB in all.
 //! Against it, in the same process and interleaved, one 116 MB matrix of the
 //! same layout: the gap between the two read rates is what 210 products'
-//! starts, claims, ends and read-ahead cost over one large read. Prints the
-//! median GB/s of each and their ratio, then the rate of each kind of
-//! product. `CHAIN_LAYERS=N` shortens the chain.
+//! starts, claims, ends and read-ahead cost over one large read. And a
+//! plain read of as many bytes by the same threads (`bandwidth`): the gap
+//! between the large matrix and it is what the kernel's work costs over
+//! the memory's rate. Prints the median GB/s of each and their ratios, then
+//! the rate of each kind of product. `CHAIN_LAYERS=N` shortens the chain.
 //!
 //! The memory of a shared machine can change speed while this runs; the
 //! ratio is taken pass by pass, so read it rather than the rates.
@@ -97,20 +99,29 @@ fn main() {
         bytes(&one) as f64 / 1e6,
         gemma4_kernels::pool::global().threads()
     );
-    let (mut chain, mut single, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut chain, mut single, mut plain) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut ratio, mut of_plain) = (Vec::new(), Vec::new());
     for _ in 0..9 {
         let c =
             chain_bytes as f64 / time(3, || products.iter().for_each(|ms| product(ms, &x))) / 1e6;
         let s = bytes(&one) as f64 / time(6, || product(&one, &x)) / 1e6;
+        let p = gemma4_kernels::bandwidth::read_bandwidth(bytes(&one), 3) / 1e9;
         chain.push(c);
         single.push(s);
+        plain.push(p);
         ratio.push(c / s);
+        of_plain.push(s / p);
     }
     println!(
-        "chain {:5.1} GB/s   one matrix {:5.1} GB/s   chain / one {:.2} (median of 9 pass ratios)",
+        "chain {:5.1} GB/s   one matrix {:5.1} GB/s   plain read {:5.1} GB/s",
         median(chain),
         median(single),
-        median(ratio)
+        median(plain),
+    );
+    println!(
+        "chain / one {:.2}   one / plain read {:.2} (medians of 9 pass ratios)",
+        median(ratio),
+        median(of_plain)
     );
     // Each kind's share: timed one product at a time over five steps.
     let mut seconds = [0f64; KINDS.len()];

@@ -8,6 +8,7 @@ mod common;
 
 use common::{blocks, time, values};
 
+use gemma4_kernels::block32_x8;
 use gemma4_kernels::float::{FloatMatrix, FloatType};
 use gemma4_kernels::int8::Int8Matrix;
 use gemma4_kernels::intdot::has_vnni;
@@ -16,7 +17,6 @@ use gemma4_kernels::kquant_x8;
 use gemma4_kernels::legacy::{self, BlockMatrix};
 use gemma4_kernels::q4::Q4Matrix;
 use gemma4_kernels::q8_0::{self, Q8_0Matrix};
-use gemma4_kernels::q8_0_x8;
 use gemma4_kernels::{matmul_with, Bytes, Precision, Rearranged, WeightMatrix, GEMM_MIN_ROWS};
 
 fn gemm_f32(w: &[f32], rows: usize, cols: usize, x: &[f32], n: usize) -> Vec<f32> {
@@ -139,12 +139,16 @@ fn main() {
             Box::new(kquant_x8::Q6KRows8::from_gguf(q6k.as_slice(), rows, cols).expect("shape")),
         ]);
     }
-    // Q8_0 with eight rows interleaved, as loaded where VNNI is present.
-    if rows % q8_0_x8::ROWS == 0 {
-        let gguf = q8_0::quantize(&w, cols);
-        mats.push(Box::new(
-            q8_0_x8::Q8_0Rows8::from_gguf(&gguf, rows, cols).expect("shape"),
-        ));
+    // Q8_0, Q4_0 and Q5_0 with eight rows interleaved, as loaded where VNNI is present.
+    if rows % block32_x8::ROWS == 0 {
+        let q8 = q8_0::quantize(&w, cols);
+        let q4_0 = blocks(rows, cols, 32, 18, &[0]);
+        let q5_0 = blocks(rows, cols, 32, 22, &[0]);
+        mats.extend::<[Box<dyn WeightMatrix>; 3]>([
+            Box::new(block32_x8::Q8_0Rows8::from_gguf(&q8, rows, cols).expect("shape")),
+            Box::new(block32_x8::Q4_0Rows8::from_gguf(q4_0.as_slice(), rows, cols).expect("shape")),
+            Box::new(block32_x8::Q5_0Rows8::from_gguf(q5_0.as_slice(), rows, cols).expect("shape")),
+        ]);
     }
     // `cargo bench … -- Q8_0 int8` times only the storage types named.
     let only: Vec<String> = std::env::args()

@@ -561,10 +561,19 @@ mod tests {
             Box::new(Int8Matrix::quantize(&f)),
             Box::new(Q4Matrix::quantize(&f).expect("width").0),
         ];
-        if rows.is_multiple_of(crate::q8_0_x8::ROWS) {
+        if rows.is_multiple_of(crate::block32_x8::ROWS) {
+            use crate::block32_x8::{Q4_0Rows8, Q5_0Rows8, Q8_0Rows8};
             let q8 = q8_0::quantize(&values(rows * cols, 9, 0.3), cols);
+            let q4_0 = random_blocks(b32, 18, &[0], 11);
+            let q5_0 = random_blocks(b32, 22, &[0], 13);
             all.push(Box::new(
-                crate::q8_0_x8::Q8_0Rows8::from_gguf(&q8, rows, cols).expect("sizes"),
+                Q8_0Rows8::from_gguf(&q8, rows, cols).expect("sizes"),
+            ));
+            all.push(Box::new(
+                Q4_0Rows8::from_gguf(q4_0.as_slice(), rows, cols).expect("sizes"),
+            ));
+            all.push(Box::new(
+                Q5_0Rows8::from_gguf(q5_0.as_slice(), rows, cols).expect("sizes"),
             ));
         }
         // The k-quants' super-blocks span 256 columns.

@@ -17,7 +17,7 @@
 //! not exact. On a CPU with AVX-512 VNNI, products of
 //! [`INTGEMM_MIN_ROWS`] activation rows or more run on 16-row panels
 //! (module `intgemm`), and the layouts rearranged at load ([`kquant_x8`],
-//! [`q8_0_x8`]) run their own kernels for any number of rows.
+//! [`block32_x8`]) run their own kernels for any number of rows.
 //!
 //! Embedding tables use the same interface: a lookup widens only the rows
 //! of the step's tokens.
@@ -25,6 +25,7 @@
 pub mod acts;
 pub mod arena;
 pub mod bandwidth;
+pub mod block32_x8;
 mod bytes;
 mod dispatch;
 pub mod float;
@@ -43,7 +44,6 @@ mod order;
 pub mod pool;
 pub mod q4;
 pub mod q8_0;
-pub mod q8_0_x8;
 pub mod softcap;
 
 pub use acts::{ActBlock, QuantizedActs};

@@ -313,18 +313,26 @@ impl<'a> Weights<'a> {
                     quant => self.quantize(t, rows, cols, quant)?,
                 }
             }
-            // Q4_K, Q6_K and Q8_0 in the fast mode on a CPU with VNNI: eight
-            // rows interleaved for their kernels, a copy that replaces the mapping.
-            StoredDtype::Ggml(d @ (GgmlDType::Q4K | GgmlDType::Q6K | GgmlDType::Q8_0))
-                if !self.policy.exact
-                    && gemma4_kernels::intdot::has_vnni()
-                    && rows.is_multiple_of(kquant_x8::ROWS) =>
+            // Q4_K, Q6_K, Q8_0, Q4_0 and Q5_0 in the fast mode on a CPU with
+            // VNNI: eight rows interleaved for their kernels, a copy that
+            // replaces the mapping.
+            StoredDtype::Ggml(
+                d @ (GgmlDType::Q4K
+                | GgmlDType::Q6K
+                | GgmlDType::Q8_0
+                | GgmlDType::Q4_0
+                | GgmlDType::Q5_0),
+            ) if !self.policy.exact
+                && gemma4_kernels::intdot::has_vnni()
+                && rows.is_multiple_of(kquant_x8::ROWS) =>
             {
-                use gemma4_kernels::q8_0_x8::Q8_0Rows8;
+                use gemma4_kernels::block32_x8::{Q4_0Rows8, Q5_0Rows8, Q8_0Rows8};
                 use kquant_x8::{Q4KRows8, Q6KRows8};
                 let m = match d {
                     GgmlDType::Q4K => self.interleave::<Q4KRows8>(t, rows, cols)?,
                     GgmlDType::Q6K => self.interleave::<Q6KRows8>(t, rows, cols)?,
+                    GgmlDType::Q4_0 => self.interleave::<Q4_0Rows8>(t, rows, cols)?,
+                    GgmlDType::Q5_0 => self.interleave::<Q5_0Rows8>(t, rows, cols)?,
                     _ => self.interleave::<Q8_0Rows8>(t, rows, cols)?,
                 };
                 return Ok(self.kernel_linear(m));
