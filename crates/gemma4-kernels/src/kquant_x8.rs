@@ -453,17 +453,25 @@ mod avx512 {
             for p in 0..4 {
                 // Sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles, kept
                 // at 16× their level: no shift per unit, one per sum).
-                let mut lo = [_mm256_setzero_si256(); T];
-                let mut hi = [_mm256_setzero_si256(); T];
+                // With one activation row, even and odd units add into
+                // separate sums: two chains of four `vpdpbusd` per half
+                // instead of one of eight, whose latency set the pace.
+                let mut lo = [[_mm256_setzero_si256(); T]; 2];
+                let mut hi = [[_mm256_setzero_si256(); T]; 2];
                 for u in 0..8 {
+                    let e = if T == 1 { u % 2 } else { 0 };
                     let q = _mm256_loadu_si256(blk.add(QS + 32 * (8 * p + u)) as *const __m256i);
                     let (ql, qh) = (_mm256_and_si256(q, low), _mm256_and_si256(q, high));
                     for k in 0..T {
                         let at = 256 * s + 64 * p + 4 * u;
-                        lo[k] = _mm256_dpbusd_epi32(lo[k], ql, a.bcast(k, at));
-                        hi[k] = _mm256_dpbusd_epi32(hi[k], qh, a.bcast(k, at + 32));
+                        lo[e][k] = _mm256_dpbusd_epi32(lo[e][k], ql, a.bcast(k, at));
+                        hi[e][k] = _mm256_dpbusd_epi32(hi[e][k], qh, a.bcast(k, at + 32));
                     }
                 }
+                let lo: [__m256i; T] =
+                    std::array::from_fn(|k| _mm256_add_epi32(lo[0][k], lo[1][k]));
+                let hi: [__m256i; T] =
+                    std::array::from_fn(|k| _mm256_add_epi32(hi[0][k], hi[1][k]));
                 let scale = |j: usize| {
                     _mm256_cvtepu8_epi32(_mm_loadl_epi64(
                         blk.add(SCALES + ROWS * j) as *const __m128i
