@@ -430,6 +430,9 @@ mod avx512 {
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
             let mut isum: [__m256i; T] =
                 std::array::from_fn(|k| _mm256_set1_epi32(*first[k].add(b)));
+            // With one activation row, the high units add into a sum of
+            // their own: two chains of four `vpdpbusd` instead of one of eight.
+            let mut isum2 = [_mm256_setzero_si256(); T];
             for j in 0..4 {
                 let [wa, wb] = units::<L>(blk, j);
                 for k in 0..T {
@@ -437,9 +440,14 @@ mod avx512 {
                         _mm256_set1_epi32(qs[k].add(BLOCK * b + at).cast::<i32>().read_unaligned())
                     };
                     isum[k] = _mm256_dpbusd_epi32(isum[k], wa, four(4 * j));
-                    isum[k] = _mm256_dpbusd_epi32(isum[k], wb, four(16 + 4 * j));
+                    if T == 1 {
+                        isum2[k] = _mm256_dpbusd_epi32(isum2[k], wb, four(16 + 4 * j));
+                    } else {
+                        isum[k] = _mm256_dpbusd_epi32(isum[k], wb, four(16 + 4 * j));
+                    }
                 }
             }
+            let isum: [__m256i; T] = std::array::from_fn(|k| _mm256_add_epi32(isum[k], isum2[k]));
             for k in 0..T {
                 let d = _mm256_mul_ps(dw, _mm256_set1_ps(*scales[k].add(b)));
                 acc[k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[k]), d, acc[k]);
