@@ -326,6 +326,9 @@ mod avx512 {
 
     /// Activation rows that share each load of a weight unit.
     const T_MAX: usize = 8;
+    /// Activation rows at a time when two row groups share each broadcast
+    /// (the registers hold four rows' sums for both groups).
+    const T_PAIR: usize = 4;
 
     /// `out[t · len + 8 · (g − groups.start) + r] = Σ_c acts[t, c] ·
     /// W[8g + r, c]` for the row groups `groups` (`len` = 8 · their count),
@@ -352,7 +355,39 @@ mod avx512 {
                 -L::OFFSET * (acts.sum16(t, 2 * b) + acts.sum16(t, 2 * b + 1))
             })
             .collect();
-        for (i, g) in groups.enumerate() {
+        // With several activation rows, the broadcasts of four of their bytes
+        // are what the loads wait on: two row groups share each of them.
+        let paired = if acts.n > 1 { groups.len() / 2 * 2 } else { 0 };
+        let o = out.as_mut_ptr();
+        for i in (0..paired).step_by(2) {
+            let mut t0 = 0;
+            while t0 < acts.n {
+                let tn = T_PAIR.min(acts.n - t0);
+                // SAFETY (all arms): the features are enabled here; groups
+                // `g, g + 1` lie inside the filled blocks, rows `t0..t0 + tn`
+                // inside the activations, their scales, `starts` and `out`
+                // (whose columns `8i..8i + 16` they write), as asserted above.
+                unsafe {
+                    let at = (
+                        m,
+                        groups.start + i,
+                        acts,
+                        &starts[..],
+                        t0,
+                        o.add(i * ROWS),
+                        len,
+                    );
+                    match tn {
+                        1 => pair_t::<L, 1>(at),
+                        2 => pair_t::<L, 2>(at),
+                        3 => pair_t::<L, 3>(at),
+                        _ => pair_t::<L, 4>(at),
+                    }
+                }
+                t0 += tn;
+            }
+        }
+        for (i, g) in groups.enumerate().skip(paired) {
             let mut t0 = 0;
             while t0 < acts.n {
                 let tn = T_MAX.min(acts.n - t0);
@@ -458,6 +493,72 @@ mod avx512 {
             _mm256_storeu_ps(y[k].as_mut_ptr(), acc[k]);
         }
         y
+    }
+
+    /// Where [`pair_t`] works: the matrix, its first row group `g`, the
+    /// activations, their blocks' starting sums (`[n, blocks]`), the first
+    /// activation row `t0`, and the output at group `g`'s first column with
+    /// the output's row length.
+    type At<'a, L> = (
+        &'a Rows8x32<L>,
+        usize,
+        &'a QuantizedActs,
+        &'a [i32],
+        usize,
+        *mut f32,
+        usize,
+    );
+
+    /// [`group_t`] for row groups `g` and `g + 1` at once, each broadcast
+    /// of activation bytes feeding both: row `t0 + k`'s sums for group
+    /// `g + h` go to `out + (t0 + k) · len + 8h`.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+    unsafe fn pair_t<L: Layout32, const T: usize>(at: At<L>) {
+        let (m, g, acts, starts, t0, out, len) = at;
+        let blocks = m.blocks_per_row();
+        let block_bytes = Rows8x32::<L>::GROUP_BLOCK_BYTES;
+        let base: [*const u8; 2] =
+            std::array::from_fn(|h| m.blocks().as_ptr().add((g + h) * blocks * block_bytes));
+        let qs: [*const u8; T] = std::array::from_fn(|k| acts.row(t0 + k).as_ptr().cast());
+        let first: [*const i32; T] =
+            std::array::from_fn(|k| starts.as_ptr().add((t0 + k) * blocks));
+        let scales: [*const f32; T] =
+            std::array::from_fn(|k| acts.scales.as_ptr().add((t0 + k) * blocks));
+        let mut acc = [[_mm256_setzero_ps(); T]; 2];
+        for b in 0..blocks {
+            let blk: [*const u8; 2] = std::array::from_fn(|h| base[h].add(b * block_bytes));
+            let dw: [__m256; 2] =
+                std::array::from_fn(|h| _mm256_cvtph_ps(_mm_loadu_si128(blk[h].cast())));
+            let mut isum: [[__m256i; T]; 2] = std::array::from_fn(|_| {
+                std::array::from_fn(|k| _mm256_set1_epi32(*first[k].add(b)))
+            });
+            for j in 0..4 {
+                let units: [[__m256i; 2]; 2] = std::array::from_fn(|h| units::<L>(blk[h], j));
+                for k in 0..T {
+                    let four = |at: usize| {
+                        _mm256_set1_epi32(qs[k].add(BLOCK * b + at).cast::<i32>().read_unaligned())
+                    };
+                    let (lo, hi) = (four(4 * j), four(16 + 4 * j));
+                    for h in 0..2 {
+                        let [wa, wb] = units[h];
+                        isum[h][k] = _mm256_dpbusd_epi32(isum[h][k], wa, lo);
+                        isum[h][k] = _mm256_dpbusd_epi32(isum[h][k], wb, hi);
+                    }
+                }
+            }
+            for h in 0..2 {
+                for k in 0..T {
+                    let d = _mm256_mul_ps(dw[h], _mm256_set1_ps(*scales[k].add(b)));
+                    acc[h][k] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[h][k]), d, acc[h][k]);
+                }
+            }
+        }
+        for (h, acc) in acc.iter().enumerate() {
+            for (k, acc) in acc.iter().enumerate() {
+                _mm256_storeu_ps(out.add((t0 + k) * len + ROWS * h), *acc);
+            }
+        }
     }
 }
 
