@@ -462,6 +462,7 @@ mod avx512 {
         let mut acc = [_mm256_setzero_ps(); T];
         for b in 0..blocks {
             let blk = base.add(b * block_bytes);
+            crate::prefetch_ahead(blk, block_bytes);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(blk.cast()));
             let mut isum: [__m256i; T] =
                 std::array::from_fn(|k| _mm256_set1_epi32(*first[k].add(b)));
@@ -528,6 +529,8 @@ mod avx512 {
         let mut acc = [[_mm256_setzero_ps(); T]; 2];
         for b in 0..blocks {
             let blk: [*const u8; 2] = std::array::from_fn(|h| base[h].add(b * block_bytes));
+            blk.iter()
+                .for_each(|&blk| crate::prefetch_ahead(blk, block_bytes));
             let dw: [__m256; 2] =
                 std::array::from_fn(|h| _mm256_cvtph_ps(_mm_loadu_si128(blk[h].cast())));
             let mut isum: [[__m256i; T]; 2] = std::array::from_fn(|_| {

@@ -449,6 +449,7 @@ mod avx512 {
         let mut acc = [_mm256_setzero_ps(); T];
         for s in 0..supers {
             let blk = w.add(s * BYTES);
+            crate::prefetch_ahead(blk, BYTES);
             let mut sum = [_mm256_setzero_si256(); T];
             for p in 0..4 {
                 // Sub-blocks 2p (low nibbles) and 2p + 1 (high nibbles, kept
@@ -530,6 +531,7 @@ mod avx512 {
         let mut acc = [_mm256_setzero_ps(); T];
         for s in 0..supers {
             let blk = w.add(s * BYTES);
+            crate::prefetch_ahead(blk, BYTES);
             let mut sum = [_mm256_setzero_si256(); T];
             for n in 0..2 {
                 for half in 0..2 {
