@@ -86,6 +86,16 @@ pub trait KvStore {
         let (k, v, first) = self.read(layer, seq)?;
         attend_gathered(&k, &v, first, queries)
     }
+
+    /// [`KvStore::attend`] for several sequences of one layer at once
+    /// (`(seq, queries)` pairs), the outputs in the same order. A store
+    /// may share work across the batch; each output is what `attend` gives.
+    fn attend_batch(&self, layer: usize, batch: Vec<(usize, Queries<'_>)>) -> Result<Vec<Tensor>> {
+        batch
+            .into_iter()
+            .map(|(seq, queries)| self.attend(layer, seq, queries))
+            .collect()
+    }
 }
 
 /// Score elements (query rows × keys, every head) one tile of

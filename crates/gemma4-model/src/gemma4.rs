@@ -733,8 +733,14 @@ impl DecoderLayer {
             ImageAttention::SlidingWindows => sliding,
             ImageAttention::EveryLayer => true,
         };
-        let mut outs = Vec::with_capacity(spans.len());
+        // Every sequence's queries against its own context, in one call so
+        // the store can share the work across the batch.
+        let mut batch = Vec::with_capacity(spans.len());
+        let mut q_parts = Vec::with_capacity(spans.len());
         for sp in spans {
+            q_parts.push(q.narrow(0, sp.offset, sp.len)?);
+        }
+        for (sp, q) in spans.iter().zip(&q_parts) {
             let visibility = Visibility {
                 window: sliding.then_some(at.sliding_window),
                 blocks: if image_blocks {
@@ -745,13 +751,14 @@ impl DecoderLayer {
                 blocks_escape_window: step.image_attention == ImageAttention::EveryLayer,
             };
             let queries = Queries {
-                q: &q.narrow(0, sp.offset, sp.len)?,
+                q,
                 start: sp.start,
                 scale: at.scale,
                 visibility,
             };
-            outs.push(kv.attend(source, sp.seq, queries)?);
+            batch.push((sp.seq, queries));
         }
+        let mut outs = kv.attend_batch(source, batch)?;
         let out = if outs.len() == 1 {
             outs.pop()
                 .ok_or_else(|| ModelError::Input("empty batch".into()))?

@@ -8,7 +8,7 @@
 
 use candle_core::{CpuStorage, DType, Device, Storage, Tensor};
 
-use crate::attend::{InPlace, Int8Rows, Plain, PoolValue};
+use crate::attend::{run_batch, InPlace, Int8Rows, Job, Plain, PoolValue};
 use crate::cache::{attend_gathered, KvStore, Queries};
 use crate::config::{AttentionKind, KvSource, TextConfig};
 use crate::error::{ModelError, Result};
@@ -393,16 +393,10 @@ fn pool_slice<T: PoolValue>(
     }
 }
 
-/// Attention read in place from a CPU pool; `None` for pools it cannot read
-/// directly (another device, or a non-contiguous view).
-fn attend_in_place(
-    pool: &LayerPool,
-    shape: &InPlace<'_>,
-    q: &[f32],
-    heads: usize,
-    queries: &Queries<'_>,
-) -> Option<Vec<f32>> {
-    let hd = shape.head_dim;
+/// Attention of a batch's jobs read in place from a CPU pool; `None` for
+/// pools it cannot read directly (another device, or a non-contiguous view).
+fn attend_in_place(pool: &LayerPool, heads: usize, jobs: &[Job<'_>]) -> Option<Vec<Vec<f32>>> {
+    let hd = jobs.first()?.shape.head_dim;
     let (ks, kl) = pool.k.storage_and_layout();
     let (vs, vl) = pool.v.storage_and_layout();
     if !(kl.is_contiguous() && vl.is_contiguous()) {
@@ -415,14 +409,24 @@ fn attend_in_place(
                 pool_slice(&ks, ko, f32_data)?,
                 pool_slice(&vs, vo, f32_data)?,
             );
-            Some(shape.run(&Plain::new(k, hd), &Plain::new(v, hd), q, heads, queries))
+            Some(run_batch(
+                &Plain::new(k, hd),
+                &Plain::new(v, hd),
+                heads,
+                jobs,
+            ))
         }
         (None, DType::BF16) => {
             let (k, v) = (
                 pool_slice(&ks, ko, bf16_data)?,
                 pool_slice(&vs, vo, bf16_data)?,
             );
-            Some(shape.run(&Plain::new(k, hd), &Plain::new(v, hd), q, heads, queries))
+            Some(run_batch(
+                &Plain::new(k, hd),
+                &Plain::new(v, hd),
+                heads,
+                jobs,
+            ))
         }
         (Some((k_scales, v_scales)), DType::U8) => {
             let (kss, ksl) = k_scales.storage_and_layout();
@@ -440,7 +444,7 @@ fn attend_in_place(
                 pool_slice(&vss, vsl.start_offset(), f32_data)?,
                 hd,
             );
-            Some(shape.run(&k, &v, q, heads, queries))
+            Some(run_batch(&k, &v, heads, jobs))
         }
         _ => None,
     }
@@ -501,29 +505,62 @@ impl KvStore for PagedView<'_> {
     }
 
     fn attend(&self, layer: usize, seq: usize, queries: Queries<'_>) -> Result<Tensor> {
-        let (n, heads, hd) = queries.q.dims3()?;
+        self.attend_batch(layer, vec![(seq, queries)])?
+            .pop()
+            .ok_or_else(|| ModelError::Input("no attention output".into()))
+    }
+
+    fn attend_batch(&self, layer: usize, batch: Vec<(usize, Queries<'_>)>) -> Result<Vec<Tensor>> {
         let pool = self.pool.layer(layer)?;
-        if n > crate::attend::IN_PLACE_MAX_QUERIES {
-            let (k, v, first) = self.read(layer, seq)?;
-            return attend_gathered(&k, &v, first, queries);
-        }
-        let (slots, first) = self.live_slots(layer, seq)?;
-        let shape = InPlace {
-            slots: &slots,
-            first,
-            kv_heads: pool.k.dim(1)?,
-            head_dim: hd,
-        };
-        let q = queries.q.flatten_all()?.to_vec1::<f32>()?;
-        let out = attend_in_place(pool, &shape, &q, heads, &queries);
-        match out {
-            Some(out) => Ok(Tensor::from_vec(out, (n, heads * hd), queries.q.device())?),
-            // Not a CPU pool: gather and use the device's matrix products.
-            None => {
-                let (k, v, first) = self.read(layer, seq)?;
-                attend_gathered(&k, &v, first, queries)
+        let kv_heads = pool.k.dim(1)?;
+        let mut outs: Vec<Option<Tensor>> = batch.iter().map(|_| None).collect();
+        // Few query rows (decode steps): read in place, the whole batch in
+        // one dispatch; each sequence's live slots and f32 queries first.
+        let mut in_place = Vec::new();
+        for (i, (seq, queries)) in batch.iter().enumerate() {
+            if queries.q.dim(0)? <= crate::attend::IN_PLACE_MAX_QUERIES {
+                let (slots, first) = self.live_slots(layer, *seq)?;
+                let q = queries.q.flatten_all()?.to_vec1::<f32>()?;
+                in_place.push((i, slots, first, q));
             }
         }
+        if let Some(&(i, ..)) = in_place.first() {
+            let (_, heads, hd) = batch[i].1.q.dims3()?;
+            let jobs: Vec<Job<'_>> = in_place
+                .iter()
+                .map(|(i, slots, first, q)| Job {
+                    shape: InPlace {
+                        slots,
+                        first: *first,
+                        kv_heads,
+                        head_dim: hd,
+                    },
+                    q,
+                    queries: &batch[*i].1,
+                })
+                .collect();
+            // `None`: not a CPU pool; those take the gathered path below.
+            if let Some(results) = attend_in_place(pool, heads, &jobs) {
+                for ((i, ..), out) in in_place.iter().zip(results) {
+                    let n = batch[*i].1.q.dim(0)?;
+                    let device = batch[*i].1.q.device();
+                    outs[*i] = Some(Tensor::from_vec(out, (n, heads * hd), device)?);
+                }
+            }
+        }
+        // Prompts, and pools that cannot be read in place: gather the
+        // context and use the device's matrix products.
+        batch
+            .into_iter()
+            .zip(outs)
+            .map(|((seq, queries), out)| match out {
+                Some(out) => Ok(out),
+                None => {
+                    let (k, v, first) = self.read(layer, seq)?;
+                    attend_gathered(&k, &v, first, queries)
+                }
+            })
+            .collect()
     }
 }
 
