@@ -3,6 +3,7 @@
 //! prefill path), in the same run. Gemma 3 270M's attention shape (4 query
 //! heads, 1 KV head, head_dim 256) on one full-attention layer; one query.
 //! Prints microseconds per call and the ratio, per context length and pool type.
+//! Then four sequences' queries in one batch call against one call each.
 
 use std::time::Instant;
 
@@ -97,6 +98,80 @@ fn main() {
             let (a, b) = (median(in_place), median(gathered));
             println!(
                 "  {:>4} ctx {ctx:>5}: in place {a:>8.1} us, gathered {b:>8.1} us ({:.2}x faster)",
+                dtype.name(),
+                b / a
+            );
+        }
+    }
+    batched(&cfg, layer, heads, bs);
+}
+
+/// Four sequences' decode queries in one `attend_batch` call against one
+/// `attend` call per sequence: the batch reads each context once per
+/// thread for all the query heads, one pool dispatch for the four.
+fn batched(cfg: &TextConfig, layer: usize, heads: usize, bs: usize) {
+    let groups = kv_groups(cfg);
+    let spec = &cfg.layers[layer];
+    let (kvh, hd, seqs) = (spec.num_kv_heads, spec.head_dim, 4);
+    println!("{seqs} sequences, one query each: one batch call vs one call per sequence");
+    for dtype in [KvDtype::F32, KvDtype::Bf16] {
+        for ctx in [512usize, 2048] {
+            let blocks = ctx.div_ceil(bs);
+            let mut pool = PagedKvPool::new(
+                cfg,
+                bs,
+                &vec![seqs * blocks + 1; groups.len()],
+                dtype,
+                &Device::Cpu,
+            )
+            .expect("pool");
+            let batch: Vec<SeqBlocks> = (0..seqs)
+                .map(|s| SeqBlocks {
+                    groups: (0..groups.len())
+                        .map(|_| GroupBlocks {
+                            first_block: 0,
+                            blocks: ((s * blocks) as u32..((s + 1) * blocks) as u32)
+                                .rev()
+                                .collect(),
+                        })
+                        .collect(),
+                    len_after_step: ctx,
+                })
+                .collect();
+            let mut view = pool.view(&batch);
+            for s in 0..seqs {
+                let kv = Tensor::randn(0f32, 1.0, (ctx, kvh, hd), &Device::Cpu).expect("kv");
+                view.write(layer, s, 0, &kv, &kv).expect("write");
+            }
+            let qs: Vec<Tensor> = (0..seqs)
+                .map(|_| Tensor::randn(0f32, 1.0, (1, heads, hd), &Device::Cpu).expect("q"))
+                .collect();
+            let queries = |s: usize| Queries {
+                q: &qs[s],
+                start: ctx - 1,
+                scale: 0.0625,
+                visibility: Visibility::causal(None),
+            };
+            let reps = 100;
+            let (mut together, mut apart) = (Vec::new(), Vec::new());
+            for _ in 0..5 {
+                let t = Instant::now();
+                for _ in 0..reps {
+                    let all = (0..seqs).map(|s| (s, queries(s))).collect();
+                    view.attend_batch(layer, all).expect("attend_batch");
+                }
+                together.push(t.elapsed().as_secs_f64() * 1e6 / reps as f64);
+                let t = Instant::now();
+                for _ in 0..reps {
+                    for s in 0..seqs {
+                        view.attend(layer, s, queries(s)).expect("attend");
+                    }
+                }
+                apart.push(t.elapsed().as_secs_f64() * 1e6 / reps as f64);
+            }
+            let (a, b) = (median(together), median(apart));
+            println!(
+                "  {:>4} ctx {ctx:>5}: one batch {a:>8.1} us, per sequence {b:>8.1} us ({:.2}x faster)",
                 dtype.name(),
                 b / a
             );
