@@ -31,6 +31,24 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
+/// Microseconds per call of `a` and of `b`: medians of five rounds of
+/// `reps` calls each, the two alternating.
+fn alternating_us(reps: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (f64, f64) {
+    let per_call = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        for _ in 0..reps {
+            f();
+        }
+        t.elapsed().as_secs_f64() * 1e6 / reps as f64
+    };
+    let (mut ta, mut tb) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        ta.push(per_call(&mut a));
+        tb.push(per_call(&mut b));
+    }
+    (median(ta), median(tb))
+}
+
 fn main() {
     let cfg = config();
     let groups = kv_groups(&cfg);
@@ -79,23 +97,16 @@ fn main() {
                 scale: 0.0625,
                 visibility: Visibility::causal(None),
             };
-            let reps = 200;
-            let mut in_place = Vec::new();
-            let mut gathered = Vec::new();
-            for _ in 0..5 {
-                let t = Instant::now();
-                for _ in 0..reps {
+            let (a, b) = alternating_us(
+                200,
+                || {
                     view.attend(layer, 0, queries).expect("attend");
-                }
-                in_place.push(t.elapsed().as_secs_f64() * 1e6 / reps as f64);
-                let t = Instant::now();
-                for _ in 0..reps {
+                },
+                || {
                     let (k, v, first) = view.read(layer, 0).expect("read");
                     attend_gathered(&k, &v, first, queries).expect("gathered");
-                }
-                gathered.push(t.elapsed().as_secs_f64() * 1e6 / reps as f64);
-            }
-            let (a, b) = (median(in_place), median(gathered));
+                },
+            );
             println!(
                 "  {:>4} ctx {ctx:>5}: in place {a:>8.1} us, gathered {b:>8.1} us ({:.2}x faster)",
                 dtype.name(),
@@ -152,24 +163,18 @@ fn batched(cfg: &TextConfig, layer: usize, heads: usize, bs: usize) {
                 scale: 0.0625,
                 visibility: Visibility::causal(None),
             };
-            let reps = 100;
-            let (mut together, mut apart) = (Vec::new(), Vec::new());
-            for _ in 0..5 {
-                let t = Instant::now();
-                for _ in 0..reps {
+            let (a, b) = alternating_us(
+                100,
+                || {
                     let all = (0..seqs).map(|s| (s, queries(s))).collect();
                     view.attend_batch(layer, all).expect("attend_batch");
-                }
-                together.push(t.elapsed().as_secs_f64() * 1e6 / reps as f64);
-                let t = Instant::now();
-                for _ in 0..reps {
+                },
+                || {
                     for s in 0..seqs {
                         view.attend(layer, s, queries(s)).expect("attend");
                     }
-                }
-                apart.push(t.elapsed().as_secs_f64() * 1e6 / reps as f64);
-            }
-            let (a, b) = (median(together), median(apart));
+                },
+            );
             println!(
                 "  {:>4} ctx {ctx:>5}: one batch {a:>8.1} us, per sequence {b:>8.1} us ({:.2}x faster)",
                 dtype.name(),
