@@ -7,6 +7,8 @@
 //! a minimum (Q4_0's −8, Q4_K's mins, Q6_K's −32) fold it in through these
 //! sums instead of per value.
 
+use std::sync::Mutex;
+
 /// The block length a weight format's integer kernel wants its
 /// activations in: 32 for ggml's small-block formats and our layouts, 256
 /// for the k-quants' super-blocks.
@@ -25,6 +27,12 @@ impl ActBlock {
         }
     }
 }
+
+/// Values (rows × width) from which a rounding is split over the threads.
+const PARALLEL_VALUES: usize = 1 << 15;
+
+/// One thread's rows: activations in, quants, scales and sums out.
+type Share<'a> = (&'a [f32], &'a mut [i8], &'a mut [f32], &'a mut [i32]);
 
 /// `n` rows of `cols` activations rounded to 8 bits per block.
 #[derive(Debug, Clone)]
@@ -56,7 +64,32 @@ impl QuantizedActs {
         let mut qs = vec![0i8; n * cols];
         let mut scales = vec![0f32; n * cols / len];
         let mut sums = vec![0i32; n * cols / 16];
-        round_blocks(x, len, &mut qs, &mut scales, &mut sums);
+        // A prompt's activations are rounded by every thread, a share of
+        // rows each (the blocks are independent, so the values are the
+        // same); a decode step's few rows are not worth waking a worker.
+        let pool = crate::pool::global();
+        let parts = if n * cols >= PARALLEL_VALUES {
+            pool.threads().min(n)
+        } else {
+            1
+        };
+        let rows = n.div_ceil(parts.max(1)).max(1);
+        let shares: Vec<Mutex<Share>> = if n * cols == 0 {
+            Vec::new()
+        } else {
+            x.chunks(rows * cols)
+                .zip(qs.chunks_mut(rows * cols))
+                .zip(scales.chunks_mut(rows * cols / len))
+                .zip(sums.chunks_mut(rows * cols / 16))
+                .map(|(((x, qs), scales), sums)| Mutex::new((x, qs, scales, sums)))
+                .collect()
+        };
+        pool.run(shares.len(), &|i| {
+            let mut share = shares[i].lock().unwrap_or_else(|e| e.into_inner());
+            let (x, qs, scales, sums) = &mut *share;
+            round_blocks(x, len, qs, scales, sums);
+        });
+        drop(shares);
         let (g, blocks) = (crate::intdot::GROUP, cols / len);
         let mut group_scales = vec![0f32; n.div_ceil(g) * blocks * g];
         for t in 0..n {
@@ -125,8 +158,17 @@ fn round_blocks_body(x: &[f32], len: usize, qs: &mut [i8], scales: &mut [f32], s
         *d = amax / 127.0;
         let inv = if amax > 0.0 { 127.0 / amax } else { 0.0 };
         for (q, &v) in qb.iter_mut().zip(xb) {
-            // NaN casts to 0, as `as i8` does.
-            *q = (v * inv).round().clamp(-127.0, 127.0) as i32 as i8;
+            // NaN rounds to 0, as `as i8` would cast it. A select and a plain
+            // conversion of a value known to fit both vectorize; the
+            // saturating `as` cast ran lane by lane.
+            let r = (v * inv).round();
+            let r = if r.is_nan() {
+                0.0
+            } else {
+                r.clamp(-127.0, 127.0)
+            };
+            // SAFETY: `r` is finite and within [-127, 127].
+            *q = unsafe { r.to_int_unchecked::<i32>() } as i8;
         }
     }
     for (s, g) in sums.iter_mut().zip(qs.chunks_exact(16)) {

@@ -49,6 +49,7 @@ pub mod softcap;
 pub use acts::{ActBlock, QuantizedActs};
 pub use bytes::Bytes;
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 /// A row-major `[rows, cols]` weight matrix in some storage.
@@ -276,9 +277,8 @@ pub fn matmul_many(
         n * cols,
         "activations do not match the weight's width"
     );
-    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; n * w.rows()]).collect();
     if n == 0 {
-        return ys;
+        return ws.iter().map(|_| Vec::new()).collect();
     }
     // Many activation rows (prefill) take the integer panels where the CPU
     // has VNNI; elsewhere dequantized tiles and f32 `gemm` are faster than
@@ -341,6 +341,11 @@ pub fn matmul_many(
     // activation row, the chunk's rows of the output itself (nothing to
     // copy); with more, a part of one buffer, copied out row by row after.
     let lens: Vec<usize> = jobs.iter().map(|(_, r)| n * r.len()).collect();
+    let mut ys: Vec<Vec<f32>> = if n == 1 {
+        ws.iter().map(|w| vec![0f32; w.rows()]).collect()
+    } else {
+        Vec::new()
+    };
     let mut scratch = vec![0f32; if n == 1 { 0 } else { lens.iter().sum() }];
     {
         let buffers: Vec<&mut [f32]> = if n == 1 {
@@ -374,17 +379,85 @@ pub fn matmul_many(
         pool.read_ahead(runs);
     }
     if n > 1 {
-        let mut at = 0;
-        for (i, range) in &jobs {
-            let (y, rows, len) = (&mut ys[*i], ws[*i].rows(), range.len());
-            for t in 0..n {
-                y[t * rows + range.start..t * rows + range.end]
-                    .copy_from_slice(&scratch[at + t * len..at + (t + 1) * len]);
-            }
-            at += n * len;
-        }
+        ys = place_parts(ws, &jobs, &scratch, n, pool);
     }
     ys
+}
+
+/// Output values from which [`place_parts`] splits its copying over the
+/// threads (a prompt's products; a decode step's few rows stay on the
+/// caller).
+const PARALLEL_PLACE_VALUES: usize = 1 << 16;
+
+/// The `[n, rows]` outputs of a several-row product, from the parts its
+/// chunks wrote into `scratch` (`[n, range.len()]` each, in `jobs` order).
+/// The copying writes every output value once, so the outputs are not
+/// zeroed first; with many values, bands of activation rows go to the pool.
+fn place_parts(
+    ws: &[&dyn WeightMatrix],
+    jobs: &[(usize, Range<usize>)],
+    scratch: &[f32],
+    n: usize,
+    pool: &pool::Pool,
+) -> Vec<Vec<f32>> {
+    let mut starts = Vec::with_capacity(jobs.len());
+    let mut at = 0;
+    for (_, range) in jobs {
+        starts.push(at);
+        at += n * range.len();
+    }
+    let values: usize = ws.iter().map(|w| n * w.rows()).sum();
+    let bands = if values >= PARALLEL_PLACE_VALUES {
+        pool.threads()
+    } else {
+        1
+    };
+    let band = n.div_ceil(bands);
+    let mut ys: Vec<Vec<MaybeUninit<f32>>> = ws
+        .iter()
+        .map(|w| {
+            let mut y = Vec::with_capacity(n * w.rows());
+            // SAFETY: `MaybeUninit` values need no initialization.
+            unsafe { y.set_len(n * w.rows()) };
+            y
+        })
+        .collect();
+    let mut owners = Vec::new();
+    let mut parts: Vec<&mut [MaybeUninit<f32>]> = Vec::new();
+    for (i, y) in ys.iter_mut().enumerate() {
+        for (b, part) in y.chunks_mut((band * ws[i].rows()).max(1)).enumerate() {
+            owners.push((i, b * band));
+            parts.push(part);
+        }
+    }
+    let place = |p: usize, out: &mut [MaybeUninit<f32>]| {
+        let (i, t0) = owners[p];
+        let rows = ws[i].rows();
+        for (j, (_, range)) in jobs.iter().enumerate().filter(|(_, (m, _))| *m == i) {
+            let len = range.len();
+            for (k, y) in out.chunks_exact_mut(rows).enumerate() {
+                let from = starts[j] + (t0 + k) * len;
+                y[range.clone()].write_copy_of_slice(&scratch[from..from + len]);
+            }
+        }
+    };
+    if bands > 1 {
+        pool.for_each_part(parts, &place);
+    } else {
+        for (p, part) in parts.into_iter().enumerate() {
+            place(p, part);
+        }
+    }
+    ys.into_iter()
+        .map(|y| {
+            let mut y = std::mem::ManuallyDrop::new(y);
+            // SAFETY: the chunks of each matrix cover its rows `0..rows`
+            // without overlap, and the bands cover its activation rows, so
+            // `place` wrote every value; `MaybeUninit<f32>` has `f32`'s
+            // layout, and the pointer, length and capacity are the vector's own.
+            unsafe { Vec::from_raw_parts(y.as_mut_ptr().cast::<f32>(), y.len(), y.capacity()) }
+        })
+        .collect()
 }
 
 /// `out` (`[n, rows.len()]`) for weight rows `rows`, tile by tile: widen

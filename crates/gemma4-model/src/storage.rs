@@ -14,7 +14,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::quantized::{GgmlDType, QMatMul, QStorage, QTensor};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{CpuStorage, Device, Module, Storage, Tensor};
 use gemma4_kernels::float::{FloatMatrix, FloatType};
 use gemma4_kernels::kquant::{self, SuperBlockMatrix};
 use gemma4_kernels::legacy::{self, BlockMatrix};
@@ -81,10 +81,11 @@ impl Linear {
         let Some(kernels) = joint.filter(|k| k.len() > 1) else {
             return linears.iter().map(|l| l.forward(x)).collect();
         };
-        let (xs, n) = activations(x, kernels[0].0.cols())?;
         let ws: Vec<&dyn WeightMatrix> = kernels.iter().map(|k| k.0).collect();
-        gemma4_kernels::matmul_many(&ws, &xs, n, kernels[0].1)
-            .into_iter()
+        let (ys, n) = with_activations(x, kernels[0].0.cols(), |xs, n| {
+            (gemma4_kernels::matmul_many(&ws, xs, n, kernels[0].1), n)
+        })?;
+        ys.into_iter()
             .zip(&ws)
             .map(|(y, w)| Ok(Tensor::from_vec(y, (n, w.rows()), x.device())?))
             .collect()
@@ -128,15 +129,26 @@ pub struct Experts {
     pub down: Vec<Linear>,
 }
 
-/// The f32 activations of `x`, checked against the weight's width.
-fn activations(x: &Tensor, inp: usize) -> Result<(Vec<f32>, usize)> {
+/// `f` of the f32 activations of `x` (`[n, inp]`) and `n`, checked against
+/// the weight's width. A contiguous f32 tensor on the CPU is read in place
+/// (a prompt's activations are megabytes); any other is copied out first.
+fn with_activations<R>(x: &Tensor, inp: usize, f: impl FnOnce(&[f32], usize) -> R) -> Result<R> {
     let (n, width) = x.dims2()?;
     if width != inp {
         return Err(ModelError::Input(format!(
             "input width {width} does not match the weight's {inp}"
         )));
     }
-    Ok((x.flatten_all()?.to_vec1::<f32>()?, n))
+    {
+        let (storage, layout) = x.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(values)), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(f(&values[start..end], n));
+        }
+    }
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    Ok(f(&xs, n))
 }
 
 /// A linear layer computed by our kernels (`gemma4-kernels`) over any [`WeightMatrix`].
@@ -159,8 +171,10 @@ impl KernelLinear {
 
 impl LinearOp for KernelLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let (xs, n) = activations(x, self.matrix.cols())?;
-        let y = gemma4_kernels::matmul_with(self.matrix.as_ref(), &xs, n, self.precision);
+        let (y, n) = with_activations(x, self.matrix.cols(), |xs, n| {
+            let y = gemma4_kernels::matmul_with(self.matrix.as_ref(), xs, n, self.precision);
+            (y, n)
+        })?;
         Ok(Tensor::from_vec(y, (n, self.matrix.rows()), x.device())?)
     }
     fn in_features(&self) -> usize {
