@@ -14,6 +14,7 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 use gemma4_model::paged::{PagedKvPool, SeqBlocks};
+use gemma4_model::storage::with_f32_values;
 use gemma4_model::{BatchSeq, Gemma4, LogitsFor, SoftTokens};
 
 use crate::api::{SoftPrompt, TokenConstraint};
@@ -156,17 +157,21 @@ impl ModelRunner {
             .requests
             .get_mut(&id)
             .ok_or_else(|| format!("the runner has no state for request {id}"))?;
-        let values = row
+        let row = row
             .squeeze(0)
-            .and_then(|r| r.to_vec1::<f32>())
             .map_err(|e| format!("reading logits failed: {e}"))?;
-        panic::catch_unwind(AssertUnwindSafe(|| state.sampler.sample(&values)))
-            .map(Some)
-            .map_err(|payload| {
-                let msg = panic_message(payload.as_ref());
-                tracing::error!(request = id, "sampling panicked: {msg}");
-                format!("sampling failed: {msg}")
-            })
+        // The logits are read where they lie: copying a vocabulary's worth
+        // per sequence was a step's largest serial copy.
+        with_f32_values(&row, |values| {
+            panic::catch_unwind(AssertUnwindSafe(|| state.sampler.sample(values)))
+        })
+        .map_err(|e| format!("reading logits failed: {e}"))?
+        .map(Some)
+        .map_err(|payload| {
+            let msg = panic_message(payload.as_ref());
+            tracing::error!(request = id, "sampling panicked: {msg}");
+            format!("sampling failed: {msg}")
+        })
     }
 
     /// The constraints of the sequences that sample this step, taken out of

@@ -130,8 +130,7 @@ pub struct Experts {
 }
 
 /// `f` of the f32 activations of `x` (`[n, inp]`) and `n`, checked against
-/// the weight's width. A contiguous f32 tensor on the CPU is read in place
-/// (a prompt's activations are megabytes); any other is copied out first.
+/// the weight's width.
 fn with_activations<R>(x: &Tensor, inp: usize, f: impl FnOnce(&[f32], usize) -> R) -> Result<R> {
     let (n, width) = x.dims2()?;
     if width != inp {
@@ -139,16 +138,26 @@ fn with_activations<R>(x: &Tensor, inp: usize, f: impl FnOnce(&[f32], usize) -> 
             "input width {width} does not match the weight's {inp}"
         )));
     }
+    with_f32_values(x, |xs| f(xs, n))
+}
+
+/// `f` of the values of `x` in row-major order, as f32. A contiguous f32
+/// tensor on the CPU is read in place (a prompt's activations and a
+/// vocabulary's logits are megabytes); any other is copied out first.
+pub fn with_f32_values<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     {
         let (storage, layout) = x.storage_and_layout();
         if let (Storage::Cpu(CpuStorage::F32(values)), Some((start, end))) =
             (&*storage, layout.contiguous_offsets())
         {
-            return Ok(f(&values[start..end], n));
+            return Ok(f(&values[start..end]));
         }
     }
-    let xs = x.flatten_all()?.to_vec1::<f32>()?;
-    Ok(f(&xs, n))
+    let values = x
+        .flatten_all()?
+        .to_dtype(candle_core::DType::F32)?
+        .to_vec1::<f32>()?;
+    Ok(f(&values))
 }
 
 /// A linear layer computed by our kernels (`gemma4-kernels`) over any [`WeightMatrix`].
