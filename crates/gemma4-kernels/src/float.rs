@@ -275,13 +275,18 @@ unsafe fn dot_bf16_avx512(x: &[f32], w: &[u8]) -> f32 {
     _mm512_reduce_add_ps(v) + dot_bf16_tail(x, w, main)
 }
 
-/// [`dot_bf16`] in 256-bit registers: 32 values a step in four FMA chains.
-///
-/// # Safety
-/// The CPU must have AVX2 and FMA.
+/// `Σ x[i] · w[i]` over the whole steps of 32 two-byte values, in four FMA
+/// chains of 256-bit registers, with `widen` turning eight stored values
+/// into f32; returns the sum and where the steps end (the caller adds the
+/// rest). Inlined into callers that enable AVX2 and FMA (and whatever
+/// `widen` needs).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_bf16_avx2(x: &[f32], w: &[u8]) -> f32 {
+#[inline(always)]
+unsafe fn dot_halves_avx2(
+    x: &[f32],
+    w: &[u8],
+    widen: impl Fn(*const u8) -> std::arch::x86_64::__m256,
+) -> (f32, usize) {
     use std::arch::x86_64::*;
     let n = x.len().min(w.len() / 2);
     let main = n / 32 * 32;
@@ -292,15 +297,29 @@ unsafe fn dot_bf16_avx2(x: &[f32], w: &[u8]) -> f32 {
         for (k, a) in acc.iter_mut().enumerate() {
             let at = i + 8 * k;
             // SAFETY: `at + 8 ≤ main ≤ n`: in bounds of both slices.
-            let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(wp.add(2 * at).cast()));
-            let wv = _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits));
-            *a = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(at)), wv, *a);
+            *a = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(at)), widen(wp.add(2 * at)), *a);
         }
     }
     let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
     let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half))) + dot_bf16_tail(x, w, main)
+    (_mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half))), main)
+}
+
+/// [`dot_bf16`] in 256-bit registers: 32 values a step in four FMA chains.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_bf16_avx2(x: &[f32], w: &[u8]) -> f32 {
+    use std::arch::x86_64::*;
+    // A bf16 is the high half of the f32 with the same bits.
+    let (sum, main) = dot_halves_avx2(x, w, |p| {
+        let bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()));
+        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(bits))
+    });
+    sum + dot_bf16_tail(x, w, main)
 }
 
 #[inline(always)]
@@ -348,26 +367,10 @@ pub fn dot_f16(x: &[f32], w: &[u8]) -> f32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_f16_f16c(x: &[f32], w: &[u8]) -> f32 {
     use std::arch::x86_64::*;
-    let n = x.len().min(w.len() / 2);
-    let main = n / 32 * 32;
-    let (xp, wp) = (x.as_ptr(), w.as_ptr());
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for i in (0..main).step_by(32) {
-        prefetch_weights(wp.add(2 * i));
-        for (k, a) in acc.iter_mut().enumerate() {
-            let at = i + 8 * k;
-            // SAFETY: `at + 8 ≤ main ≤ n`: in bounds of both slices.
-            let wv = _mm256_cvtph_ps(_mm_loadu_si128(wp.add(2 * at) as *const __m128i));
-            *a = _mm256_fmadd_ps(_mm256_loadu_ps(xp.add(at)), wv, *a);
-        }
-    }
-    let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-    let half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    let half = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    let sum = _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
-    let tail: f32 = x[main..n]
+    let (sum, main) = dot_halves_avx2(x, w, |p| _mm256_cvtph_ps(_mm_loadu_si128(p.cast())));
+    let tail: f32 = x[main..]
         .iter()
-        .zip(w[2 * main..2 * n].chunks_exact(2))
+        .zip(w[2 * main..].chunks_exact(2))
         .map(|(a, b)| a * crate::f16_to_f32(u16::from_le_bytes([b[0], b[1]])))
         .sum();
     sum + tail
