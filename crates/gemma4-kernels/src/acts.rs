@@ -237,6 +237,24 @@ mod tests {
     }
 
     #[test]
+    fn rounding_split_over_the_pool_equals_one_pass() {
+        let (n, cols) = (40, 1024);
+        assert!(n * cols >= PARALLEL_VALUES);
+        let x = values(n * cols, 17, 4.0);
+        for block in [ActBlock::B32, ActBlock::B256] {
+            let q = QuantizedActs::quantize(&x, n, cols, block);
+            let mut qs = vec![0i8; n * cols];
+            let mut scales = vec![0f32; n * cols / block.values()];
+            let mut sums = vec![0i32; n * cols / 16];
+            round_blocks(&x, block.values(), &mut qs, &mut scales, &mut sums);
+            assert_eq!(q.qs, qs, "{block:?}");
+            assert_eq!(q.sums, sums, "{block:?}");
+            let bits = |v: &[f32]| v.iter().map(|d| d.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&q.scales), bits(&scales), "{block:?}");
+        }
+    }
+
+    #[test]
     fn zero_blocks_round_to_zero() {
         let q = QuantizedActs::quantize(&[0.0; 64], 1, 64, ActBlock::B32);
         assert!(q.qs.iter().all(|&v| v == 0));

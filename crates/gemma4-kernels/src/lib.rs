@@ -506,6 +506,35 @@ fn tiled_product(w: &dyn WeightMatrix, rows: Range<usize>, x: &[f32], n: usize, 
 #[cfg(test)]
 mod tests {
     #[test]
+    fn many_row_products_place_every_output() {
+        // Enough outputs that the placing is split over the pool in bands
+        // of activation rows, two matrices of different heights.
+        let ws: Vec<crate::float::FloatMatrix> = [(1100, 11), (700, 12)]
+            .into_iter()
+            .map(|(rows, seed)| {
+                let v = crate::testing::values(rows * 64, seed, 0.5);
+                crate::float::FloatMatrix::from_f32(&v, rows, 64).expect("shape")
+            })
+            .collect();
+        let n = 72;
+        assert!(n * (1100 + 700) >= super::PARALLEL_PLACE_VALUES);
+        let x = crate::testing::values(n * 64, 13, 1.0);
+        let refs: Vec<&dyn super::WeightMatrix> = ws.iter().map(|w| w as _).collect();
+        let ys = super::matmul_many(&refs, &x, n, super::Precision::Exact);
+        for (w, y) in refs.iter().zip(&ys) {
+            let want = crate::testing::reference(*w, &x, n);
+            assert_eq!(y.len(), want.len());
+            for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+                let tol = 1e-5 * (1.0 + want.abs()) * 8.0;
+                assert!(
+                    (f64::from(got) - want).abs() <= tol,
+                    "element {i}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn half_conversion_is_exact_for_every_value() {
         for h in 0..=u16::MAX {
             let want = half::f16::from_bits(h).to_f32();
