@@ -18,13 +18,7 @@ const LANES: usize = 16;
 /// below the memory's rate where its latency is high.
 #[inline(always)]
 fn prefetch_weights(p: *const u8) {
-    // SAFETY: every x86_64 CPU has SSE, and a prefetch does not fault.
-    #[cfg(target_arch = "x86_64")]
-    unsafe {
-        crate::prefetch_ahead(p, 1)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = p;
+    crate::prefetch_ahead(p, 1);
 }
 
 /// Element types a float matrix can hold, stored little-endian.

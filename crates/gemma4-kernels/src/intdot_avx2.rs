@@ -273,10 +273,7 @@ unsafe fn dots32_t<const T: usize, const K: usize>(
         ($b:expr, $acc:expr) => {{
             let (b, acc): (usize, &mut [__m256; T]) = ($b, $acc);
             // The rows after this one, read next, on their way into the cache.
-            _mm_prefetch(
-                ahead.wrapping_add(b * kind.bytes()) as *const i8,
-                _MM_HINT_T0,
-            );
+            crate::prefetch(ahead.wrapping_add(b * kind.bytes()), 1);
             let (w, d, m) = block32::<K>(row, b);
             // The weight's sign moves onto the activations once per block.
             let w_abs = _mm256_sign_epi8(w, w);
@@ -322,10 +319,7 @@ unsafe fn dots32_four<const K: usize>(row: &Row, acts: &QuantizedActs, t0: usize
     macro_rules! step {
         ($b:expr, $lane:expr) => {{
             let (b, lane): (usize, &mut __m256) = ($b, $lane);
-            _mm_prefetch(
-                ahead.wrapping_add(b * kind.bytes()) as *const i8,
-                _MM_HINT_T0,
-            );
+            crate::prefetch(ahead.wrapping_add(b * kind.bytes()), 1);
             let (w, d, m) = block32::<K>(row, b);
             let w_abs = _mm256_sign_epi8(w, w);
             let mut s = [_mm256_setzero_si256(); 4];

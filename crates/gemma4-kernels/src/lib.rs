@@ -124,25 +124,32 @@ pub trait Rearranged: WeightMatrix + Sized {
 /// their weights. On the Intel machine the hardware prefetchers alone kept
 /// one thread's read of a large Q4_Kx8 matrix at 0.78 of a plain read; with
 /// this, 0.93–1.00 (`--bench decode_chain`; 1, 1.5 and 3 KiB did less).
-#[cfg(target_arch = "x86_64")]
 const PREFETCH_AHEAD: usize = 2048;
 
-/// Asks for the `bytes` that lie [`PREFETCH_AHEAD`] past `p` to be brought
-/// into the caches, one request per cache line. Past the matrix's end the
-/// requests are dropped: prefetches do not fault.
-///
-/// # Safety
-/// The CPU must have SSE (every x86_64 CPU does).
-#[cfg(target_arch = "x86_64")]
+/// Asks for the cache lines of the `bytes` from `p` to be brought into the
+/// caches, one request per line: a hint that reads nothing, so an address
+/// past the end of the data (or of any mapping) does no harm. Every
+/// weight stream and the in-place attention use this one helper.
 #[inline(always)]
-pub(crate) unsafe fn prefetch_ahead(p: *const u8, bytes: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+pub fn prefetch(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
     for line in (0..bytes).step_by(64) {
-        _mm_prefetch(
-            p.wrapping_add(PREFETCH_AHEAD + line).cast::<i8>(),
-            _MM_HINT_T0,
-        );
+        // SAFETY: SSE is part of x86_64, and a prefetch does not fault.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch(
+                p.wrapping_add(line).cast::<i8>(),
+                std::arch::x86_64::_MM_HINT_T0,
+            )
+        };
     }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, bytes);
+}
+
+/// [`prefetch`] of the `bytes` that lie [`PREFETCH_AHEAD`] past `p`.
+#[inline(always)]
+pub(crate) fn prefetch_ahead(p: *const u8, bytes: usize) {
+    prefetch(p.wrapping_add(PREFETCH_AHEAD), bytes);
 }
 
 /// Runs `kernel(groups, out)`, which computes whole groups of `group`

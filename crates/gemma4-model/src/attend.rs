@@ -141,18 +141,7 @@ const PREFETCH_ROWS: usize = 4;
 /// Asks for the cache lines of `bytes` (a hint that reads nothing).
 #[inline(always)]
 fn prefetch_bytes<T>(bytes: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        let p = bytes.as_ptr().cast::<i8>();
-        for at in (0..std::mem::size_of_val(bytes)).step_by(64) {
-            // SAFETY: SSE is part of x86_64, and a prefetch does not fault.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch(p.wrapping_add(at), std::arch::x86_64::_MM_HINT_T0)
-            };
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = bytes;
+    gemma4_kernels::prefetch(bytes.as_ptr().cast(), std::mem::size_of_val(bytes));
 }
 
 /// Rows stored as plain numbers.
