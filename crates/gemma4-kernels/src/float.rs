@@ -1,5 +1,10 @@
 //! f32, bf16 and f16 matrices, read in place (e.g. from a memory-mapped
 //! safetensors file) and widened in registers.
+//!
+//! Every row loop asks for the weights [`crate::prefetch_ahead`]'s distance
+//! ahead of what it reads: a decode step streams its rows from memory one
+//! after another, and the hardware prefetchers alone kept the bf16 rows
+//! well below the memory's rate where its latency is high.
 
 use std::ops::Range;
 
@@ -11,15 +16,6 @@ use crate::{Bytes, WeightMatrix};
 /// Lanes of independent partial sums: enough for the compiler to fill a
 /// vector register and hide the add latency.
 const LANES: usize = 16;
-
-/// Asks for the weights [`crate::prefetch_ahead`]'s distance past `p` (one
-/// cache line): a decode step streams its rows from memory one after
-/// another, and the hardware prefetchers alone kept the bf16 rows well
-/// below the memory's rate where its latency is high.
-#[inline(always)]
-fn prefetch_weights(p: *const u8) {
-    crate::prefetch_ahead(p, 1);
-}
 
 /// Element types a float matrix can hold, stored little-endian.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -178,7 +174,7 @@ fn dot_f32_bytes_body(x: &[f32], w: &[u8]) -> f32 {
     let (xc, wc) = (x.chunks_exact(LANES), w.chunks_exact(LANES * 4));
     let (xr, wr) = (xc.remainder(), wc.remainder());
     for (xs, ws) in xc.zip(wc) {
-        prefetch_weights(ws.as_ptr());
+        crate::prefetch_ahead(ws.as_ptr(), 64);
         for k in 0..LANES {
             let b = &ws[4 * k..4 * k + 4];
             acc[k] += xs[k] * f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
@@ -203,7 +199,7 @@ fn dot_bf16_body(x: &[f32], w: &[u8]) -> f32 {
     let (xc, wc) = (x.chunks_exact(LANES), w.chunks_exact(LANES * 2));
     let (xr, wr) = (xc.remainder(), wc.remainder());
     for (xs, ws) in xc.zip(wc) {
-        prefetch_weights(ws.as_ptr());
+        crate::prefetch_ahead(ws.as_ptr(), 64);
         for k in 0..LANES {
             acc[k] += xs[k] * bf16_bits(&ws[2 * k..2 * k + 2]);
         }
@@ -254,8 +250,7 @@ unsafe fn dot_bf16_avx512(x: &[f32], w: &[u8]) -> f32 {
     let (xp, wp) = (x.as_ptr(), w.as_ptr());
     let mut acc = [_mm512_setzero_ps(); 4];
     for i in (0..main).step_by(64) {
-        prefetch_weights(wp.add(2 * i));
-        prefetch_weights(wp.add(2 * i + 64));
+        crate::prefetch_ahead(wp.add(2 * i), 128);
         for (k, a) in acc.iter_mut().enumerate() {
             let at = i + 16 * k;
             // SAFETY: `at + 16 ≤ main ≤ n`: in bounds of both slices. A
@@ -287,7 +282,7 @@ unsafe fn dot_halves_avx2(
     let (xp, wp) = (x.as_ptr(), w.as_ptr());
     let mut acc = [_mm256_setzero_ps(); 4];
     for i in (0..main).step_by(32) {
-        prefetch_weights(wp.add(2 * i));
+        crate::prefetch_ahead(wp.add(2 * i), 64);
         for (k, a) in acc.iter_mut().enumerate() {
             let at = i + 8 * k;
             // SAFETY: `at + 8 ≤ main ≤ n`: in bounds of both slices.
@@ -323,7 +318,7 @@ fn dot_f16_body(x: &[f32], w: &[u8]) -> f32 {
     let (xc, wc) = (x.chunks_exact(LANES), w.chunks_exact(LANES * 2));
     let (xr, wr) = (xc.remainder(), wc.remainder());
     for (xs, ws) in xc.zip(wc) {
-        prefetch_weights(ws.as_ptr());
+        crate::prefetch_ahead(ws.as_ptr(), 64);
         for k in 0..LANES {
             buf[k] = crate::f16_to_f32(u16::from_le_bytes([ws[2 * k], ws[2 * k + 1]]));
         }

@@ -83,7 +83,7 @@ impl Linear {
         };
         let ws: Vec<&dyn WeightMatrix> = kernels.iter().map(|k| k.0).collect();
         let (ys, n) = with_activations(x, kernels[0].0.cols(), |xs, n| {
-            (gemma4_kernels::matmul_many(&ws, xs, n, kernels[0].1), n)
+            gemma4_kernels::matmul_many(&ws, xs, n, kernels[0].1)
         })?;
         ys.into_iter()
             .zip(&ws)
@@ -130,15 +130,19 @@ pub struct Experts {
 }
 
 /// `f` of the f32 activations of `x` (`[n, inp]`) and `n`, checked against
-/// the weight's width.
-fn with_activations<R>(x: &Tensor, inp: usize, f: impl FnOnce(&[f32], usize) -> R) -> Result<R> {
+/// the weight's width; returns what `f` gives, and `n`.
+fn with_activations<R>(
+    x: &Tensor,
+    inp: usize,
+    f: impl FnOnce(&[f32], usize) -> R,
+) -> Result<(R, usize)> {
     let (n, width) = x.dims2()?;
     if width != inp {
         return Err(ModelError::Input(format!(
             "input width {width} does not match the weight's {inp}"
         )));
     }
-    with_f32_values(x, |xs| f(xs, n))
+    with_f32_values(x, |xs| (f(xs, n), n))
 }
 
 /// `f` of the values of `x` in row-major order, as f32. A contiguous f32
@@ -181,8 +185,7 @@ impl KernelLinear {
 impl LinearOp for KernelLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (y, n) = with_activations(x, self.matrix.cols(), |xs, n| {
-            let y = gemma4_kernels::matmul_with(self.matrix.as_ref(), xs, n, self.precision);
-            (y, n)
+            gemma4_kernels::matmul_with(self.matrix.as_ref(), xs, n, self.precision)
         })?;
         Ok(Tensor::from_vec(y, (n, self.matrix.rows()), x.device())?)
     }
