@@ -1,0 +1,357 @@
+//! JSON-Schema combinators reduced to plain schemas, for the tool-call grammar:
+//! local `$ref`s resolved, `allOf` parts merged into one schema. What cannot
+//! be merged is a [`SchemaError`] that names the keyword.
+
+use serde_json::{Map, Value};
+
+/// A schema (or part of one) that cannot be enforced, and where it is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchemaError {
+    /// A JSON pointer into the tool's `parameters`.
+    pub at: String,
+    pub message: String,
+    /// No value can satisfy the schema (an option of `anyOf` may be skipped
+    /// for that), as opposed to a keyword that cannot be enforced.
+    pub unsatisfiable: bool,
+}
+
+impl SchemaError {
+    pub fn new(at: &str, message: impl Into<String>) -> Self {
+        Self {
+            at: at.to_string(),
+            message: message.into(),
+            unsatisfiable: false,
+        }
+    }
+
+    /// A schema no value satisfies.
+    pub fn unsatisfiable(at: &str, message: impl Into<String>) -> Self {
+        Self {
+            unsatisfiable: true,
+            ..Self::new(at, message)
+        }
+    }
+}
+
+/// Keywords the tool-call grammar enforces.
+pub const ENFORCED: &[&str] = &[
+    "type",
+    "enum",
+    "const",
+    "anyOf",
+    "oneOf",
+    "allOf",
+    "$ref",
+    "nullable",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "format",
+    "items",
+    "prefixItems",
+    "additionalItems",
+    "minItems",
+    "maxItems",
+    "properties",
+    "required",
+    "additionalProperties",
+];
+
+/// Keywords that describe a value without constraining it.
+pub const ANNOTATIONS: &[&str] = &[
+    "$schema",
+    "$id",
+    "id",
+    "$anchor",
+    "$comment",
+    "$defs",
+    "definitions",
+    "title",
+    "description",
+    "default",
+    "examples",
+    "deprecated",
+    "readOnly",
+    "writeOnly",
+    "contentMediaType",
+    "contentEncoding",
+];
+
+/// Refuses a keyword that is neither enforced nor an annotation.
+pub fn check_keywords(schema: &Map<String, Value>, at: &str) -> Result<(), SchemaError> {
+    for key in schema.keys() {
+        if !ENFORCED.contains(&key.as_str()) && !ANNOTATIONS.contains(&key.as_str()) {
+            return Err(SchemaError::new(
+                at,
+                format!("`{key}` cannot be enforced in a tool call"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The schema a local `$ref` (`#`, `#/$defs/…`, any JSON pointer into the
+/// tool's `parameters`) points at.
+pub fn resolve<'a>(root: &'a Value, reference: &Value, at: &str) -> Result<&'a Value, SchemaError> {
+    let Some(r) = reference.as_str() else {
+        return Err(SchemaError::new(at, "`$ref` must be a string"));
+    };
+    let Some(pointer) = r.strip_prefix('#') else {
+        return Err(SchemaError::new(
+            at,
+            format!("`$ref` {r:?} is not local: only references into the same schema (`#/…`) can be enforced"),
+        ));
+    };
+    let decoded = percent_decode(pointer);
+    root.pointer(&decoded)
+        .ok_or_else(|| SchemaError::new(at, format!("`$ref` {r:?} points at nothing")))
+}
+
+/// `%25` and friends in a URI fragment, as JSON pointers in `$ref` may carry them.
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (bytes[i], bytes.get(i + 1), bytes.get(i + 2)) {
+            (b'%', Some(&h), Some(&l)) if hex(h).is_some() && hex(l).is_some() => {
+                out.push((hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0)) as u8);
+                i += 3;
+            }
+            (b, _, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The greatest of two bounds, or the least (`greatest == false`).
+fn bound(a: &Value, b: &Value, greatest: bool, key: &str, at: &str) -> Result<Value, SchemaError> {
+    match (a.as_f64(), b.as_f64()) {
+        (Some(x), Some(y)) => Ok(if (x >= y) == greatest {
+            a.clone()
+        } else {
+            b.clone()
+        }),
+        _ => Err(SchemaError::new(at, format!("`{key}` must be a number"))),
+    }
+}
+
+fn types_of(v: &Value) -> Vec<String> {
+    match v {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(a) => a
+            .iter()
+            .filter_map(|t| t.as_str().map(String::from))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Types both lists allow (`integer` is within `number`).
+fn intersect_types(a: &Value, b: &Value) -> Value {
+    let (a, b) = (types_of(a), types_of(b));
+    let mut out: Vec<Value> = Vec::new();
+    for t in &a {
+        let kept = if b.contains(t) {
+            Some(t.as_str())
+        } else if (t == "integer" && b.iter().any(|u| u == "number"))
+            || (t == "number" && b.iter().any(|u| u == "integer"))
+        {
+            Some("integer")
+        } else {
+            None
+        };
+        if let Some(k) = kept {
+            if !out.iter().any(|o| o == k) {
+                out.push(k.into());
+            }
+        }
+    }
+    Value::Array(out)
+}
+
+fn all_of(a: &Value, b: &Value) -> Value {
+    serde_json::json!({ "allOf": [a, b] })
+}
+
+/// One schema that accepts exactly what both `a` and `b` accept. `$ref`s are
+/// expected resolved at this level (nested ones stay, merged later as `allOf`).
+pub fn merge(a: &Value, b: &Value, at: &str) -> Result<Value, SchemaError> {
+    let (a, b) = match (a, b) {
+        (Value::Bool(true), other) | (other, Value::Bool(true)) => return Ok(other.clone()),
+        (Value::Bool(false), _) | (_, Value::Bool(false)) => return Ok(Value::Bool(false)),
+        (Value::Object(a), Value::Object(b)) => (a, b),
+        _ => {
+            return Err(SchemaError::new(
+                at,
+                "a schema must be an object or a boolean",
+            ))
+        }
+    };
+    let mut out = a.clone();
+    for (key, theirs) in b {
+        let Some(ours) = a.get(key) else {
+            out.insert(key.clone(), theirs.clone());
+            continue;
+        };
+        let merged = match key.as_str() {
+            "type" => intersect_types(ours, theirs),
+            "minimum" | "exclusiveMinimum" | "minLength" | "minItems" => {
+                bound(ours, theirs, true, key, at)?
+            }
+            "maximum" | "exclusiveMaximum" | "maxLength" | "maxItems" => {
+                bound(ours, theirs, false, key, at)?
+            }
+            "required" => {
+                let mut names: Vec<Value> = ours.as_array().cloned().unwrap_or_default();
+                for n in theirs.as_array().into_iter().flatten() {
+                    if !names.contains(n) {
+                        names.push(n.clone());
+                    }
+                }
+                Value::Array(names)
+            }
+            "enum" => Value::Array(
+                ours.as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|v| theirs.as_array().is_some_and(|t| t.contains(v)))
+                    .cloned()
+                    .collect(),
+            ),
+            "const" if ours == theirs => ours.clone(),
+            "const" => return Ok(Value::Bool(false)),
+            "pattern" => {
+                let mut all: Vec<Value> = patterns(ours).into_iter().map(Value::from).collect();
+                all.extend(patterns(theirs).into_iter().map(Value::from));
+                Value::Array(all)
+            }
+            "properties" => {
+                let mut props = ours.as_object().cloned().unwrap_or_default();
+                for (name, schema) in theirs.as_object().into_iter().flatten() {
+                    let both = match props.get(name) {
+                        Some(mine) => all_of(mine, schema),
+                        None => schema.clone(),
+                    };
+                    props.insert(name.clone(), both);
+                }
+                Value::Object(props)
+            }
+            "items" | "additionalItems" | "additionalProperties" => all_of(ours, theirs),
+            "prefixItems" => merge_prefix(ours, theirs),
+            "anyOf" | "oneOf" => cross(ours, theirs, at)?,
+            "allOf" => {
+                let mut parts = ours.as_array().cloned().unwrap_or_default();
+                parts.extend(theirs.as_array().cloned().unwrap_or_default());
+                Value::Array(parts)
+            }
+            "nullable" => Value::Bool(ours == &Value::Bool(true) && theirs == &Value::Bool(true)),
+            "multipleOf" | "format" | "$ref" if ours != theirs => {
+                return Err(SchemaError::new(
+                    at,
+                    format!("two different `{key}`s in one `allOf` cannot be enforced together"),
+                ))
+            }
+            _ => ours.clone(),
+        };
+        out.insert(key.clone(), merged);
+    }
+    Ok(Value::Object(out))
+}
+
+/// The patterns of a `pattern` keyword: one, or several after a merge.
+pub fn patterns(v: &Value) -> Vec<String> {
+    match v {
+        Value::String(s) => vec![s.clone()],
+        Value::Array(a) => a
+            .iter()
+            .filter_map(|p| p.as_str().map(String::from))
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+fn merge_prefix(a: &Value, b: &Value) -> Value {
+    let (a, b) = (
+        a.as_array().cloned().unwrap_or_default(),
+        b.as_array().cloned().unwrap_or_default(),
+    );
+    let n = a.len().max(b.len());
+    Value::Array(
+        (0..n)
+            .map(|i| match (a.get(i), b.get(i)) {
+                (Some(x), Some(y)) => all_of(x, y),
+                (Some(x), None) | (None, Some(x)) => x.clone(),
+                (None, None) => Value::Bool(true),
+            })
+            .collect(),
+    )
+}
+
+/// Two `anyOf` lists in one `allOf`: every pair of alternatives.
+fn cross(a: &Value, b: &Value, at: &str) -> Result<Value, SchemaError> {
+    let (a, b) = (
+        a.as_array().cloned().unwrap_or_default(),
+        b.as_array().cloned().unwrap_or_default(),
+    );
+    if a.len() * b.len() > 256 {
+        return Err(SchemaError::new(
+            at,
+            "an `allOf` of `anyOf`s with more than 256 combinations cannot be enforced",
+        ));
+    }
+    Ok(Value::Array(
+        a.iter()
+            .flat_map(|x| b.iter().map(move |y| all_of(x, y)))
+            .collect(),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn bounds_tighten_and_lists_combine() {
+        let m = merge(
+            &json!({"type": ["integer", "string"], "minimum": 1, "maximum": 9, "required": ["a"]}),
+            &json!({"type": "number", "minimum": 3, "maximum": 20, "required": ["b", "a"]}),
+            "",
+        )
+        .expect("merges");
+        assert_eq!(m["type"], json!(["integer"]));
+        assert_eq!(m["minimum"], 3);
+        assert_eq!(m["maximum"], 9);
+        assert_eq!(m["required"], json!(["a", "b"]));
+        let p = merge(&json!({"pattern": "a"}), &json!({"pattern": "b"}), "").expect("merges");
+        assert_eq!(patterns(&p["pattern"]), vec!["a", "b"]);
+        assert_eq!(
+            merge(&json!({"const": 1}), &json!({"const": 2}), "").expect("merges"),
+            Value::Bool(false)
+        );
+        let e = merge(&json!({"format": "date"}), &json!({"format": "uuid"}), "/x")
+            .expect_err("two formats");
+        assert!(e.message.contains("format"), "{e:?}");
+    }
+
+    #[test]
+    fn references_resolve_locally_only() {
+        let root = json!({"$defs": {"a b": {"type": "integer"}}});
+        assert_eq!(
+            resolve(&root, &json!("#/$defs/a%20b"), "").expect("found"),
+            &json!({"type": "integer"})
+        );
+        assert!(resolve(&root, &json!("other.json#/x"), "").is_err());
+        assert!(resolve(&root, &json!("#/$defs/none"), "").is_err());
+    }
+}

@@ -1,0 +1,1202 @@
+//! The grammar of a forced Gemma 4 tool call, written in llguidance's Lark
+//! dialect from each tool's `parameters` schema.
+//!
+//! Gemma 4 writes a call as `<|tool_call>call:NAME{key:value,…}<tool_call|>`:
+//! bare keys in sorted order (as the chat template writes them), strings
+//! between `<|"|>` delimiters taken verbatim, bare numbers, `true`, `false`,
+//! `null`, `[…]` and `{…}`. That is JSON with other quoting, so llguidance's
+//! JSON compiler cannot write it; this module translates the schema instead,
+//! keyword by keyword, and leans on llguidance where the text is JSON's own:
+//! numbers are `%json` sub-grammars (any range, exclusive bounds,
+//! `multipleOf`), string constraints are regular-expression terminals
+//! intersected with `&`. A keyword it cannot enforce is refused, never
+//! dropped.
+
+use std::collections::HashMap;
+
+use serde_json::{Map, Value};
+
+use super::schema::{self, SchemaError};
+use super::INTEGER_LIMIT;
+use crate::error::ApiError;
+
+/// The token ids of Gemma 4's tool-call markup.
+#[derive(Debug, Clone, Copy)]
+pub struct CallMarkers {
+    pub open: u32,
+    pub close: u32,
+    pub quote: u32,
+    /// `<|tool_response>`: the model ends its calls with it (a stop token).
+    pub end: u32,
+}
+
+/// Formats a string's `format` may name, with the text each allows.
+const FORMATS: &[(&str, &str)] = &[
+    ("date", DATE),
+    ("time", TIME),
+    ("date-time", DATE_TIME),
+    ("uuid", "[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"),
+    ("ipv4", "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"),
+    ("hostname", HOSTNAME),
+    ("email", EMAIL),
+];
+
+/// Calendar dates; February stops at the 28th, which every year has.
+const DATE: &str = "[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))";
+const TIME: &str = "([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
+const DATE_TIME: &str = "[0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|2[0-8]))[Tt]([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](\\.[0-9]{1,9})?([Zz]|[+-]([01][0-9]|2[0-3]):[0-5][0-9])";
+/// Host names of at most four labels of at most 40 characters (RFC 1123
+/// allows 63 a label and 253 in all).
+const HOSTNAME: &str = "[A-Za-z0-9]([A-Za-z0-9-]{0,38}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,38}[A-Za-z0-9])?){0,3}";
+/// Addresses whose local part (at most 50 characters; RFC 5321 allows 64) is
+/// dot-separated atoms, at a host name of two to four labels.
+const EMAIL: &str = "[A-Za-z0-9_+-]{1,16}(\\.[A-Za-z0-9_+-]{1,16}){0,2}@[A-Za-z0-9]([A-Za-z0-9-]{0,38}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,38}[A-Za-z0-9])?){1,3}";
+
+/// Every `type` a JSON value can have (`integer` is a kind of `number`).
+const TYPES: &[&str] = &["string", "number", "boolean", "null", "array", "object"];
+
+/// How deep `$ref`s and `allOf`s may be merged into one another.
+const MAX_MERGE_DEPTH: usize = 32;
+
+/// A Lark grammar for Gemma 4 tool calls whose arguments follow each tool's
+/// `parameters` schema, then `<|tool_response>` after the last call. `only`
+/// restricts it to one named tool and one call; otherwise one or more calls.
+pub fn tool_call_grammar(
+    tools: &[Value],
+    only: Option<&str>,
+    markers: CallMarkers,
+) -> Result<String, ApiError> {
+    let mut lark = LarkWriter::new(markers.quote);
+    let mut calls = Vec::new();
+    for (i, tool) in tools.iter().enumerate() {
+        let function = tool.get("function").unwrap_or(tool);
+        let Some(name) = function.get("name").and_then(Value::as_str) else {
+            return Err(ApiError::bad_request(format!(
+                "`tools[{i}].function.name` must be a string"
+            ))
+            .with_param(format!("tools[{i}]")));
+        };
+        if only.is_some_and(|o| o != name) {
+            continue;
+        }
+        let param = format!("tools[{i}].function.parameters");
+        // A function without `parameters` takes none.
+        let none = serde_json::json!({"type": "object", "additionalProperties": false});
+        let params = function.get("parameters").unwrap_or(&none);
+        let body = lark.arguments(params).map_err(|e| {
+            let at = if e.at.is_empty() {
+                String::new()
+            } else {
+                format!(" at `{}`", e.at)
+            };
+            ApiError::bad_request(format!("`{param}` of tool {name:?}{at}: {}", e.message))
+                .with_param(param.clone())
+        })?;
+        calls.push(format!("{} {body}", literal(&format!("call:{name}"))));
+    }
+    if calls.is_empty() {
+        return Err(ApiError::bad_request(match only {
+            Some(name) => format!("`tool_choice` names {name:?}, which is not in `tools`"),
+            None => "`tool_choice` \"required\" needs `tools`".into(),
+        })
+        .with_param("tool_choice"));
+    }
+    let call = format!(
+        "<[{}]> ({}) <[{}]>",
+        markers.open,
+        calls.join(" | "),
+        markers.close
+    );
+    let start = if only.is_some() {
+        format!("start: {call} <[{}]>", markers.end)
+    } else {
+        format!("start: ({call})+ <[{}]>", markers.end)
+    };
+    let mut out = vec![start];
+    out.extend(lark.rules);
+    Ok(out.join("\n"))
+}
+
+/// A Lark string literal.
+fn literal(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_else(|_| "\"\"".into())
+}
+
+/// A regular expression as a Lark terminal body (`/…/`).
+fn slashed(rx: &str) -> String {
+    format!("/{}/", rx.replace('/', "\\/"))
+}
+
+/// Text that never holds the string delimiter (spelled out by ordinary tokens,
+/// it would end the string early for every parser of the call).
+const NO_DELIMITER: &str = "~/(?s:.*)<\\|\"\\|>(?s:.*)/";
+
+/// Writes schema fragments as Lark expressions; terminals and named rules
+/// accumulate in `rules`.
+struct LarkWriter {
+    quote: u32,
+    rules: Vec<String>,
+    /// Rules and terminals already written, by body: each is written once.
+    written: HashMap<String, String>,
+    /// The schema of the tool being written, for `$ref`.
+    root: Value,
+    /// The rule of each `$ref` target of the current tool, by pointer.
+    refs: HashMap<String, String>,
+}
+
+fn types_of(schema: &Map<String, Value>, at: &str) -> Result<Vec<String>, SchemaError> {
+    let mut types: Vec<String> = match schema.get("type") {
+        None => TYPES.iter().map(|t| t.to_string()).collect(),
+        Some(Value::String(t)) => vec![t.clone()],
+        Some(Value::Array(ts)) => ts
+            .iter()
+            .map(|t| t.as_str().map(String::from))
+            .collect::<Option<_>>()
+            .ok_or_else(|| SchemaError::new(at, "`type` must be a string or a list of strings"))?,
+        Some(_) => {
+            return Err(SchemaError::new(
+                at,
+                "`type` must be a string or a list of strings",
+            ))
+        }
+    };
+    for t in &types {
+        if t != "integer" && !TYPES.contains(&t.as_str()) {
+            return Err(SchemaError::new(
+                at,
+                format!("`type` {t:?} is not a JSON type"),
+            ));
+        }
+    }
+    if schema.get("nullable") == Some(&Value::Bool(true)) && !types.iter().any(|t| t == "null") {
+        types.push("null".into());
+    }
+    // An integer is a number: `number` alone covers both.
+    if types.iter().any(|t| t == "number") {
+        types.retain(|t| t != "integer");
+    }
+    Ok(types)
+}
+
+/// Whether a constant has one of the types.
+fn has_type(v: &Value, types: &[String]) -> bool {
+    let t = match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(n) if n.is_i64() || n.is_u64() => "integer",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    };
+    types
+        .iter()
+        .any(|u| u == t || (u == "number" && t == "integer"))
+        || (t == "number"
+            && types.iter().any(|u| u == "integer")
+            && v.as_f64().is_some_and(|f| f.fract() == 0.0))
+}
+
+fn usize_of(
+    schema: &Map<String, Value>,
+    key: &str,
+    at: &str,
+) -> Result<Option<usize>, SchemaError> {
+    match schema.get(key) {
+        None => Ok(None),
+        Some(v) => v
+            .as_u64()
+            .or_else(|| {
+                v.as_f64()
+                    .filter(|f| *f >= 0.0 && f.fract() == 0.0)
+                    .map(|f| f as u64)
+            })
+            .map(|n| Some(n.min(u32::MAX as u64) as usize))
+            .ok_or_else(|| SchemaError::new(at, format!("`{key}` must be a non-negative integer"))),
+    }
+}
+
+impl LarkWriter {
+    fn new(quote: u32) -> Self {
+        Self {
+            quote,
+            rules: Vec::new(),
+            written: HashMap::new(),
+            root: Value::Null,
+            refs: HashMap::new(),
+        }
+    }
+
+    /// A named rule (lower case) or terminal (upper case) for `body`, written once.
+    fn define(&mut self, terminal: bool, body: String) -> String {
+        let key = format!("{terminal}{body}");
+        if let Some(name) = self.written.get(&key) {
+            return name.clone();
+        }
+        let name = if terminal {
+            format!("T{}", self.rules.len())
+        } else {
+            format!("r{}", self.rules.len())
+        };
+        self.rules.push(format!("{name}: {body}"));
+        self.written.insert(key, name.clone());
+        name
+    }
+
+    /// The arguments of one tool: its `parameters`, which must describe an object.
+    fn arguments(&mut self, params: &Value) -> Result<String, SchemaError> {
+        self.root = params.clone();
+        self.refs.clear();
+        let object = schema::merge(params, &serde_json::json!({"type": "object"}), "")?;
+        self.value(&object, "", 0)
+    }
+
+    fn value(&mut self, schema: &Value, at: &str, depth: usize) -> Result<String, SchemaError> {
+        if depth > MAX_MERGE_DEPTH {
+            return Err(SchemaError::new(at, "`$ref`s and `allOf`s nest too deep"));
+        }
+        let obj = match schema {
+            Value::Bool(true) => return Ok(self.any()),
+            Value::Bool(false) => {
+                return Err(SchemaError::unsatisfiable(
+                    at,
+                    "no value satisfies this schema",
+                ))
+            }
+            Value::Object(o) => o,
+            _ => {
+                return Err(SchemaError::new(
+                    at,
+                    "a schema must be an object or a boolean",
+                ))
+            }
+        };
+        schema::check_keywords(obj, at)?;
+        if let Some(reference) = obj.get("$ref") {
+            return self.reference(obj, reference, at, depth);
+        }
+        if let Some(parts) = obj.get("allOf") {
+            let mut rest = obj.clone();
+            rest.remove("allOf");
+            let Some(parts) = parts.as_array() else {
+                return Err(SchemaError::new(at, "`allOf` must be a list of schemas"));
+            };
+            let mut merged = Value::Object(rest);
+            for (i, part) in parts.iter().enumerate() {
+                let part = self.inline(part, &format!("{at}/allOf/{i}"), depth)?;
+                merged = schema::merge(&merged, &part, at)?;
+            }
+            return self.value(&merged, at, depth + 1);
+        }
+        for key in ["anyOf", "oneOf"] {
+            if let Some(options) = obj.get(key) {
+                return self.alternatives(obj, key, options, at, depth);
+            }
+        }
+        self.typed(obj, at, depth)
+    }
+
+    /// A `$ref`: alone, a named rule (so recursive schemas stay finite);
+    /// beside other keywords, the target merged with them.
+    fn reference(
+        &mut self,
+        obj: &Map<String, Value>,
+        reference: &Value,
+        at: &str,
+        depth: usize,
+    ) -> Result<String, SchemaError> {
+        let root = self.root.clone();
+        let target = schema::resolve(&root, reference, at)?.clone();
+        let constraining = obj
+            .keys()
+            .any(|k| k != "$ref" && !schema::ANNOTATIONS.contains(&k.as_str()));
+        if constraining {
+            let mut rest = obj.clone();
+            rest.remove("$ref");
+            let merged = schema::merge(&target, &Value::Object(rest), at)?;
+            return self.value(&merged, at, depth + 1);
+        }
+        let key = reference.as_str().unwrap_or_default().to_string();
+        if let Some(rule) = self.refs.get(&key) {
+            return Ok(rule.clone());
+        }
+        let name = format!("ref{}", self.rules.len());
+        self.refs.insert(key.clone(), name.clone());
+        // Reserve the rule's place; its body may refer to it.
+        let slot = self.rules.len();
+        self.rules.push(String::new());
+        let body = self.value(&target, &key, depth + 1)?;
+        self.rules[slot] = format!("{name}: {body}");
+        Ok(name)
+    }
+
+    /// A schema with any `$ref` at its top replaced by its target (for merging).
+    fn inline(&mut self, part: &Value, at: &str, depth: usize) -> Result<Value, SchemaError> {
+        let Some(reference) = part.get("$ref") else {
+            return Ok(part.clone());
+        };
+        if depth > MAX_MERGE_DEPTH {
+            return Err(SchemaError::new(at, "`$ref`s and `allOf`s nest too deep"));
+        }
+        let target = schema::resolve(&self.root, reference, at)?.clone();
+        let mut rest = part.as_object().cloned().unwrap_or_default();
+        rest.remove("$ref");
+        let target = self.inline(&target, at, depth + 1)?;
+        schema::merge(&target, &Value::Object(rest), at)
+    }
+
+    /// `anyOf`/`oneOf`: each option with the keywords beside it. (A `oneOf`
+    /// whose options overlap is enforced as `anyOf`.)
+    fn alternatives(
+        &mut self,
+        obj: &Map<String, Value>,
+        key: &str,
+        options: &Value,
+        at: &str,
+        depth: usize,
+    ) -> Result<String, SchemaError> {
+        let Some(options) = options.as_array().filter(|o| !o.is_empty()) else {
+            return Err(SchemaError::new(
+                at,
+                format!("`{key}` must be a non-empty list of schemas"),
+            ));
+        };
+        let mut rest = obj.clone();
+        rest.remove(key);
+        let rest = Value::Object(rest);
+        let mut alts = Vec::new();
+        let mut refused = None;
+        for (i, option) in options.iter().enumerate() {
+            let here = format!("{at}/{key}/{i}");
+            let option = self.inline(option, &here, depth)?;
+            let merged = schema::merge(&rest, &option, &here)?;
+            // An option the other keywords rule out is skipped, not an error.
+            match self.value(&merged, &here, depth + 1) {
+                Ok(alt) => alts.push(alt),
+                Err(e) if e.unsatisfiable => refused = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        if alts.is_empty() {
+            return Err(refused.unwrap_or_else(|| {
+                SchemaError::unsatisfiable(at, format!("no option of `{key}` can be met"))
+            }));
+        }
+        Ok(format!("({})", alts.join(" | ")))
+    }
+
+    /// A schema without combinators: constants, or one alternative per type.
+    fn typed(
+        &mut self,
+        obj: &Map<String, Value>,
+        at: &str,
+        depth: usize,
+    ) -> Result<String, SchemaError> {
+        let types = types_of(obj, at)?;
+        let constants: Option<Vec<Value>> = match (obj.get("const"), obj.get("enum")) {
+            (Some(c), _) => Some(vec![c.clone()]),
+            (None, Some(Value::Array(values))) => Some(values.clone()),
+            (None, Some(_)) => return Err(SchemaError::new(at, "`enum` must be a list")),
+            (None, None) => None,
+        };
+        if let Some(values) = constants {
+            let alts: Vec<String> = values
+                .iter()
+                .filter(|v| has_type(v, &types))
+                .map(|v| self.constant(v))
+                .collect();
+            if alts.is_empty() {
+                return Err(SchemaError::unsatisfiable(
+                    at,
+                    "no value of `enum`/`const` has an allowed `type`",
+                ));
+            }
+            return Ok(format!("({})", alts.join(" | ")));
+        }
+        let mut alts = Vec::new();
+        for t in &types {
+            alts.push(match t.as_str() {
+                "string" => self.string(obj, at)?,
+                "integer" => self.number(obj, true, at)?,
+                "number" => self.number(obj, false, at)?,
+                "boolean" => "(\"true\" | \"false\")".into(),
+                "null" => "\"null\"".into(),
+                "array" => self.array(obj, at, depth)?,
+                _ => self.object(obj, at, depth)?,
+            });
+        }
+        if alts.is_empty() {
+            return Err(SchemaError::unsatisfiable(
+                at,
+                if at.is_empty() {
+                    "`parameters` must describe an object: Gemma 4 writes a call's arguments as one"
+                } else {
+                    "`type` allows no value"
+                },
+            ));
+        }
+        Ok(format!("({})", alts.join(" | ")))
+    }
+
+    /// A value written exactly, in the call syntax.
+    fn constant(&mut self, v: &Value) -> String {
+        match v {
+            Value::String(s) => format!("<[{q}]> {} <[{q}]>", literal(s), q = self.quote),
+            Value::Array(items) => {
+                let inner: Vec<String> = items.iter().map(|i| self.constant(i)).collect();
+                format!("\"[\" {} \"]\"", inner.join(" \",\" "))
+            }
+            Value::Object(map) => {
+                let mut keys: Vec<&String> = map.keys().collect();
+                keys.sort();
+                let inner: Vec<String> = keys
+                    .into_iter()
+                    .map(|k| format!("{} \":\" {}", self.key(k), self.constant(&map[k])))
+                    .collect();
+                format!("\"{{\" {} \"}}\"", inner.join(" \",\" "))
+            }
+            other => literal(&other.to_string()),
+        }
+    }
+
+    /// An object key: bare when the parser reads it back unchanged, else delimited.
+    fn key(&self, k: &str) -> String {
+        let bare = !k.is_empty()
+            && k.chars()
+                .all(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.' | '$' | '@'));
+        if bare {
+            literal(k)
+        } else {
+            format!("<[{q}]> {} <[{q}]>", literal(k), q = self.quote)
+        }
+    }
+
+    /// A string between delimiters, its text held to the length, patterns and format.
+    fn string(&mut self, obj: &Map<String, Value>, at: &str) -> Result<String, SchemaError> {
+        let min = usize_of(obj, "minLength", at)?.unwrap_or(0);
+        let max = usize_of(obj, "maxLength", at)?;
+        if max.is_some_and(|m| m < min) {
+            return Err(SchemaError::unsatisfiable(
+                at,
+                "`maxLength` is below `minLength`",
+            ));
+        }
+        let mut parts = vec![match max {
+            Some(m) => slashed(&format!("(?s:.{{{},{m}}})", min.max(1))),
+            None => slashed(&format!("(?s:.{{{},}})", min.max(1))),
+        }];
+        let mut empty_ok = min == 0;
+        for p in obj.get("pattern").map(schema::patterns).unwrap_or_default() {
+            let (rx, matches_empty) = search_regex(&p).map_err(|e| {
+                SchemaError::new(at, format!("`pattern` {p:?} cannot be enforced: {e}"))
+            })?;
+            empty_ok &= matches_empty;
+            parts.push(slashed(&rx));
+        }
+        if let Some(format) = obj.get("format") {
+            let name = format.as_str().unwrap_or_default();
+            let Some((_, rx)) = FORMATS.iter().find(|(n, _)| *n == name) else {
+                let known: Vec<&str> = FORMATS.iter().map(|(n, _)| *n).collect();
+                return Err(SchemaError::new(
+                    at,
+                    format!(
+                        "`format` {format} cannot be enforced in a tool call (these can: {})",
+                        known.join(", ")
+                    ),
+                ));
+            };
+            empty_ok = false;
+            parts.push(slashed(rx));
+        }
+        parts.push(NO_DELIMITER.into());
+        let text = self.define(true, parts.join(" & "));
+        let body = if empty_ok { format!("{text}?") } else { text };
+        Ok(format!("<[{q}]> {body} <[{q}]>", q = self.quote))
+    }
+
+    /// A number or integer: llguidance's JSON number grammar for the bounds
+    /// (the text of a number is the same in both syntaxes). An unbounded
+    /// integer stays within ±(2^53 − 1).
+    fn number(
+        &mut self,
+        obj: &Map<String, Value>,
+        integer: bool,
+        at: &str,
+    ) -> Result<String, SchemaError> {
+        let mut s = Map::new();
+        s.insert(
+            "type".into(),
+            (if integer { "integer" } else { "number" }).into(),
+        );
+        for key in [
+            "minimum",
+            "maximum",
+            "exclusiveMinimum",
+            "exclusiveMaximum",
+            "multipleOf",
+        ] {
+            if let Some(v) = obj.get(key) {
+                if !v.is_number() {
+                    return Err(SchemaError::new(at, format!("`{key}` must be a number")));
+                }
+                s.insert(key.into(), v.clone());
+            }
+        }
+        let lo = ["minimum", "exclusiveMinimum"]
+            .iter()
+            .filter_map(|k| s.get(*k)?.as_f64())
+            .fold(f64::MIN, f64::max);
+        let hi = ["maximum", "exclusiveMaximum"]
+            .iter()
+            .filter_map(|k| s.get(*k)?.as_f64())
+            .fold(f64::MAX, f64::min);
+        if lo > hi {
+            return Err(SchemaError::unsatisfiable(
+                at,
+                "the lower bound is above the upper bound",
+            ));
+        }
+        if integer {
+            if !s.contains_key("maximum") && !s.contains_key("exclusiveMaximum") {
+                s.insert("maximum".into(), INTEGER_LIMIT.into());
+            }
+            if !s.contains_key("minimum") && !s.contains_key("exclusiveMinimum") {
+                s.insert("minimum".into(), (-INTEGER_LIMIT).into());
+            }
+        }
+        s.insert(
+            "x-guidance".into(),
+            serde_json::json!({"whitespace_flexible": false}),
+        );
+        Ok(self.define(false, format!("%json {}", Value::Object(s))))
+    }
+
+    /// `[…]`: `prefixItems` in place, then `items`, counted by `minItems`/`maxItems`.
+    fn array(
+        &mut self,
+        obj: &Map<String, Value>,
+        at: &str,
+        depth: usize,
+    ) -> Result<String, SchemaError> {
+        let min = usize_of(obj, "minItems", at)?.unwrap_or(0);
+        let max = usize_of(obj, "maxItems", at)?;
+        if max.is_some_and(|m| m < min) {
+            return Err(SchemaError::unsatisfiable(
+                at,
+                "`maxItems` is below `minItems`",
+            ));
+        }
+        // Draft 4 spells tuples as `items: [...]` with `additionalItems`.
+        let (prefix, rest) = match (obj.get("prefixItems"), obj.get("items")) {
+            (_, Some(Value::Array(tuple))) => (tuple.clone(), obj.get("additionalItems").cloned()),
+            (Some(Value::Array(p)), items) => (p.clone(), items.cloned()),
+            (Some(_), _) => return Err(SchemaError::new(at, "`prefixItems` must be a list")),
+            (None, items) => (Vec::new(), items.cloned()),
+        };
+        let rest = match rest {
+            None | Some(Value::Bool(true)) => Some(self.any()),
+            Some(Value::Bool(false)) => None,
+            Some(s) => Some(self.value(&s, &format!("{at}/items"), depth + 1)?),
+        };
+        let keep = max.map_or(prefix.len(), |m| m.min(prefix.len()));
+        let mut elements = Vec::new();
+        for (i, p) in prefix.iter().take(keep).enumerate() {
+            elements.push(self.value(p, &format!("{at}/prefixItems/{i}"), depth + 1)?);
+        }
+        if rest.is_none() && min > elements.len() {
+            return Err(SchemaError::unsatisfiable(
+                at,
+                "`minItems` asks for more items than the schema allows",
+            ));
+        }
+        Ok(format!(
+            "\"[\" {} \"]\"",
+            sequence(&elements, rest.as_deref(), min, max)
+        ))
+    }
+
+    /// `{…}`: declared properties in sorted order (required ones present),
+    /// then any others `additionalProperties` allows, with delimited keys.
+    fn object(
+        &mut self,
+        obj: &Map<String, Value>,
+        at: &str,
+        depth: usize,
+    ) -> Result<String, SchemaError> {
+        let mut props: Vec<(String, Value)> = obj
+            .get("properties")
+            .map(|p| {
+                p.as_object()
+                    .cloned()
+                    .ok_or_else(|| SchemaError::new(at, "`properties` must be an object"))
+            })
+            .transpose()?
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
+        let required: Vec<String> = obj
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|r| {
+                r.iter()
+                    .filter_map(|n| n.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        // Without `additionalProperties`, an object that declares properties
+        // takes only those; one that declares none takes any.
+        let extra = match obj.get("additionalProperties") {
+            None if props.is_empty() => Some(Value::Bool(true)),
+            None | Some(Value::Bool(false)) => None,
+            Some(s) => Some(s.clone()),
+        };
+        for name in &required {
+            if !props.iter().any(|(k, _)| k == name) {
+                match &extra {
+                    Some(s) => props.push((name.clone(), s.clone())),
+                    None => {
+                        return Err(SchemaError::unsatisfiable(
+                            at,
+                            format!("`required` names {name:?}, which no property allows"),
+                        ))
+                    }
+                }
+            }
+        }
+        props.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut items = Vec::new();
+        for (key, sub) in &props {
+            let value = self.value(sub, &format!("{at}/properties/{key}"), depth + 1)?;
+            items.push((
+                format!("{} \":\" {value}", self.key(key)),
+                required.contains(key),
+            ));
+        }
+        let declared = declared_properties(&items);
+        let extra = match extra {
+            None => None,
+            Some(s) => {
+                let value = self.value(&s, &format!("{at}/additionalProperties"), depth + 1)?;
+                let names: Vec<String> = props.iter().map(|(k, _)| regex_escape(k)).collect();
+                let mut key = format!("/(?s:.+)/ & {NO_DELIMITER}");
+                if !names.is_empty() {
+                    key.push_str(&format!(
+                        " & ~{}",
+                        slashed(&format!("({})", names.join("|")))
+                    ));
+                }
+                let key = self.define(true, key);
+                Some(self.define(
+                    false,
+                    format!("<[{q}]> {key} <[{q}]> \":\" {value}", q = self.quote),
+                ))
+            }
+        };
+        let body = match (declared, extra) {
+            (None, None) => String::new(),
+            (Some((d, true)), None) => format!("({d})?"),
+            (Some((d, false)), None) => d,
+            (None, Some(e)) => format!("({e} (\",\" {e})*)?"),
+            (Some((d, false)), Some(e)) => format!("{d} (\",\" {e})*"),
+            (Some((d, true)), Some(e)) => format!("({d} (\",\" {e})* | {e} (\",\" {e})*)?"),
+        };
+        Ok(format!("\"{{\" {body} \"}}\""))
+    }
+
+    /// Any JSON value, in the call syntax.
+    fn any(&mut self) -> String {
+        if let Some(name) = self.written.get("any") {
+            return name.clone();
+        }
+        let name = "any".to_string();
+        self.written.insert("any".into(), name.clone());
+        let text = self.define(true, format!("/(?s:.+)/ & {NO_DELIMITER}"));
+        let number = self.define(
+            false,
+            "%json {\"type\": \"number\", \"x-guidance\": {\"whitespace_flexible\": false}}".into(),
+        );
+        let q = self.quote;
+        let string = format!("<[{q}]> {text}? <[{q}]>");
+        let entry = format!("{string} \":\" any");
+        self.rules.push(format!(
+            "any: {string} | {number} | \"true\" | \"false\" | \"null\" | \"[\" (any (\",\" any)*)? \"]\" | \"{{\" ({entry} (\",\" {entry})*)? \"}}\""
+        ));
+        name
+    }
+}
+
+/// The declared properties of an object, the first present one bare and
+/// each later one behind a comma; and whether all of them may be absent.
+fn declared_properties(items: &[(String, bool)]) -> Option<(String, bool)> {
+    let mut alternatives = Vec::new();
+    for first in 0..items.len() {
+        let rest: Vec<String> = items[first + 1..]
+            .iter()
+            .map(|(item, req)| {
+                if *req {
+                    format!("\",\" {item}")
+                } else {
+                    format!("(\",\" {item})?")
+                }
+            })
+            .collect();
+        alternatives.push(format!("{} {}", items[first].0, rest.join(" ")));
+        if items[first].1 {
+            break;
+        }
+    }
+    if alternatives.is_empty() {
+        return None;
+    }
+    let all_optional = items.iter().all(|(_, req)| !req);
+    Some((format!("({})", alternatives.join(" | ")), all_optional))
+}
+
+/// Comma-separated elements: `prefix` in place, then `rest` repeated, between
+/// `min` and `max` elements in all.
+fn sequence(prefix: &[String], rest: Option<&str>, min: usize, max: Option<usize>) -> String {
+    let k = prefix.len();
+    if k == 0 {
+        let Some(r) = rest else { return String::new() };
+        if max == Some(0) {
+            return String::new();
+        }
+        let more = repeat(
+            &format!("\",\" {r}"),
+            min.saturating_sub(1),
+            max.map(|m| m - 1),
+        );
+        let items = format!("{r} {more}");
+        return if min == 0 {
+            format!("({items})?")
+        } else {
+            items
+        };
+    }
+    let mut tail = match rest {
+        Some(r) if max.is_none_or(|m| m > k) => repeat(
+            &format!("\",\" {r}"),
+            min.saturating_sub(k),
+            max.map(|m| m - k),
+        ),
+        _ => String::new(),
+    };
+    for i in (0..k).rev() {
+        let element = if i == 0 {
+            prefix[0].clone()
+        } else {
+            format!("\",\" {}", prefix[i])
+        };
+        tail = if i < min {
+            format!("{element} {tail}")
+        } else {
+            format!("({element} {tail})?")
+        };
+    }
+    tail
+}
+
+/// `item` repeated between `lo` and `hi` (unbounded: `None`) times.
+fn repeat(item: &str, lo: usize, hi: Option<usize>) -> String {
+    match hi {
+        Some(0) => String::new(),
+        Some(h) if lo == 0 => format!("({item}){{0,{h}}}"),
+        Some(h) => format!("({item}){{{lo},{h}}}"),
+        None if lo == 0 => format!("({item})*"),
+        None => format!("({item}){{{lo},}}"),
+    }
+}
+
+fn regex_escape(s: &str) -> String {
+    let mut out = String::new();
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$#&-~\"".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// A JSON-Schema `pattern` (an unanchored search, ECMA-262 `\d` and `\w`) as a
+/// regular expression over the whole text, and whether the empty text matches.
+fn search_regex(pattern: &str) -> Result<(String, bool), String> {
+    use regex_syntax::hir::{Hir, HirKind, Look};
+    let ascii = llguidance::regex_to_lark(pattern, "dw").replace("\\/", "/");
+    let empty = regex::Regex::new(&ascii)
+        .map_err(|e| e.to_string())?
+        .is_match("");
+    let hir = regex_syntax::Parser::new()
+        .parse(&ascii)
+        .map_err(|e| e.to_string())?;
+    let branches: Vec<Hir> = match hir.kind() {
+        HirKind::Alternation(bs) => bs.clone(),
+        _ => vec![hir],
+    };
+    let mut out = Vec::new();
+    for branch in branches {
+        let mut parts: Vec<Hir> = match branch.kind() {
+            HirKind::Concat(ps) => ps.clone(),
+            _ => vec![branch.clone()],
+        };
+        let is = |h: Option<&Hir>, looks: &[Look]| {
+            h.is_some_and(|h| matches!(h.kind(), HirKind::Look(l) if looks.contains(l)))
+        };
+        let starts = is(parts.first(), &[Look::Start, Look::StartLF]);
+        if starts {
+            parts.remove(0);
+        }
+        let ends = is(parts.last(), &[Look::End, Look::EndLF]);
+        if ends {
+            parts.pop();
+        }
+        let core = Hir::concat(parts);
+        if !core.properties().look_set().is_empty() {
+            return Err("only a leading `^` and a trailing `$` can anchor it".into());
+        }
+        let core = core.to_string();
+        out.push(format!(
+            "{}(?:{core}){}",
+            if starts { "" } else { "(?s:.*)" },
+            if ends { "" } else { "(?s:.*)" }
+        ));
+    }
+    Ok((out.join("|"), empty))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, OnceLock};
+
+    use gemma4_text::{AssistantMessage, OutputProcessor, Tokenizer};
+    use proptest::prelude::*;
+    use proptest::test_runner::RngSeed;
+    use serde_json::json;
+
+    use super::*;
+    use crate::grammar::{GrammarSpec, Grammars};
+
+    struct Fixture {
+        tok: Arc<Tokenizer>,
+        grammars: Grammars,
+        markers: CallMarkers,
+    }
+
+    fn fixture() -> &'static Fixture {
+        static FIXTURE: OnceLock<Fixture> = OnceLock::new();
+        FIXTURE.get_or_init(|| {
+            let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../tests/fixtures/oracle/e-style");
+            let tok = Arc::new(Tokenizer::from_dir(&dir).expect("fixture tokenizer"));
+            let id = |t: &str| tok.token_to_id(t).expect("marker in vocabulary");
+            let markers = CallMarkers {
+                open: id("<|tool_call>"),
+                close: id("<tool_call|>"),
+                quote: id("<|\"|>"),
+                end: id("<|tool_response>"),
+            };
+            let grammars = Grammars::new(tok.clone()).expect("trie");
+            Fixture {
+                tok,
+                grammars,
+                markers,
+            }
+        })
+    }
+
+    fn tool(name: &str, parameters: Value) -> Value {
+        json!({"type": "function", "function": {"name": name, "parameters": parameters}})
+    }
+
+    /// Calls written under the grammar by a "model" that draws each token at
+    /// random among those the mask allows, read back by the output parser.
+    fn forced_calls(tools: &[Value], only: Option<&str>, seed: u64) -> (String, AssistantMessage) {
+        let f = fixture();
+        let lark =
+            tool_call_grammar(tools, only, f.markers).unwrap_or_else(|e| panic!("{}", e.message));
+        let matcher = f
+            .grammars
+            .compile(&GrammarSpec::Lark(lark.clone()), "tool_choice")
+            .unwrap_or_else(|e| panic!("{lark}: {}", e.message));
+        let mut constraint = (f.grammars.constraint(matcher, None).0)();
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut ids = Vec::new();
+        let mut ended = false;
+        for _ in 0..3000 {
+            let mask = constraint.allowed().expect("enforcing").to_vec();
+            let allowed: Vec<u32> = (0..mask.len() as u32 * 32)
+                .filter(|t| mask[*t as usize / 32] & (1 << (t % 32)) != 0)
+                .collect();
+            assert!(!allowed.is_empty(), "nothing allowed after {ids:?}");
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            // A model that closes an open string one time in four, so that
+            // unbounded strings (keys of additional properties) end.
+            let pick = if state.is_multiple_of(4) && allowed.contains(&f.markers.quote) {
+                f.markers.quote
+            } else {
+                allowed[(state / 4 % allowed.len() as u64) as usize]
+            };
+            if Some(pick) == f.tok.eos_id() || pick == f.markers.end {
+                ended = true;
+                break;
+            }
+            constraint.accept(pick);
+            ids.push(pick);
+        }
+        let text = f.tok.decode(&ids, false).expect("decodes");
+        assert!(ended, "the calls never ended: {text}");
+        let mut parser = OutputProcessor::new(f.tok.clone(), &[], "c".into());
+        let mut events = Vec::new();
+        for &i in &ids {
+            events.extend(parser.push(i, "").expect("push"));
+        }
+        events.extend(parser.finish(&text).expect("finish"));
+        (text, AssistantMessage::from_events(&events))
+    }
+
+    /// Every call is complete, names a tool, and its arguments validate.
+    fn check_calls(tools: &[Value], only: Option<&str>, seed: u64) -> Result<(), String> {
+        let (text, turn) = forced_calls(tools, only, seed);
+        if turn.tool_calls.is_empty() {
+            return Err(format!("no call in {text}"));
+        }
+        for call in &turn.tool_calls {
+            let Some(tool) = tools
+                .iter()
+                .find(|t| t["function"]["name"] == call.name.as_str())
+            else {
+                return Err(format!("unknown tool {:?} in {text}", call.name));
+            };
+            if only.is_some_and(|o| o != call.name) || !call.complete {
+                return Err(format!("{call:?} in {text}"));
+            }
+            let args: Value = serde_json::from_str(&call.arguments)
+                .map_err(|e| format!("{}: {e} ({text})", call.arguments))?;
+            let schema = &tool["function"]["parameters"];
+            let validator = jsonschema::options()
+                .should_validate_formats(true)
+                .build(schema)
+                .map_err(|e| format!("the test's schema {schema}: {e}"))?;
+            let first = validator.iter_errors(&args).next().map(|e| e.to_string());
+            if let Some(e) = first {
+                return Err(format!("{args} breaks {schema}: {e} (from {text})"));
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_reported_schemas_hold() {
+        let tools = [
+            tool(
+                "set_budget",
+                json!({"type": "object", "properties": {
+                "amount": {"type": "integer", "minimum": 0, "maximum": 100_000},
+                "ratio": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "multipleOf": 0.125}},
+                "required": ["amount", "ratio"]}),
+            ),
+            tool(
+                "tag",
+                json!({"type": "object", "properties": {
+                "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "minItems": 1, "maxItems": 3},
+                "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                "kind": {"type": ["string", "null"], "maxLength": 3},
+                "when": {"type": "string", "format": "date"}},
+                "required": ["tags", "code", "kind", "when"], "additionalProperties": false}),
+            ),
+        ];
+        for seed in 0..12 {
+            check_calls(&tools, None, seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+            check_calls(&tools, Some("tag"), seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        }
+    }
+
+    #[test]
+    fn references_combinators_and_recursion_hold() {
+        let tools = [tool(
+            "plan",
+            json!({
+                "$defs": {
+                    "step": {"type": "object", "properties": {
+                        "id": {"type": "integer", "minimum": 1, "maximum": 9},
+                        "then": {"type": "array", "items": {"$ref": "#/$defs/step"}, "maxItems": 1}},
+                        "required": ["id"], "additionalProperties": false},
+                    "named": {"properties": {"name": {"type": "string", "maxLength": 5}}, "required": ["name"]}
+                },
+                "allOf": [
+                    {"$ref": "#/$defs/named"},
+                    {"properties": {"first": {"$ref": "#/$defs/step"},
+                                    "mode": {"anyOf": [{"const": "fast"}, {"type": "integer", "minimum": 5, "maximum": 6}]},
+                                    "pair": {"type": "array", "prefixItems": [{"type": "boolean"}, {"enum": [1, "x", null]}], "items": false, "minItems": 2},
+                                    "note x": {"type": "string", "maxLength": 3},
+                                    "extra": {"type": "object", "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 3}, "maxProperties": 9}},
+                     "required": ["first", "mode", "pair"]}
+                ]
+            }),
+        )];
+        let e = tool_call_grammar(&tools, None, fixture().markers).expect_err("maxProperties");
+        assert!(
+            e.message.contains("maxProperties") && e.message.contains("\"plan\""),
+            "{}",
+            e.message
+        );
+        let mut tools = tools;
+        let extra = &mut tools[0]["function"]["parameters"]["allOf"][1]["properties"]["extra"];
+        extra
+            .as_object_mut()
+            .expect("object")
+            .remove("maxProperties");
+        for seed in 0..16 {
+            check_calls(&tools, Some("plan"), seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        }
+    }
+
+    /// Every keyword that cannot be enforced is a 400 naming the keyword,
+    /// the tool and the field.
+    #[test]
+    fn what_cannot_be_enforced_is_refused_by_name() {
+        let cases = [
+            (
+                json!({"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": true}}}),
+                "uniqueItems",
+            ),
+            (
+                json!({"type": "object", "properties": {"s": {"type": "string", "pattern": "\\bword"}}}),
+                "pattern",
+            ),
+            (
+                json!({"type": "object", "properties": {"s": {"type": "string", "format": "ipv6"}}}),
+                "format",
+            ),
+            (
+                json!({"type": "object", "properties": {"s": {"$ref": "other.json#/x"}}}),
+                "$ref",
+            ),
+            (
+                json!({"type": "object", "properties": {"s": {"not": {"type": "string"}}}}),
+                "not",
+            ),
+            (
+                json!({"type": "object", "patternProperties": {"^x": {}}}),
+                "patternProperties",
+            ),
+            (json!({"type": "string"}), "must describe an object"),
+            (
+                json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}),
+                "lower bound",
+            ),
+        ];
+        for (schema, word) in cases {
+            let tools = [tool("ok", json!({})), tool("t", schema.clone())];
+            let e = tool_call_grammar(&tools, None, fixture().markers)
+                .expect_err(&format!("{schema} is refused"));
+            assert_eq!(e.status.as_u16(), 400);
+            assert_eq!(e.param.as_deref(), Some("tools[1].function.parameters"));
+            assert!(
+                e.message.contains(word) && e.message.contains("\"t\""),
+                "{word}: {}",
+                e.message
+            );
+            // Naming another tool leaves the refused one out.
+            assert!(tool_call_grammar(&tools, Some("ok"), fixture().markers).is_ok());
+        }
+    }
+
+    #[test]
+    fn patterns_search_unless_anchored() {
+        let whole = |pattern: &str, text: &str| {
+            let (rx, _) = search_regex(pattern).expect("compiles");
+            regex::Regex::new(&format!("^(?:{rx})$"))
+                .expect("a regex")
+                .is_match(text)
+        };
+        assert!(whole("^a\\d$", "a7"));
+        assert!(!whole("^a\\d$", "xa7"));
+        assert!(!whole("^a\\d$", "a٣"), "\\d is ASCII, as in ECMA-262");
+        assert!(whole("^a", "abc") && !whole("^a", "ba"));
+        assert!(whole("c$", "abc") && !whole("c$", "cb"));
+        assert!(whole("x|^y", "axb") && whole("x|^y", "yb") && !whole("x|^y", "by"));
+        assert!(whole("a/b", "-a/b-"));
+        assert!(!search_regex("^a+$").expect("compiles").1);
+        assert!(search_regex("a*").expect("compiles").1);
+        assert!(search_regex("a\\bc").is_err());
+        assert!(search_regex("(").is_err());
+    }
+
+    const KEYS: &[&str] = &["a", "b", "city", "x y", "n:1", "_id"];
+
+    /// Schemas a random model can finish: strings, arrays and unbounded
+    /// numbers kept short.
+    fn leaf() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            (0u64..3, 1u64..6).prop_map(|(lo, span)| json!({"type": "string", "minLength": lo, "maxLength": lo + span})),
+            prop::sample::select(vec!["^[a-z]{1,4}$", "^[0-9]{2}-[A-F]$", "^(red|green|blue)$", "q"])
+                .prop_map(|p| json!({"type": "string", "pattern": p, "maxLength": 6})),
+            prop::sample::select(vec!["date", "time", "date-time", "uuid", "ipv4", "email", "hostname"])
+                .prop_map(|f| json!({"type": "string", "format": f})),
+            (-1_000_000i64..1_000_000, 0i64..1_000_000_000)
+                .prop_map(|(lo, span)| json!({"type": "integer", "minimum": lo, "maximum": lo + span})),
+            (-50i64..50, 1i64..50).prop_map(|(lo, span)| json!({"type": "integer", "exclusiveMinimum": lo, "exclusiveMaximum": lo + span + 1})),
+            (-8i64..8, 1i64..16).prop_map(|(lo, span)| json!({"type": "number", "minimum": lo, "maximum": lo + span, "multipleOf": 0.5})),
+            Just(json!({"type": "boolean"})),
+            Just(json!({"type": "null"})),
+            Just(json!({"type": ["string", "null"], "maxLength": 3})),
+            Just(json!({"enum": ["x", 2, true, null, [1], {"k": "v"}]})),
+            Just(json!({"const": "fixed"})),
+        ]
+    }
+
+    fn schema() -> BoxedStrategy<Value> {
+        leaf().prop_recursive(3, 16, 4, |inner| {
+            prop_oneof![
+                (inner.clone(), 0u64..2, 0u64..3).prop_map(|(items, lo, span)| json!({"type": "array", "items": items, "minItems": lo, "maxItems": lo + span})),
+                (inner.clone(), inner.clone()).prop_map(|(a, b)| json!({"type": "array", "prefixItems": [a, b], "items": false})),
+                (inner.clone(), inner.clone()).prop_map(|(a, b)| json!({"anyOf": [a, b]})),
+                object(inner),
+            ]
+        })
+        .boxed()
+    }
+
+    fn object(inner: impl Strategy<Value = Value> + Clone) -> impl Strategy<Value = Value> {
+        (
+            prop::collection::btree_map(prop::sample::select(KEYS), inner, 0..4),
+            any::<u8>(),
+            any::<bool>(),
+        )
+            .prop_map(|(props, required_bits, closed)| {
+                let required: Vec<&str> = props
+                    .keys()
+                    .enumerate()
+                    .filter(|(i, _)| required_bits & (1 << i) != 0)
+                    .map(|(_, k)| *k)
+                    .collect();
+                let mut o = json!({"type": "object", "properties": props, "required": required});
+                if closed || o["properties"].as_object().is_some_and(|p| p.is_empty()) {
+                    o["additionalProperties"] = json!(false);
+                } else if required_bits & 0x80 != 0 {
+                    o["additionalProperties"] =
+                        json!({"type": "integer", "minimum": 0, "maximum": 9});
+                }
+                o
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig {
+            cases: 96,
+            failure_persistence: None,
+            rng_seed: RngSeed::Fixed(39),
+            ..ProptestConfig::default()
+        })]
+
+        #[test]
+        fn random_schemas_give_valid_calls(params in object(schema()), seed in any::<u64>()) {
+            let tools = [tool("f", params), tool("g", json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))];
+            prop_assert!(check_calls(&tools, Some("f"), seed).is_ok(), "{:?}", check_calls(&tools, Some("f"), seed));
+            prop_assert!(check_calls(&tools, None, seed).is_ok(), "{:?}", check_calls(&tools, None, seed));
+        }
+    }
+}
