@@ -9,7 +9,8 @@ use std::time::Instant;
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use gemma4_engine::{
     check_stop_strings, ConstraintFactory, EngineEvent, FinishReason, GenerationRequest,
-    RequestStream, SamplingParams, SoftPrompt, ThinkingBudget, TokenLogprob, Usage,
+    RequestStream, SamplingParams, SoftPrompt, ThinkingBudget, TokenConstraint, TokenLogprob,
+    Usage,
 };
 
 use gemma4_text::{
@@ -141,6 +142,8 @@ pub fn text_prompt(model: &ModelContext, prompt: &Prompt) -> Result<Vec<u32>, Ap
 #[derive(Debug, Clone, Default)]
 pub struct ChatControls {
     pub tool_choice: ToolChoice,
+    /// More than one call may be made (`parallel_tool_calls`).
+    pub parallel_tool_calls: bool,
     /// The request's tool declarations.
     pub tools: Option<serde_json::Value>,
     pub thinking_token_budget: Option<usize>,
@@ -157,8 +160,13 @@ fn constraint(
     tokens: &ProtocolTokens,
     prompt: &[u32],
 ) -> Result<Option<ConstraintFactory>, ApiError> {
+    let parallel = chat.is_none_or(|c| c.parallel_tool_calls);
     let forced_call = match chat.map(|c| (&c.tool_choice, c.tools.as_ref())) {
         Some((ToolChoice::Required, tools)) => Some((None, tools)),
+        Some((ToolChoice::Auto, Some(_))) if !parallel && sampling.grammar.is_none() => {
+            let vocab = model.engine.tokenizer().vocab_size();
+            return Ok(one_call(tokens, vocab));
+        }
         Some((ToolChoice::Named(name), tools)) => Some((Some(name.as_str()), tools)),
         _ => None,
     };
@@ -194,7 +202,7 @@ fn constraint(
                 .map(Vec::as_slice)
                 .unwrap_or(&[]);
             (
-                GrammarSpec::Lark(tool_call_grammar(tools, only, markers)?),
+                GrammarSpec::Lark(tool_call_grammar(tools, only, parallel, markers)?),
                 "tool_choice",
             )
         }
@@ -219,6 +227,41 @@ fn constraint(
         _ => None,
     };
     Ok(Some(grammars.constraint(matcher, gate)))
+}
+
+/// At most one tool call: once a call has closed, no other may open.
+fn one_call(tokens: &ProtocolTokens, vocab: usize) -> Option<ConstraintFactory> {
+    let open = tokens.id(Marker::ToolCallOpen)?;
+    let close = tokens.id(Marker::ToolCallClose)?;
+    let mut mask = vec![u32::MAX; vocab.div_ceil(32)];
+    if let Some(word) = mask.get_mut(open as usize / 32) {
+        *word &= !(1 << (open % 32));
+    }
+    let mask = Arc::new(mask);
+    Some(ConstraintFactory(Arc::new(move || {
+        Box::new(OneCall {
+            close,
+            closed: false,
+            mask: mask.clone(),
+        }) as Box<dyn TokenConstraint>
+    })))
+}
+
+struct OneCall {
+    close: u32,
+    closed: bool,
+    /// Every token but the call marker.
+    mask: Arc<Vec<u32>>,
+}
+
+impl TokenConstraint for OneCall {
+    fn allowed(&mut self) -> Option<&[u32]> {
+        self.closed.then_some(self.mask.as_slice())
+    }
+
+    fn accept(&mut self, token: u32) {
+        self.closed |= token == self.close;
+    }
 }
 
 /// The logit biases of a request: the client's, plus a ban on the call

@@ -249,6 +249,7 @@ pub(crate) async fn submit_chat(
     let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
     let chat = ChatControls {
         tool_choice: req.tool_choice.clone(),
+        parallel_tool_calls: req.parallel_tool_calls,
         tools: req.tools.clone(),
         thinking_token_budget: req.thinking_token_budget,
         thinking: req

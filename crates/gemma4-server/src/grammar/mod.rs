@@ -439,7 +439,7 @@ mod tests {
             (None, 3),
             (Some("ping"), 4),
         ] {
-            let lark = tool_call_grammar(&tools, only, markers).expect("grammar");
+            let lark = tool_call_grammar(&tools, only, true, markers).expect("grammar");
             let matcher = grammars
                 .compile(&GrammarSpec::Lark(lark.clone()), "tool_choice")
                 .unwrap_or_else(|e| panic!("{lark}: {}", e.message));

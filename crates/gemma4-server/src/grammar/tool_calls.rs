@@ -60,10 +60,12 @@ const MAX_MERGE_DEPTH: usize = 32;
 
 /// A Lark grammar for Gemma 4 tool calls whose arguments follow each tool's
 /// `parameters` schema, then `<|tool_response>` after the last call. `only`
-/// restricts it to one named tool and one call; otherwise one or more calls.
+/// restricts it to one named tool; it and `parallel == false` to one call;
+/// otherwise one or more calls.
 pub fn tool_call_grammar(
     tools: &[Value],
     only: Option<&str>,
+    parallel: bool,
     markers: CallMarkers,
 ) -> Result<String, ApiError> {
     let mut lark = LarkWriter::new(markers.quote);
@@ -107,7 +109,7 @@ pub fn tool_call_grammar(
         calls.join(" | "),
         markers.close
     );
-    let start = if only.is_some() {
+    let start = if only.is_some() || !parallel {
         format!("start: {call} <[{}]>", markers.end)
     } else {
         format!("start: ({call})+ <[{}]>", markers.end)
@@ -912,8 +914,8 @@ mod tests {
     /// random among those the mask allows, read back by the output parser.
     fn forced_calls(tools: &[Value], only: Option<&str>, seed: u64) -> (String, AssistantMessage) {
         let f = fixture();
-        let lark =
-            tool_call_grammar(tools, only, f.markers).unwrap_or_else(|e| panic!("{}", e.message));
+        let lark = tool_call_grammar(tools, only, true, f.markers)
+            .unwrap_or_else(|e| panic!("{}", e.message));
         let matcher = f
             .grammars
             .compile(&GrammarSpec::Lark(lark.clone()), "tool_choice")
@@ -1036,7 +1038,8 @@ mod tests {
                 ]
             }),
         )];
-        let e = tool_call_grammar(&tools, None, fixture().markers).expect_err("maxProperties");
+        let e =
+            tool_call_grammar(&tools, None, true, fixture().markers).expect_err("maxProperties");
         assert!(
             e.message.contains("maxProperties") && e.message.contains("\"plan\""),
             "{}",
@@ -1090,7 +1093,7 @@ mod tests {
         ];
         for (schema, word) in cases {
             let tools = [tool("ok", json!({})), tool("t", schema.clone())];
-            let e = tool_call_grammar(&tools, None, fixture().markers)
+            let e = tool_call_grammar(&tools, None, true, fixture().markers)
                 .expect_err(&format!("{schema} is refused"));
             assert_eq!(e.status.as_u16(), 400);
             assert_eq!(e.param.as_deref(), Some("tools[1].function.parameters"));
@@ -1100,7 +1103,7 @@ mod tests {
                 e.message
             );
             // Naming another tool leaves the refused one out.
-            assert!(tool_call_grammar(&tools, Some("ok"), fixture().markers).is_ok());
+            assert!(tool_call_grammar(&tools, Some("ok"), true, fixture().markers).is_ok());
         }
     }
 

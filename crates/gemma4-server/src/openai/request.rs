@@ -239,6 +239,8 @@ pub struct ChatRequest {
     /// `reasoning_effort` when the kwargs do not say).
     pub template_kwargs: Map<String, Value>,
     pub tool_choice: ToolChoice,
+    /// `parallel_tool_calls`: false allows at most one call.
+    pub parallel_tool_calls: bool,
     /// `thinking_token_budget`: most tokens of thinking before the answer.
     pub thinking_token_budget: Option<usize>,
     pub sampling: Sampling,
@@ -357,12 +359,6 @@ impl ChatRequest {
         let f = Fields::parse(body)?;
         f.refuse(&UNSUPPORTED, "/v1/chat/completions")?;
         f.refuse(&["function_call"], "/v1/chat/completions")?;
-        if f.bool("parallel_tool_calls")? == Some(false) {
-            return Err(ApiError::bad_request(
-                "`parallel_tool_calls: false` is not supported by this server; leave it out",
-            )
-            .with_param("parallel_tool_calls"));
-        }
         if f.array("modalities")?
             .is_some_and(|m| m.iter().any(|x| x != "text"))
         {
@@ -418,6 +414,7 @@ impl ChatRequest {
             add_generation_prompt: f.bool("add_generation_prompt")?.unwrap_or(true),
             template_kwargs,
             tool_choice: ToolChoice::parse(&f)?,
+            parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
             thinking_token_budget: f
                 .integer("thinking_token_budget", 0, i64::from(u32::MAX))?
                 .map(|b| usize::try_from(b).unwrap_or(usize::MAX)),
@@ -1025,7 +1022,6 @@ mod tests {
             ("guided_json", "5"),
             ("guided_choice", "[]"),
             ("guided_decoding_backend", r#""xgrammar""#),
-            ("parallel_tool_calls", "false"),
             ("logit_bias", r#"{"x": 1}"#),
             ("logit_bias", r#"{"1": 500}"#),
         ] {

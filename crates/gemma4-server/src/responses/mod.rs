@@ -30,13 +30,7 @@ use crate::server::AppState;
 use assemble::{Assembler, Ending, TurnUsage};
 
 /// Responses fields this server does not implement.
-const UNSUPPORTED: [&str; 5] = [
-    "previous_response_id",
-    "conversation",
-    "background",
-    "include",
-    "prompt",
-];
+const UNSUPPORTED: [&str; 3] = ["previous_response_id", "conversation", "prompt"];
 
 fn bad(message: impl Into<String>, param: &str) -> ApiError {
     ApiError::bad_request(message).with_param(param)
@@ -172,7 +166,21 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
 /// The chat request body equivalent to a Responses request.
 fn chat_body(f: &Fields) -> Result<Value, ApiError> {
     f.refuse(&UNSUPPORTED, "/v1/responses")?;
+    // Values that ask for nothing this server lacks are accepted.
+    if f.get("background")
+        .is_some_and(|b| b != &Value::Bool(false))
+    {
+        f.refuse(&["background"], "/v1/responses")?;
+    }
+    if f.get("include")
+        .is_some_and(|i| i.as_array().is_none_or(|items| !items.is_empty()))
+    {
+        f.refuse(&["include"], "/v1/responses")?;
+    }
     let mut body = Map::new();
+    if let Some(parallel) = f.get("parallel_tool_calls") {
+        body.insert("parallel_tool_calls".into(), parallel.clone());
+    }
     body.insert("messages".into(), Value::Array(messages(f)?));
     if let Some(tools) = f.array("tools")? {
         let mut chat_tools = Vec::new();
