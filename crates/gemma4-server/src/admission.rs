@@ -70,14 +70,15 @@ pub fn max_tokens_for(
     }
 }
 
-/// Refuses `n` choices that could never all be admitted at once.
+/// Refuses `n` choices that could never all be admitted at once: a request's
+/// sequences all enter the engine's queue before any of them runs, so more
+/// than `--max-queue` of them would be refused on an idle server too.
 pub fn check_choice_count(choices: usize, engine: &EngineConfig) -> Result<(), ApiError> {
-    let capacity = engine.max_num_seqs + engine.max_queue;
-    if choices > capacity {
+    if choices > engine.max_queue {
         return Err(ApiError::bad_request(format!(
-            "the request asks for {choices} sequences (n times the number of prompts) but the server runs at most \
-             {capacity} at once (--max-num-seqs {} plus --max-queue {}); lower n",
-            engine.max_num_seqs, engine.max_queue
+            "the request asks for {choices} sequences (n times the number of prompts) but the server queues at most \
+             {} at once (--max-queue); lower n",
+            engine.max_queue
         ))
         .with_param("n"));
     }
@@ -135,22 +136,25 @@ mod tests {
     }
 
     #[test]
+    fn more_choices_than_the_queue_holds_is_a_400() {
+        let engine = EngineConfig {
+            max_num_seqs: 16,
+            max_queue: 64,
+            ..EngineConfig::default()
+        };
+        assert!(check_choice_count(64, &engine).is_ok());
+        let e = check_choice_count(65, &engine).expect_err("never admissible");
+        assert_eq!(e.status.as_u16(), 400);
+        assert_eq!(e.param.as_deref(), Some("n"));
+        assert!(e.message.contains("--max-queue"), "{}", e.message);
+    }
+
+    #[test]
     fn queue_full_is_429_with_retry_after() {
         let e = submit_error(SubmitError::QueueFull(3));
         assert_eq!(e.status.as_u16(), 429);
         assert_eq!(e.retry_after, Some(RETRY_AFTER_SECS));
         assert_eq!(submit_error(SubmitError::Draining).status.as_u16(), 503);
-    }
-
-    #[test]
-    fn too_many_choices() {
-        let cfg = EngineConfig {
-            max_num_seqs: 2,
-            max_queue: 2,
-            ..Default::default()
-        };
-        assert!(check_choice_count(4, &cfg).is_ok());
-        assert!(check_choice_count(5, &cfg).is_err());
     }
 
     #[tokio::test]

@@ -126,16 +126,25 @@ fn parse_grammar(f: &Fields) -> Result<Option<(GrammarSpec, &'static str)>, ApiE
 }
 
 /// Fields every generating route refuses: features this server does not have.
-const UNSUPPORTED: [&str; 8] = [
+/// (`best_of: 1`, which asks for nothing more, is accepted.)
+const UNSUPPORTED: [&str; 7] = [
     "guided_decoding_backend",
     "structured_outputs",
-    "best_of",
     "use_beam_search",
     "prediction",
     "web_search_options",
     "audio",
     "functions",
 ];
+
+/// Refuses [`UNSUPPORTED`] fields, and `best_of` other than 1.
+fn refuse_unsupported(f: &Fields, route: &str) -> Result<(), ApiError> {
+    f.refuse(&UNSUPPORTED, route)?;
+    if f.get("best_of").is_some_and(|b| b.as_u64() != Some(1)) {
+        f.refuse(&["best_of"], route)?;
+    }
+    Ok(())
+}
 
 impl Sampling {
     /// Reads the sampling fields; `max_token_fields` are the names accepted
@@ -163,12 +172,8 @@ impl Sampling {
         Ok(Self {
             temperature: f.number("temperature", 0.0, 100.0)?.unwrap_or(1.0),
             top_p: match f.number("top_p", 0.0, 1.0)? {
-                Some(p) if p <= 0.0 => {
-                    return Err(ApiError::bad_request(
-                        "`top_p` must be greater than 0 and at most 1",
-                    )
-                    .with_param("top_p"))
-                }
+                // 0 keeps only the most likely token (the nucleus never holds fewer).
+                Some(p) if p <= 0.0 => 1e-9,
                 p => p.unwrap_or(1.0),
             },
             top_k: usize::try_from(top_k.max(0)).unwrap_or(0),
@@ -357,7 +362,7 @@ const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 impl ChatRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let f = Fields::parse(body)?;
-        f.refuse(&UNSUPPORTED, "/v1/chat/completions")?;
+        refuse_unsupported(&f, "/v1/chat/completions")?;
         f.refuse(&["function_call"], "/v1/chat/completions")?;
         if f.array("modalities")?
             .is_some_and(|m| m.iter().any(|x| x != "text"))
@@ -676,7 +681,7 @@ pub struct CompletionRequest {
 impl CompletionRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let f = Fields::parse(body)?;
-        f.refuse(&UNSUPPORTED, "/v1/completions")?;
+        refuse_unsupported(&f, "/v1/completions")?;
         f.refuse(
             &[
                 "response_format",
@@ -758,7 +763,7 @@ pub struct GenerateRequest {
 impl GenerateRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let f = Fields::parse(body)?;
-        f.refuse(&UNSUPPORTED, "/generate")?;
+        refuse_unsupported(&f, "/generate")?;
         f.refuse(&["tools", "tool_choice"], "/generate")?;
         let prompt = match f.get("prompt") {
             Some(Value::String(s)) => Prompt::Text(s.clone()),
