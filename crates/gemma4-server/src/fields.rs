@@ -171,6 +171,20 @@ impl Fields {
         }
     }
 
+    /// Refuses `name` unless its value is `neutral`: one that asks for nothing
+    /// this server lacks (`best_of: 1`, `include: []`) is served as without it.
+    pub fn refuse_unless(
+        &self,
+        name: &str,
+        route: &str,
+        neutral: impl Fn(&Value) -> bool,
+    ) -> Result<(), ApiError> {
+        match self.get(name) {
+            Some(v) if !neutral(v) => self.refuse(&[name], route),
+            _ => Ok(()),
+        }
+    }
+
     /// `logit_bias`: an object mapping token ids (as strings) to a bias in [-100, 100].
     pub fn logit_bias(&self, name: &str) -> Result<Vec<(u32, f32)>, ApiError> {
         let Some(map) = self.object(name)? else {

@@ -179,6 +179,11 @@ fn intersect_types(a: &Value, b: &Value) -> Value {
     Value::Array(out)
 }
 
+/// The items of a list keyword (none when it is not a list).
+fn list(v: &Value) -> Vec<Value> {
+    v.as_array().cloned().unwrap_or_default()
+}
+
 fn all_of(a: &Value, b: &Value) -> Value {
     serde_json::json!({ "allOf": [a, b] })
 }
@@ -212,7 +217,7 @@ pub fn merge(a: &Value, b: &Value, at: &str) -> Result<Value, SchemaError> {
                 bound(ours, theirs, false, key, at)?
             }
             "required" => {
-                let mut names: Vec<Value> = ours.as_array().cloned().unwrap_or_default();
+                let mut names = list(ours);
                 for n in theirs.as_array().into_iter().flatten() {
                     if !names.contains(n) {
                         names.push(n.clone());
@@ -250,8 +255,8 @@ pub fn merge(a: &Value, b: &Value, at: &str) -> Result<Value, SchemaError> {
             "prefixItems" => merge_prefix(ours, theirs),
             "anyOf" | "oneOf" => cross(ours, theirs, at)?,
             "allOf" => {
-                let mut parts = ours.as_array().cloned().unwrap_or_default();
-                parts.extend(theirs.as_array().cloned().unwrap_or_default());
+                let mut parts = list(ours);
+                parts.extend(list(theirs));
                 Value::Array(parts)
             }
             "nullable" => Value::Bool(ours == &Value::Bool(true) && theirs == &Value::Bool(true)),
@@ -281,10 +286,7 @@ pub fn patterns(v: &Value) -> Vec<String> {
 }
 
 fn merge_prefix(a: &Value, b: &Value) -> Value {
-    let (a, b) = (
-        a.as_array().cloned().unwrap_or_default(),
-        b.as_array().cloned().unwrap_or_default(),
-    );
+    let (a, b) = (list(a), list(b));
     let n = a.len().max(b.len());
     Value::Array(
         (0..n)
@@ -299,10 +301,7 @@ fn merge_prefix(a: &Value, b: &Value) -> Value {
 
 /// Two `anyOf` lists in one `allOf`: every pair of alternatives.
 fn cross(a: &Value, b: &Value, at: &str) -> Result<Value, SchemaError> {
-    let (a, b) = (
-        a.as_array().cloned().unwrap_or_default(),
-        b.as_array().cloned().unwrap_or_default(),
-    );
+    let (a, b) = (list(a), list(b));
     if a.len() * b.len() > 256 {
         return Err(SchemaError::new(
             at,

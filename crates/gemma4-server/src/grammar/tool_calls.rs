@@ -16,8 +16,8 @@ use std::collections::HashMap;
 
 use serde_json::{Map, Value};
 
+use super::bound_integers;
 use super::schema::{self, SchemaError};
-use super::INTEGER_LIMIT;
 use crate::error::ApiError;
 
 /// The token ids of Gemma 4's tool-call markup.
@@ -558,19 +558,13 @@ impl LarkWriter {
                 "the lower bound is above the upper bound",
             ));
         }
-        if integer {
-            if !s.contains_key("maximum") && !s.contains_key("exclusiveMaximum") {
-                s.insert("maximum".into(), INTEGER_LIMIT.into());
-            }
-            if !s.contains_key("minimum") && !s.contains_key("exclusiveMinimum") {
-                s.insert("minimum".into(), (-INTEGER_LIMIT).into());
-            }
-        }
         s.insert(
             "x-guidance".into(),
             serde_json::json!({"whitespace_flexible": false}),
         );
-        Ok(self.define(false, format!("%json {}", Value::Object(s))))
+        let mut s = Value::Object(s);
+        bound_integers(&mut s);
+        Ok(self.define(false, format!("%json {s}")))
     }
 
     /// `[…]`: `prefixItems` in place, then `items`, counted by `minItems`/`maxItems`.
@@ -679,7 +673,8 @@ impl LarkWriter {
             None => None,
             Some(s) => {
                 let value = self.value(&s, &format!("{at}/additionalProperties"), depth + 1)?;
-                let names: Vec<String> = props.iter().map(|(k, _)| regex_escape(k)).collect();
+                let names: Vec<String> =
+                    props.iter().map(|(k, _)| regex_syntax::escape(k)).collect();
                 let mut key = format!("/(?s:.+)/ & {NO_DELIMITER}");
                 if !names.is_empty() {
                     key.push_str(&format!(
@@ -809,25 +804,11 @@ fn repeat(item: &str, lo: usize, hi: Option<usize>) -> String {
     }
 }
 
-fn regex_escape(s: &str) -> String {
-    let mut out = String::new();
-    for c in s.chars() {
-        if "\\.+*?()|[]{}^$#&-~\"".contains(c) {
-            out.push('\\');
-        }
-        out.push(c);
-    }
-    out
-}
-
 /// A JSON-Schema `pattern` (an unanchored search, ECMA-262 `\d` and `\w`) as a
 /// regular expression over the whole text, and whether the empty text matches.
 fn search_regex(pattern: &str) -> Result<(String, bool), String> {
     use regex_syntax::hir::{Hir, HirKind, Look};
     let ascii = llguidance::regex_to_lark(pattern, "dw").replace("\\/", "/");
-    let empty = regex::Regex::new(&ascii)
-        .map_err(|e| e.to_string())?
-        .is_match("");
     let hir = regex_syntax::Parser::new()
         .parse(&ascii)
         .map_err(|e| e.to_string())?;
@@ -836,6 +817,7 @@ fn search_regex(pattern: &str) -> Result<(String, bool), String> {
         _ => vec![hir],
     };
     let mut out = Vec::new();
+    let mut empty = false;
     for branch in branches {
         let mut parts: Vec<Hir> = match branch.kind() {
             HirKind::Concat(ps) => ps.clone(),
@@ -856,6 +838,8 @@ fn search_regex(pattern: &str) -> Result<(String, bool), String> {
         if !core.properties().look_set().is_empty() {
             return Err("only a leading `^` and a trailing `$` can anchor it".into());
         }
+        // Without inner anchors, a part that may be empty matches the empty text.
+        empty |= core.properties().minimum_len() == Some(0);
         let core = core.to_string();
         out.push(format!(
             "{}(?:{core}){}",

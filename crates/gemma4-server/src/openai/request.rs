@@ -140,10 +140,7 @@ const UNSUPPORTED: [&str; 7] = [
 /// Refuses [`UNSUPPORTED`] fields, and `best_of` other than 1.
 fn refuse_unsupported(f: &Fields, route: &str) -> Result<(), ApiError> {
     f.refuse(&UNSUPPORTED, route)?;
-    if f.get("best_of").is_some_and(|b| b.as_u64() != Some(1)) {
-        f.refuse(&["best_of"], route)?;
-    }
-    Ok(())
+    f.refuse_unless("best_of", route, |b| b.as_u64() == Some(1))
 }
 
 impl Sampling {

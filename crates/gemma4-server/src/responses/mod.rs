@@ -166,17 +166,10 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
 /// The chat request body equivalent to a Responses request.
 fn chat_body(f: &Fields) -> Result<Value, ApiError> {
     f.refuse(&UNSUPPORTED, "/v1/responses")?;
-    // Values that ask for nothing this server lacks are accepted.
-    if f.get("background")
-        .is_some_and(|b| b != &Value::Bool(false))
-    {
-        f.refuse(&["background"], "/v1/responses")?;
-    }
-    if f.get("include")
-        .is_some_and(|i| i.as_array().is_none_or(|items| !items.is_empty()))
-    {
-        f.refuse(&["include"], "/v1/responses")?;
-    }
+    f.refuse_unless("background", "/v1/responses", |b| b == &Value::Bool(false))?;
+    f.refuse_unless("include", "/v1/responses", |i| {
+        i.as_array().is_some_and(Vec::is_empty)
+    })?;
     let mut body = Map::new();
     if let Some(parallel) = f.get("parallel_tool_calls") {
         body.insert("parallel_tool_calls".into(), parallel.clone());
