@@ -383,6 +383,29 @@ def scenario_structured(args):
         "calls": [{"name": names.get(i), "arguments": streamed.get(i, "")} for i in sorted(names)],
     }
     out["tools"] = calls
+    # Schema keywords a hand-written grammar easily drops: wide integer ranges,
+    # minItems/maxItems, patterns, formats, a $ref, one call only.
+    budget = {"type": "object", "$defs": {"code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"}},
+              "properties": {"amount": {"type": "integer", "minimum": 0, "maximum": 100000},
+                             "tags": {"type": "array", "items": {"type": "string", "maxLength": 5},
+                                      "minItems": 1, "maxItems": 3},
+                             "code": {"$ref": "#/$defs/code"},
+                             "when": {"type": "string", "format": "date"}},
+              "required": ["amount", "tags", "code", "when"], "additionalProperties": False}
+    tools = TOOLS + [{"type": "function", "function": {"name": "set_budget", "parameters": budget}}]
+    forced = {}
+    for name, choice in (("named", {"type": "function", "function": {"name": "set_budget"}}),
+                         ("required", "required")):
+        r = c.chat.completions.create(
+            model=args.model, messages=messages, max_tokens=4 * args.max_tokens, temperature=0,
+            tools=tools, tool_choice=choice, parallel_tool_calls=False,
+        )
+        forced[name] = {
+            "finish_reason": r.choices[0].finish_reason,
+            "calls": [{"name": t.function.name, "arguments": t.function.arguments}
+                      for t in (r.choices[0].message.tool_calls or [])],
+        }
+    out["schemas"] = {"tools": tools, "forced": forced}
     r = c.completions.create(
         model=args.model, prompt=args.prompt[0], max_tokens=args.max_tokens, temperature=0,
         extra_body={"guided_choice": ["alpha", "beta"]},

@@ -160,6 +160,40 @@ fn tokenize_detokenize_and_model_card() {
     assert_eq!(server.get("/v1/models/other").status, 404);
 }
 
+/// One call each, through the `openai` client with `parallel_tool_calls=False`,
+/// whose arguments validate against the schema the client sent.
+fn check_forced_schemas(out: &Value) {
+    let tools = out["tools"].as_array().expect("the tools sent");
+    for case in ["named", "required"] {
+        let r = &out["forced"][case];
+        assert_eq!(r["finish_reason"], "tool_calls", "{case}: {out}");
+        let calls = r["calls"].as_array().expect("calls");
+        assert_eq!(calls.len(), 1, "{case}: {out}");
+        let name = calls[0]["name"].as_str().unwrap_or_default();
+        if case == "named" {
+            assert_eq!(name, "set_budget");
+        }
+        let schema = &tools
+            .iter()
+            .find(|t| t["function"]["name"] == name)
+            .unwrap_or_else(|| panic!("{case}: unknown tool {name}"))["function"]["parameters"];
+        let args: Value = serde_json::from_str(calls[0]["arguments"].as_str().unwrap_or_default())
+            .unwrap_or_else(|e| panic!("{case}: arguments are not JSON ({e}): {out}"));
+        let validator = jsonschema::options()
+            .should_validate_formats(true)
+            .build(schema)
+            .expect("the client's schema compiles");
+        let errors: Vec<String> = validator
+            .iter_errors(&args)
+            .map(|e| e.to_string())
+            .collect();
+        assert!(
+            errors.is_empty(),
+            "{case}: {args} breaks {schema}: {errors:?}"
+        );
+    }
+}
+
 /// The weather arguments the test schema allows.
 fn valid_weather(v: &Value) -> bool {
     let Some(obj) = v.as_object() else {
@@ -251,6 +285,7 @@ fn check_structured(out: &Value, expect_reasoning: bool) {
             assert_eq!(calls[0]["name"], "get_time");
         }
     }
+    check_forced_schemas(&out["schemas"]);
     let streamed = &tools["required_stream"];
     assert_eq!(streamed["finish_reason"], "tool_calls");
     let whole: Vec<(Value, Value)> = tools["required"]["calls"]

@@ -34,7 +34,7 @@ fn leaf(r: &mut Rng) -> Value {
                     "pattern": r.pick(&["^[a-z]{1,4}$", "^[0-9]{2}-[A-F]$", "^(red|green|blue)$"])}),
         // Bounded too: an address's local part has no length limit of its own.
         2 => json!({"type": "string", "maxLength": 40,
-                    "format": r.pick(&["date", "time", "date-time", "uuid", "ipv4", "email"])}),
+                    "format": r.pick(&["date", "time", "date-time", "uuid", "ipv4", "email", "uri", "duration", "ipv6"])}),
         3 => {
             let lo = r.below(2_000_000) as i64 - 1_000_000;
             json!({"type": "integer", "minimum": lo, "maximum": lo + r.below(1_000_000_000) as i64})

@@ -80,6 +80,8 @@ pub const ANNOTATIONS: &[&str] = &[
     "writeOnly",
     "contentMediaType",
     "contentEncoding",
+    // OpenAPI's hint for a `oneOf` (Pydantic writes it); the options hold anyway.
+    "discriminator",
 ];
 
 /// Refuses a keyword that is neither enforced nor an annotation.

@@ -30,7 +30,8 @@ pub struct CallMarkers {
     pub end: u32,
 }
 
-/// Formats a string's `format` may name, with the text each allows.
+/// Formats a string's `format` may name, with the text each allows: for
+/// `ipv6`, `uri` and `duration` a plain subset of what the format allows.
 const FORMATS: &[(&str, &str)] = &[
     ("date", DATE),
     ("time", TIME),
@@ -39,6 +40,9 @@ const FORMATS: &[(&str, &str)] = &[
     ("ipv4", "((25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])\\.){3}(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"),
     ("hostname", HOSTNAME),
     ("email", EMAIL),
+    ("ipv6", "([0-9a-f]{1,4}:){7}[0-9a-f]{1,4}"),
+    ("uri", URI),
+    ("duration", DURATION),
 ];
 
 /// Calendar dates; February stops at the 28th, which every year has.
@@ -51,6 +55,12 @@ const HOSTNAME: &str = "[A-Za-z0-9]([A-Za-z0-9-]{0,38}[A-Za-z0-9])?(\\.[A-Za-z0-
 /// Addresses whose local part (at most 50 characters; RFC 5321 allows 64) is
 /// dot-separated atoms, at a host name of two to four labels.
 const EMAIL: &str = "[A-Za-z0-9_+-]{1,16}(\\.[A-Za-z0-9_+-]{1,16}){0,2}@[A-Za-z0-9]([A-Za-z0-9-]{0,38}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,38}[A-Za-z0-9])?){1,3}";
+
+/// `scheme://host/path?query#fragment` with unreserved and sub-delimiter
+/// characters only (no percent escapes).
+const URI: &str = "[a-z][a-z0-9+.-]{0,15}://[A-Za-z0-9]([A-Za-z0-9-]{0,38}[A-Za-z0-9])?(\\.[A-Za-z0-9]([A-Za-z0-9-]{0,38}[A-Za-z0-9])?){0,3}(/[A-Za-z0-9._~!$&'()*+,;=:@-]*){0,8}(\\?[A-Za-z0-9._~!$&'()*+,;=:@/?-]*)?(#[A-Za-z0-9._~!$&'()*+,;=:@/?-]*)?";
+/// ISO 8601 durations of weeks, days, or a time part (with days before it).
+const DURATION: &str = "P([0-9]{1,4}W|[0-9]{1,4}D|([0-9]{1,4}D)?T([0-9]{1,4}H([0-9]{1,4}M([0-9]{1,4}S)?)?|[0-9]{1,4}M([0-9]{1,4}S)?|[0-9]{1,4}S))";
 
 /// Every `type` a JSON value can have (`integer` is a kind of `number`).
 const TYPES: &[&str] = &["string", "number", "boolean", "null", "array", "object"];
@@ -249,6 +259,10 @@ impl LarkWriter {
     fn arguments(&mut self, params: &Value) -> Result<String, SchemaError> {
         self.root = params.clone();
         self.refs.clear();
+        // A `type` that names no JSON type is reported as such, not as "not an object".
+        if let Some(obj) = params.as_object() {
+            types_of(obj, "")?;
+        }
         let object = schema::merge(params, &serde_json::json!({"type": "object"}), "")?;
         self.value(&object, "", 0)
     }
@@ -1000,6 +1014,21 @@ mod tests {
     }
 
     #[test]
+    fn every_format_validates() {
+        for (format, _) in FORMATS {
+            let tools = [tool(
+                "f",
+                json!({"type": "object", "properties": {
+                "v": {"type": "string", "format": format}}, "required": ["v"]}),
+            )];
+            for seed in 0..8 {
+                check_calls(&tools, None, seed)
+                    .unwrap_or_else(|e| panic!("{format}, seed {seed}: {e}"));
+            }
+        }
+    }
+
+    #[test]
     fn references_combinators_and_recursion_hold() {
         let tools = [tool(
             "plan",
@@ -1054,7 +1083,7 @@ mod tests {
                 "pattern",
             ),
             (
-                json!({"type": "object", "properties": {"s": {"type": "string", "format": "ipv6"}}}),
+                json!({"type": "object", "properties": {"s": {"type": "string", "format": "iri"}}}),
                 "format",
             ),
             (
@@ -1070,6 +1099,7 @@ mod tests {
                 "patternProperties",
             ),
             (json!({"type": "string"}), "must describe an object"),
+            (json!({"type": "OBJECT"}), "\"OBJECT\" is not a JSON type"),
             (
                 json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}),
                 "lower bound",
@@ -1121,7 +1151,7 @@ mod tests {
             (0u64..3, 1u64..6).prop_map(|(lo, span)| json!({"type": "string", "minLength": lo, "maxLength": lo + span})),
             prop::sample::select(vec!["^[a-z]{1,4}$", "^[0-9]{2}-[A-F]$", "^(red|green|blue)$", "q"])
                 .prop_map(|p| json!({"type": "string", "pattern": p, "maxLength": 6})),
-            prop::sample::select(vec!["date", "time", "date-time", "uuid", "ipv4", "email", "hostname"])
+            prop::sample::select(vec!["date", "time", "date-time", "uuid", "ipv4", "email", "hostname", "uri", "duration", "ipv6"])
                 .prop_map(|f| json!({"type": "string", "format": f})),
             (-1_000_000i64..1_000_000, 0i64..1_000_000_000)
                 .prop_map(|(lo, span)| json!({"type": "integer", "minimum": lo, "maximum": lo + span})),
