@@ -677,10 +677,10 @@ impl LarkWriter {
         let mut items = Vec::new();
         for (key, sub) in &props {
             let value = self.value(sub, &format!("{at}/properties/{key}"), depth + 1)?;
-            items.push((
-                format!("{} \":\" {value}", self.key(key)),
-                required.contains(key),
-            ));
+            // A named rule: the alternatives below name each item several
+            // times, and a nested object's text would otherwise multiply.
+            let item = self.define(false, format!("{} \":\" {value}", self.key(key)));
+            items.push((item, required.contains(key)));
         }
         let declared = declared_properties(&items);
         let extra = match extra {
