@@ -1,6 +1,6 @@
 //! `gemma4 serve`: the OpenAI-compatible HTTP server.
 //!
-//! The port is bound first, so `/health` answers 503 "loading" while the
+//! The port is bound first, so `/ready` answers 503 "loading" while the
 //! model loads on a separate thread. SIGTERM or SIGINT starts a drain: no new
 //! requests, running ones finish within `--drain-timeout`, then exit 0.
 
@@ -97,6 +97,21 @@ pub struct Args {
     /// --media-fetch-timeout, --max-media-bytes and 3 redirects.
     #[arg(long)]
     allow_remote_media: bool,
+    /// With --allow-remote-media, fetch only from these hosts (comma-separated
+    /// names or addresses), at whatever address they resolve to; without it,
+    /// any host whose addresses are all public.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "HOSTS",
+        requires = "allow_remote_media"
+    )]
+    allowed_media_domains: Option<Vec<String>>,
+    /// With --allow-remote-media, also fetch from loopback, private and
+    /// link-local addresses. For tests against a local server only: it lets
+    /// any client reach what the server can reach.
+    #[arg(long, requires = "allow_remote_media")]
+    allow_private_media_hosts: bool,
     /// Seconds one image fetch may take, connecting included (with --allow-remote-media).
     #[arg(long, default_value_t = 10.0)]
     media_fetch_timeout: f64,
@@ -121,6 +136,24 @@ pub struct Args {
     /// Do not share KV blocks between requests with the same prompt prefix.
     #[arg(long)]
     no_prefix_caching: bool,
+    /// Publish the prefix cache's events (blocks stored and evicted) on a
+    /// ZeroMQ PUB socket bound here, such as `tcp://*:5557`, in vLLM's
+    /// format, for prefix-aware routers such as llm-d's endpoint picker.
+    #[arg(long, value_name = "ENDPOINT")]
+    kv_events_endpoint: Option<String>,
+    /// The topic of every KV-event message (default `kv@<host name>@<served model name>`).
+    #[arg(long, requires = "kv_events_endpoint")]
+    kv_events_topic: Option<String>,
+}
+
+/// This machine's name, for the default KV-event topic.
+fn host_name() -> String {
+    std::env::var("HOSTNAME")
+        .ok()
+        .or_else(|| std::fs::read_to_string("/proc/sys/kernel/hostname").ok())
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_owned())
 }
 
 fn seconds(flag: &str, value: f64) -> Result<Duration> {
@@ -200,6 +233,27 @@ async fn serve(args: Args) -> Result<ExitCode> {
     let listener = TcpListener::bind((args.host.as_str(), args.port))
         .await
         .with_context(|| format!("cannot listen on {}:{}", args.host, args.port))?;
+    let kv_events = match &args.kv_events_endpoint {
+        None => None,
+        Some(_) if args.no_prefix_caching => {
+            bail!("--kv-events-endpoint reports the prefix cache, which --no-prefix-caching turns off")
+        }
+        Some(endpoint) => {
+            let topic = args.kv_events_topic.clone().unwrap_or_else(|| {
+                gemma4_server::kv_events::default_topic(&host_name(), &config.served_model_name)
+            });
+            let events = gemma4_server::kv_events::KvEventsConfig {
+                endpoint: endpoint.clone(),
+                topic,
+                block_size: args.block_size.max(1),
+            };
+            Some(
+                gemma4_server::kv_events::publish(events)
+                    .await
+                    .map_err(anyhow::Error::msg)?,
+            )
+        }
+    };
     let server = Server::new(config).context("cannot set up metrics")?;
     let (mut term, mut int) = install_signals()?;
     let shutdown = async move {
@@ -229,11 +283,16 @@ async fn serve(args: Args) -> Result<ExitCode> {
         remote: args
             .allow_remote_media
             .then(|| -> Result<_> {
-                Ok(gemma4_server::remote_media::RemoteMediaLimits {
+                let limits = gemma4_server::remote_media::RemoteMediaLimits {
                     timeout: positive_seconds("--media-fetch-timeout", args.media_fetch_timeout)?,
                     max_bytes: args.max_media_bytes,
                     max_redirects: 3,
-                })
+                };
+                let hosts = gemma4_server::remote_media::HostPolicy {
+                    allowed_domains: args.allowed_media_domains.clone(),
+                    allow_private: args.allow_private_media_hosts,
+                };
+                Ok((limits, hosts))
             })
             .transpose()?,
     };
@@ -247,6 +306,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         kv_memory_bytes: args.kv_memory_mib.map(|m| m.saturating_mul(1024 * 1024)),
         kv_dtype: args.kv_cache_dtype,
         prefix_caching: !args.no_prefix_caching,
+        kv_events,
     };
     std::thread::Builder::new()
         .name("gemma4-load".into())
@@ -308,8 +368,12 @@ struct MediaArgs {
     mmproj: Option<std::path::PathBuf>,
     max_soft_tokens: usize,
     max_items: MaxItems,
-    /// Bounds of image fetches by URL, when they are allowed.
-    remote: Option<gemma4_server::remote_media::RemoteMediaLimits>,
+    /// Bounds of image fetches by URL and the hosts they may reach, when
+    /// they are allowed.
+    remote: Option<(
+        gemma4_server::remote_media::RemoteMediaLimits,
+        gemma4_server::remote_media::HostPolicy,
+    )>,
 }
 
 /// Loads the model and tokenizer and starts the engine.
@@ -358,9 +422,15 @@ fn load(
     );
     let mut encoders =
         gemma4_server::media::Media::new(images, audio, media.max_soft_tokens, media.max_items);
-    if let Some(limits) = media.remote {
-        let remote =
-            gemma4_server::remote_media::RemoteMedia::new(limits).map_err(anyhow::Error::msg)?;
+    if let Some((limits, hosts)) = media.remote.clone() {
+        let hosts_said = match (&hosts.allowed_domains, hosts.allow_private) {
+            (Some(list), _) => format!("only from {}", list.join(", ")),
+            (None, true) => "from any address, private ones included".to_owned(),
+            (None, false) => "from public addresses only".to_owned(),
+        };
+        eprintln!("images by http(s) URL are fetched {hosts_said}");
+        let remote = gemma4_server::remote_media::RemoteMedia::new(limits, hosts)
+            .map_err(anyhow::Error::msg)?;
         eprintln!(
             "images by http(s) URL are fetched: at most {} bytes, {} s, {} redirects each",
             limits.max_bytes,

@@ -180,7 +180,7 @@ fn http_get(port: u16, path: &str) -> Option<(u16, String)> {
 }
 
 fn health_ok(port: u16) -> bool {
-    matches!(http_get(port, "/health"), Some((200, _)))
+    matches!(http_get(port, "/ready"), Some((200, _)))
 }
 
 /// `gemma4 serve` on `model`, healthy, with its port and served model name.
@@ -205,7 +205,7 @@ fn start_server(model: &Path) -> (Server, u16, String) {
     let deadline = Instant::now() + Duration::from_secs(180);
     while !health_ok(port) {
         if let Ok(Some(status)) = server.0.try_wait() {
-            panic!("gemma4 serve exited with {status} before /health answered 200");
+            panic!("gemma4 serve exited with {status} before /ready answered 200");
         }
         assert!(
             Instant::now() < deadline,

@@ -23,7 +23,7 @@ use gemma4_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::api::{EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, Usage};
-use crate::kv_manager::KvManager;
+use crate::kv_manager::{KvEvent, KvManager};
 use crate::output_processor::{self, OutputMsg, StopNotice};
 use crate::runner::{panic_message, ModelRunner, NewRequest, RunnerOutput, StepPlan};
 use crate::sampler::Sampler;
@@ -58,6 +58,19 @@ pub struct EngineConfig {
     /// Element type of the KV pools (f32 keeps the reference's arithmetic).
     pub kv_dtype: KvDtype,
     pub prefix_caching: bool,
+    /// Where the prefix cache's [`KvEvent`]s go, if anywhere.
+    pub kv_events: Option<KvEventSink>,
+}
+
+/// Takes the [`KvEvent`]s of each engine step, in order. It runs on the
+/// engine thread, so it must hand them on without waiting.
+#[derive(Clone)]
+pub struct KvEventSink(pub Arc<dyn Fn(Vec<KvEvent>) + Send + Sync>);
+
+impl std::fmt::Debug for KvEventSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KvEventSink")
+    }
 }
 
 impl Default for EngineConfig {
@@ -72,6 +85,7 @@ impl Default for EngineConfig {
             kv_memory_bytes: None,
             kv_dtype: KvDtype::F32,
             prefix_caching: true,
+            kv_events: None,
         }
     }
 }
@@ -417,7 +431,10 @@ fn start_worker(
         block_size: bs,
         total_bytes: pool.bytes(),
     };
-    let kv = KvManager::new(&groups, &blocks, bs, window, config.prefix_caching);
+    let mut kv = KvManager::new(&groups, &blocks, bs, window, config.prefix_caching);
+    if config.kv_events.is_some() {
+        kv.record_events();
+    }
     let shared = Arc::new(Shared {
         stats: Mutex::new(EngineStats {
             kv_blocks_total: blocks.iter().sum(),
@@ -458,6 +475,7 @@ fn start_worker(
         ended: Vec::new(),
         output,
         output_stops,
+        kv_events: config.kv_events.clone(),
         #[cfg(feature = "fault-injection")]
         fault,
     };
@@ -507,6 +525,7 @@ struct Worker {
     output: mpsc::Sender<OutputMsg>,
     /// Requests the output processor ended (stop strings).
     output_stops: mpsc::Receiver<StopNotice>,
+    kv_events: Option<KvEventSink>,
     #[cfg(feature = "fault-injection")]
     fault: Option<crate::fault::FaultPlan>,
 }
@@ -556,6 +575,12 @@ impl Worker {
         self.expire();
         self.step();
         self.publish_stats();
+        if let Some(sink) = &self.kv_events {
+            let events = self.kv.take_events();
+            if !events.is_empty() {
+                (sink.0)(events);
+            }
+        }
         true
     }
 

@@ -4,6 +4,10 @@
 //!
 //! This module never touches tensors: it hands out block ids, and the model
 //! writes into the pools those ids address.
+//!
+//! When asked to, it also records [`KvEvent`]s: which prefixes enter the
+//! cache and which leave it, for routers that send each request to the
+//! replica already holding its prefix.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hash::BuildHasher;
@@ -34,17 +38,19 @@ impl GroupState {
         self.free.len() + self.free_cached.len()
     }
 
-    fn take_free(&mut self) -> Option<u32> {
+    /// A free block, and the prefix hash it held (now forgotten), if any.
+    fn take_free(&mut self) -> Option<(u32, Option<u64>)> {
         let b = match self.free.pop_first() {
             Some(b) => b,
             None => self.free_cached.pop_front()?,
         };
         // Reusing the block overwrites whatever prefix it held.
-        if let Some(h) = self.hash_of[b as usize].take() {
+        let evicted = self.hash_of[b as usize].take();
+        if let Some(h) = evicted {
             self.cached.remove(&h);
         }
         self.refcount[b as usize] = 1;
-        Some(b)
+        Some((b, evicted))
     }
 
     fn incref(&mut self, b: u32) {
@@ -95,12 +101,33 @@ pub struct BlockUsage {
     pub used: usize,
 }
 
+/// A change to what the prefix cache holds, one full block of a sequence's
+/// tokens at a time. A prefix is what the full-attention group holds: the
+/// sliding window and layers that share KV do not change what a block of
+/// tokens means.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// A block of `token_ids` entered the cache under `hash`, following the
+    /// block `parent` (none for a sequence's first block).
+    BlockStored {
+        hash: u64,
+        parent: Option<u64>,
+        token_ids: Vec<u32>,
+    },
+    /// The block held under `hash` was reused for other tokens.
+    BlockRemoved { hash: u64 },
+}
+
 /// The block allocator for every group.
 #[derive(Debug)]
 pub struct KvManager {
     block_size: usize,
     groups: Vec<GroupState>,
     prefix_caching: bool,
+    /// The group whose cached blocks define the prefixes events report.
+    anchor: usize,
+    /// Events not yet taken, when they are recorded.
+    events: Option<Vec<KvEvent>>,
     /// Keys of the prefix hash, random per process, so no client can craft a
     /// prompt whose blocks collide with another request's.
     hash_keys: std::collections::hash_map::RandomState,
@@ -114,7 +141,7 @@ impl KvManager {
         window: usize,
         prefix_caching: bool,
     ) -> Self {
-        let groups = groups
+        let groups: Vec<GroupState> = groups
             .iter()
             .zip(blocks_per_group)
             .map(|(g, &n)| GroupState {
@@ -127,16 +154,35 @@ impl KvManager {
                 cached: HashMap::new(),
             })
             .collect();
+        let anchor = groups.iter().position(|g| g.window.is_none()).unwrap_or(0);
         Self {
             block_size,
             groups,
             prefix_caching,
+            anchor,
+            events: None,
             hash_keys: std::collections::hash_map::RandomState::new(),
         }
     }
 
     pub fn block_size(&self) -> usize {
         self.block_size
+    }
+
+    /// Records [`KvEvent`]s from now on, for [`KvManager::take_events`].
+    pub fn record_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// The events recorded since the last call.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn record(&mut self, event: KvEvent) {
+        if let Some(events) = &mut self.events {
+            events.push(event);
+        }
     }
 
     /// Per group: total and used (owned by at least one sequence) blocks.
@@ -196,22 +242,28 @@ impl KvManager {
             return false;
         }
         let bs = self.block_size;
-        for ((g, t), n) in self
+        let mut evicted = Vec::new();
+        for (index, ((g, t), n)) in self
             .groups
             .iter_mut()
             .zip(seq.tables.iter_mut())
             .zip(needed)
+            .enumerate()
         {
             if t.blocks.is_empty() {
                 // A fresh sliding table starts at the first block the window needs.
                 t.first_block = g.first_needed_block(query_pos, bs);
             }
             for _ in 0..n {
-                match g.take_free() {
-                    Some(b) => t.blocks.push(b),
-                    None => return false,
-                }
+                let Some((b, held)) = g.take_free() else {
+                    return false;
+                };
+                t.blocks.push(b);
+                evicted.extend(held.filter(|_| index == self.anchor));
             }
+        }
+        for hash in evicted {
+            self.record(KvEvent::BlockRemoved { hash });
         }
         true
     }
@@ -311,15 +363,25 @@ impl KvManager {
         let full = computed.min(tokens.len()) / bs;
         while seq.registered_blocks < full {
             let b = seq.registered_blocks;
-            let h = self.chain(seq.last_hash, b, &tokens[b * bs..(b + 1) * bs]);
-            for (g, t) in self.groups.iter_mut().zip(&seq.tables) {
+            let block_tokens = &tokens[b * bs..(b + 1) * bs];
+            let h = self.chain(seq.last_hash, b, block_tokens);
+            let mut stored = false;
+            for (index, (g, t)) in self.groups.iter_mut().zip(&seq.tables).enumerate() {
                 let Some(&phys) = b.checked_sub(t.first_block).and_then(|i| t.blocks.get(i)) else {
                     continue;
                 };
                 if g.hash_of[phys as usize].is_none() && !g.cached.contains_key(&h) {
                     g.hash_of[phys as usize] = Some(h);
                     g.cached.insert(h, phys);
+                    stored |= index == self.anchor;
                 }
+            }
+            if stored {
+                self.record(KvEvent::BlockStored {
+                    hash: h,
+                    parent: (b > 0).then_some(seq.last_hash),
+                    token_ids: block_tokens.to_vec(),
+                });
             }
             seq.last_hash = h;
             seq.registered_blocks += 1;
@@ -404,5 +466,68 @@ mod tests {
         let mut c = m.empty();
         assert_eq!(m.adopt_prefix(&mut c, &tokens, |_| true), 12);
         m.release(&mut c);
+    }
+
+    #[test]
+    fn events_follow_the_full_attention_group() {
+        // 4 full-attention blocks: a second prompt's blocks must evict the first's.
+        let mut m = KvManager::new(&groups(), &[16, 4], 4, 8, true);
+        m.record_events();
+        let first: Vec<u32> = (0..9).collect();
+        let mut a = m.empty();
+        assert!(m.allocate(&mut a, 9, 0));
+        m.register_full_blocks(&mut a, &first, 9);
+        let stored = m.take_events();
+        let hashes: Vec<u64> = stored
+            .iter()
+            .map(|e| match e {
+                KvEvent::BlockStored { hash, .. } => *hash,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert_eq!(hashes.len(), 2, "one event per full block: {stored:?}");
+        assert_eq!(
+            stored[0],
+            KvEvent::BlockStored {
+                hash: hashes[0],
+                parent: None,
+                token_ids: vec![0, 1, 2, 3]
+            }
+        );
+        assert_eq!(
+            stored[1],
+            KvEvent::BlockStored {
+                hash: hashes[1],
+                parent: Some(hashes[0]),
+                token_ids: vec![4, 5, 6, 7]
+            }
+        );
+        // The same prefix again stores nothing new.
+        let mut b = m.empty();
+        assert_eq!(m.adopt_prefix(&mut b, &first, |_| true), 8);
+        m.register_full_blocks(&mut b, &first, 8);
+        assert_eq!(m.take_events(), vec![]);
+        m.release(&mut a);
+        m.release(&mut b);
+        // Another prompt of 16 tokens takes every full block, the cached ones last.
+        let second: Vec<u32> = (100..116).collect();
+        let mut c = m.empty();
+        assert!(m.allocate(&mut c, 16, 0));
+        let removed = m.take_events();
+        assert_eq!(
+            removed,
+            vec![
+                KvEvent::BlockRemoved { hash: hashes[0] },
+                KvEvent::BlockRemoved { hash: hashes[1] }
+            ]
+        );
+        m.register_full_blocks(&mut c, &second, 16);
+        assert_eq!(m.take_events().len(), 4);
+        // Without recording, nothing accumulates.
+        let mut quiet = KvManager::new(&groups(), &[16, 4], 4, 8, true);
+        let mut d = quiet.empty();
+        assert!(quiet.allocate(&mut d, 9, 0));
+        quiet.register_full_blocks(&mut d, &first, 9);
+        assert_eq!(quiet.take_events(), vec![]);
     }
 }

@@ -26,5 +26,7 @@ pub use api::{
 #[cfg(feature = "fault-injection")]
 pub use engine::start_with_fault;
 pub use engine::{
-    start, EngineConfig, EngineHandle, KvPlanReport, RequestStream, DEFAULT_ADMIT_PROMPT_TOKENS,
+    start, EngineConfig, EngineHandle, KvEventSink, KvPlanReport, RequestStream,
+    DEFAULT_ADMIT_PROMPT_TOKENS,
 };
+pub use kv_manager::KvEvent;

@@ -1,5 +1,5 @@
 //! Graceful shutdown. On SIGTERM/SIGINT the server stops admitting requests
-//! (503, `/health` says draining), lets running requests finish — a
+//! (503, and `/ready` answers 503 "draining"), lets running requests finish — a
 //! streaming request counts until its last byte is handed to the connection —
 //! for up to the drain timeout, then closes the listener and returns. An
 //! engine that fails beyond recovery ends the server the same way, with an error.
@@ -19,7 +19,7 @@ use crate::server::Server;
 /// How long the HTTP side may take to close connections once no request is running.
 const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
-/// How long `/health` reports a failed engine before the server exits.
+/// How long `/health` and `/ready` report a failed engine before the server exits.
 const FAILURE_REPORT: Duration = Duration::from_secs(1);
 
 /// Counts requests being handled (including response bodies still streaming).

@@ -3,10 +3,11 @@
 //! The engine thread owns the model and the KV cache; handlers only talk to
 //! it through its channels ([`gemma4_engine::EngineHandle`]) and never block
 //! it. The server binds its port before the model is loaded, so `/health`
-//! can answer 503 "loading" until [`Server::set_ready`].
+//! (liveness) answers 200 "loading" and `/ready` (readiness) 503 "loading"
+//! until [`Server::set_ready`].
 //!
 //! * [`routes`]: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-//!   `/v1/models/{id}`, `/v1/responses`, `/tokenize`, `/detokenize`, `/generate`, `/health`, `/metrics`.
+//!   `/v1/models/{id}`, `/v1/responses`, `/tokenize`, `/detokenize`, `/generate`, `/health`, `/ready`, `/metrics`.
 //! * [`openai`]: request parsing (unknown fields ignored, wrong types a 400
 //!   naming the field) and response and chunk shapes.
 //! * [`grammar`]: structured output enforced with llguidance token masks.
@@ -31,6 +32,7 @@ pub mod error;
 mod fields;
 pub mod generation;
 pub mod grammar;
+pub mod kv_events;
 pub mod media;
 pub mod metrics;
 pub mod openai;

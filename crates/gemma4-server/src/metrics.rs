@@ -2,14 +2,19 @@
 //! token counts, time to first token and inter-token latency, and a snapshot
 //! of the engine (queue, running sequences, KV blocks, prefix-cache hits,
 //! preemptions) and of the process (resident memory) taken at scrape time.
+//!
+//! Beside ours, the gauges a Kubernetes endpoint picker (llm-d, the Gateway
+//! API Inference Extension) reads from every replica, by vLLM's names and
+//! meanings and with its `model_name` label, so a fleet of gemma4 servers is
+//! routed and scaled as a fleet of vLLM servers would be.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
 use gemma4_engine::EngineStats;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 /// Every metric the server exports.
@@ -39,6 +44,7 @@ pub struct Metrics {
     prefix_hits: IntCounter,
     preemptions: IntCounter,
     step_retries: IntCounter,
+    vllm: VllmGauges,
     /// Serializes mirroring the engine's counters into ours.
     mirror: Mutex<()>,
 }
@@ -47,6 +53,77 @@ pub struct Metrics {
 pub struct EngineSnapshot {
     pub stats: EngineStats,
     pub kv_cache_bytes: usize,
+}
+
+/// The vLLM-named gauges endpoint pickers read.
+struct VllmGauges {
+    waiting: IntGauge,
+    running: IntGauge,
+    /// The fraction of KV blocks in use, 0 to 1.
+    kv_usage: Gauge,
+    /// The same fraction by the name pickers built before vLLM renamed it.
+    gpu_cache_usage: Gauge,
+    /// 1, with the cache's shape in its labels.
+    cache_config: IntGaugeVec,
+}
+
+impl VllmGauges {
+    fn new(r: &Registry, model: &str) -> prometheus::Result<Self> {
+        let opts = |name: &str, help: &str| Opts::new(name, help).const_label("model_name", model);
+        let register = |c: Box<dyn prometheus::core::Collector>| r.register(c);
+        let waiting = IntGauge::with_opts(opts(
+            "vllm:num_requests_waiting",
+            "Requests waiting to be scheduled (as vLLM counts them)",
+        ))?;
+        let running = IntGauge::with_opts(opts(
+            "vllm:num_requests_running",
+            "Requests being generated (as vLLM counts them)",
+        ))?;
+        let kv_usage = Gauge::with_opts(opts(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage as a fraction: 1 means every block is in use",
+        ))?;
+        let gpu_cache_usage = Gauge::with_opts(opts(
+            "vllm:gpu_cache_usage_perc",
+            "KV-cache usage as a fraction (the name older endpoint pickers read)",
+        ))?;
+        let cache_config = IntGaugeVec::new(
+            opts(
+                "vllm:cache_config_info",
+                "Information of the KV cache: blocks of block_size tokens, num_gpu_blocks in all",
+            ),
+            &["block_size", "num_gpu_blocks"],
+        )?;
+        register(Box::new(waiting.clone()))?;
+        register(Box::new(running.clone()))?;
+        register(Box::new(kv_usage.clone()))?;
+        register(Box::new(gpu_cache_usage.clone()))?;
+        register(Box::new(cache_config.clone()))?;
+        Ok(Self {
+            waiting,
+            running,
+            kv_usage,
+            gpu_cache_usage,
+            cache_config,
+        })
+    }
+
+    fn set(&self, s: &EngineStats) {
+        self.waiting.set(s.waiting as i64);
+        self.running.set(s.running as i64);
+        let usage = if s.kv_blocks_total == 0 {
+            0.0
+        } else {
+            s.kv_blocks_used as f64 / s.kv_blocks_total as f64
+        };
+        self.kv_usage.set(usage);
+        self.gpu_cache_usage.set(usage);
+        // The cache's shape is fixed once the engine runs, so one series.
+        let (block_size, blocks) = (s.kv_block_size.to_string(), s.kv_blocks_total.to_string());
+        self.cache_config
+            .with_label_values(&[block_size.as_str(), blocks.as_str()])
+            .set(1);
+    }
 }
 
 fn gauge(registry: &Registry, name: &str, help: &str) -> prometheus::Result<IntGauge> {
@@ -91,9 +168,11 @@ const DURATION_BUCKETS: [f64; 12] = [
 ];
 
 impl Metrics {
-    pub fn new() -> prometheus::Result<Self> {
+    /// Every metric, the vLLM-named ones labelled with `model_name`.
+    pub fn new(model_name: &str) -> prometheus::Result<Self> {
         let r = Registry::new();
         Ok(Self {
+            vllm: VllmGauges::new(&r, model_name)?,
             requests: counter_vec(
                 &r,
                 "gemma4_http_requests_total",
@@ -280,6 +359,7 @@ impl Metrics {
                 .set(s.kv_blocks_total.saturating_sub(s.kv_blocks_used) as i64);
             self.kv_block_size.set(s.kv_block_size as i64);
             self.kv_cache_bytes.set(e.kv_cache_bytes as i64);
+            self.vllm.set(&s);
             if let Ok(_lock) = self.mirror.lock() {
                 self.prefix_hits
                     .inc_by(s.prefix_cache_hits.saturating_sub(self.prefix_hits.get()));
@@ -316,7 +396,7 @@ mod tests {
 
     #[test]
     fn exposition_has_every_family() {
-        let m = Metrics::new().expect("metrics register");
+        let m = Metrics::new("gemma4").expect("metrics register");
         m.record_request("/v1/completions", 200);
         m.record_first_token(Duration::from_millis(5));
         m.record_inter_token(Duration::from_millis(2));
@@ -358,6 +438,11 @@ mod tests {
             "gemma4_resident_memory_bytes",
             "gemma4_open_connections 0",
             "gemma4_refused_connections_total 0",
+            "vllm:num_requests_waiting{model_name=\"gemma4\"} 1",
+            "vllm:num_requests_running{model_name=\"gemma4\"} 2",
+            "vllm:kv_cache_usage_perc{model_name=\"gemma4\"} 0.4",
+            "vllm:gpu_cache_usage_perc{model_name=\"gemma4\"} 0.4",
+            "vllm:cache_config_info{block_size=\"16\",model_name=\"gemma4\",num_gpu_blocks=\"10\"} 1",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }

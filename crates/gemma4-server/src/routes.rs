@@ -10,7 +10,8 @@
 //! | `POST /tokenize` | key | `{prompt}` or `{messages}` → `{tokens, count, max_model_len}` |
 //! | `POST /detokenize` | key | `{tokens}` → `{prompt}` |
 //! | `POST /generate` | key | `{"prompt", …}` → `{"response", "token_ids", "usage"}` |
-//! | `GET /health` | open | 200 ready, 503 loading, draining or failed (with the reason) |
+//! | `GET /health` | open | liveness: 200 loading, ready or draining; 503 failed (with the reason) |
+//! | `GET /ready` | open | readiness: 200 ready; 503 loading, draining or failed |
 //! | `GET /metrics` | open | Prometheus text |
 
 use std::sync::Arc;
@@ -45,7 +46,7 @@ use crate::server::ModelContext;
 use crate::sse::{self, Format, StreamMeta};
 use crate::tokenize;
 
-const ROUTES: [&str; 9] = [
+const ROUTES: [&str; 10] = [
     "/v1/chat/completions",
     "/v1/responses",
     "/v1/completions",
@@ -54,9 +55,10 @@ const ROUTES: [&str; 9] = [
     "/detokenize",
     "/generate",
     "/health",
+    "/ready",
     "/metrics",
 ];
-const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /generate, GET /health, GET /metrics";
+const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /generate, GET /health, GET /ready, GET /metrics";
 
 pub fn router(state: Arc<AppState>) -> Router {
     let keyed = Router::new()
@@ -74,6 +76,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         ));
     Router::new()
         .route("/health", get(health))
+        .route("/ready", get(ready))
         .route("/metrics", get(metrics))
         .merge(keyed)
         .fallback(not_found)
@@ -123,6 +126,11 @@ async fn health(State(state): State<Arc<AppState>>) -> Response {
     (status, Json(body)).into_response()
 }
 
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let (status, body) = state.ready();
+    (status, Json(body)).into_response()
+}
+
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     (
         [(
@@ -137,7 +145,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 fn served_card(state: &AppState) -> Result<ModelCard, ApiError> {
     let Some(model) = state.model() else {
         return Err(ApiError::unavailable(
-            "the model is still loading; retry when GET /health returns 200",
+            "the model is still loading; retry when GET /ready returns 200",
             "model_loading",
         ));
     };

@@ -139,15 +139,27 @@ impl AppState {
         self.model.get().and_then(|m| m.engine.health().err())
     }
 
-    /// `/health`: 200 when ready; 503 while loading or draining, or with the
-    /// reason once the engine has failed.
+    /// Liveness, `/health`: 200 while the process can go on (loading,
+    /// ready or draining), 503 with the reason once the engine has failed,
+    /// the one state a restart mends.
     pub fn health(&self) -> (StatusCode, serde_json::Value) {
+        self.probe(|phase| phase != Phase::Failed)
+    }
+
+    /// Readiness, `/ready`: 200 only while requests are admitted (loaded,
+    /// engine healthy, not draining); 503 otherwise, so a load balancer
+    /// sends nothing to a replica that is loading or shutting down.
+    pub fn ready(&self) -> (StatusCode, serde_json::Value) {
+        self.probe(|phase| phase == Phase::Ready)
+    }
+
+    fn probe(&self, passes: impl Fn(Phase) -> bool) -> (StatusCode, serde_json::Value) {
         let phase = self.phase();
         let mut body = json!({ "status": phase.as_str(), "model": self.config.served_model_name });
         if let Some(reason) = self.engine_failure() {
             body["reason"] = reason.into();
         }
-        let status = if phase == Phase::Ready {
+        let status = if passes(phase) {
             StatusCode::OK
         } else {
             StatusCode::SERVICE_UNAVAILABLE
@@ -173,7 +185,7 @@ impl AppState {
                 "engine_failed",
             )),
             _ => Err(ApiError::unavailable(
-                "the model is still loading; retry when GET /health returns 200",
+                "the model is still loading; retry when GET /ready returns 200",
                 "model_loading",
             )),
         }
@@ -210,16 +222,17 @@ pub struct Server {
 }
 
 impl Server {
-    /// A server that answers `/health` with 503 "loading" until [`Server::set_ready`].
+    /// A server whose `/ready` answers 503 "loading" until [`Server::set_ready`].
     pub fn new(config: ServerConfig) -> Result<Self, prometheus::Error> {
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
+        let metrics = Metrics::new(&config.served_model_name)?;
         Ok(Self {
             state: Arc::new(AppState {
                 config,
-                metrics: Metrics::new()?,
+                metrics,
                 created,
                 model: OnceLock::new(),
                 draining: AtomicBool::new(false),

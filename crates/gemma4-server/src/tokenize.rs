@@ -31,7 +31,7 @@ pub struct DetokenizeResponse {
 fn ready(state: &AppState) -> Result<Arc<ModelContext>, ApiError> {
     state.model().cloned().ok_or_else(|| {
         ApiError::unavailable(
-            "the model is still loading; retry when GET /health returns 200",
+            "the model is still loading; retry when GET /ready returns 200",
             "model_loading",
         )
     })

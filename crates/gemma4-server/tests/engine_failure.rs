@@ -102,6 +102,8 @@ async fn an_unrecoverable_failure_is_reported_and_ends_the_server() {
     let (port, serving) = start(Fault::BookkeepingPanics).await;
     let (status, _) = call(port, "POST", "/generate", BAD).await;
     assert_eq!(status, 500);
+    let (status, body) = call(port, "GET", "/ready", "").await;
+    assert_eq!((status, body["status"].as_str()), (503, Some("failed")));
     let (status, body) = call(port, "GET", "/health", "").await;
     assert_eq!(status, 503, "{body}");
     assert_eq!(body["status"], "failed");

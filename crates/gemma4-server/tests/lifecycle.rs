@@ -65,7 +65,10 @@ async fn loading_then_ready_then_shutdown() {
         let _ = stop_rx.await;
     }));
 
+    // Alive while loading, not ready.
     let (status, body) = call_async(port, "GET", "/health", "").await;
+    assert_eq!((status, body["status"].as_str()), (200, Some("loading")));
+    let (status, body) = call_async(port, "GET", "/ready", "").await;
     assert_eq!((status, body["status"].as_str()), (503, Some("loading")));
     let (status, body) = call_async(port, "POST", "/v1/completions", r#"{"prompt": "hi"}"#).await;
     assert_eq!(status, 503);
@@ -89,8 +92,14 @@ async fn loading_then_ready_then_shutdown() {
     server.set_ready(ModelContext::new(engine, template, &eos));
     assert_eq!(server.phase(), Phase::Ready);
 
-    let (status, body) = call_async(port, "GET", "/health", "").await;
-    assert_eq!((status, body["status"].as_str()), (200, Some("ready")));
+    for probe in ["/health", "/ready"] {
+        let (status, body) = call_async(port, "GET", probe, "").await;
+        assert_eq!(
+            (status, body["status"].as_str()),
+            (200, Some("ready")),
+            "{probe}"
+        );
+    }
     let (status, body) = call_async(
         port,
         "POST",

@@ -36,7 +36,7 @@ pub struct ServerProc {
 }
 
 impl ServerProc {
-    /// Starts the server on a free port and waits until `/health` says ready.
+    /// Starts the server on a free port and waits until `/ready` says ready.
     pub fn start(model: &Path, args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_gemma4"));
         cmd.arg("serve")
@@ -91,17 +91,22 @@ impl ServerProc {
     fn wait_ready(&self) {
         let until = Instant::now() + Duration::from_secs(120);
         while Instant::now() < until {
-            if let Some(r) = try_request(self.port, "GET", "/health", &[], None) {
+            if let Some(r) = try_request(self.port, "GET", "/ready", &[], None) {
                 if r.status == 200 {
                     return;
                 }
-                assert_eq!(r.status, 503, "/health while loading: {}", r.body);
+                assert_eq!(r.status, 503, "/ready while loading: {}", r.body);
                 assert_eq!(
                     r.json()["status"],
                     "loading",
-                    "/health while loading: {}",
+                    "/ready while loading: {}",
                     r.body
                 );
+                // Alive while loading: liveness does not restart a slow load.
+                let live = try_request(self.port, "GET", "/health", &[], None);
+                if let Some(live) = live.filter(|l| l.json()["status"] == "loading") {
+                    assert_eq!(live.status, 200, "/health while loading: {}", live.body);
+                }
             }
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -131,8 +131,9 @@ fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_refe
 
 /// A plain HTTP server on a local port for the remote-media test: `/img.png`
 /// (the image), `/big.png` (declares 10 MB), `/stream.png` (chunked, without
-/// end), `/slow.png` (answers after 3 s), `/loop` (redirects to itself) and
-/// anything else 404; with the number of requests it has taken.
+/// end), `/slow.png` (answers after 3 s), `/loop` (redirects to itself),
+/// `/hop` (redirects to `/img.png` at 127.0.0.1) and anything else 404;
+/// with the number of requests it has taken.
 fn media_host(
     png: Vec<u8>,
 ) -> (
@@ -184,6 +185,10 @@ fn media_host(
                     "/loop" => conn.write_all(
                         b"HTTP/1.1 302 Found\r\nLocation: /loop\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
                     ),
+                    "/hop" => conn.write_all(
+                        format!("HTTP/1.1 302 Found\r\nLocation: http://127.0.0.1:{}/img.png\r\nContent-Length: 0\r\nConnection: close\r\n\r\n", addr.port())
+                            .as_bytes(),
+                    ),
                     _ => conn.write_all(
                         b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
                     ),
@@ -203,6 +208,7 @@ fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
         &dir,
         &[
             "--allow-remote-media",
+            "--allow-private-media-hosts",
             "--media-fetch-timeout",
             "1",
             "--max-media-bytes",
@@ -261,6 +267,107 @@ fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
     );
     assert_eq!(r.status, 400, "{}", r.body);
     assert!(r.body.contains("--allow-remote-media"), "{}", r.body);
+}
+
+/// Media URLs may not reach what only the server reaches: loopback, private
+/// and link-local addresses are refused however they are written, by name
+/// after resolution, and as the target of a redirect; a host on
+/// --allowed-media-domains is fetched wherever it is.
+#[test]
+fn media_urls_reach_only_public_or_listed_hosts() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let dir = vision_fixture();
+    let png = std::fs::read(dir.join("../images/0.png")).expect("png");
+    let (host, hits) = media_host(png);
+    let port = host.port();
+    let refused_with = |server: &ServerProc, url: &str, words: &str| {
+        let r = server.post(
+            "/v1/chat/completions",
+            &image_chat(&[url.to_owned()], json!({})),
+        );
+        assert_eq!(r.status, 400, "{url}: {}", r.body);
+        let e = openai_error(&r);
+        let message = e["message"].as_str().unwrap_or_default().to_owned();
+        assert!(message.contains(words), "{url}: {message}");
+        assert_eq!(e["param"], "messages[0].content[1].image_url.url", "{url}");
+    };
+    let open = ServerProc::start(&dir, &["--allow-remote-media"], &[]);
+    // Addresses written in the URL are refused before any connection.
+    for (url, words) in [
+        (
+            format!("http://127.0.0.1:{port}/img.png"),
+            "127.0.0.1, a loopback address",
+        ),
+        (
+            format!("http://2130706433:{port}/img.png"),
+            "127.0.0.1, a loopback address",
+        ),
+        (
+            format!("http://[::1]:{port}/img.png"),
+            "::1, a loopback address",
+        ),
+        (
+            "http://169.254.169.254/latest/meta-data/".to_owned(),
+            "a link-local address",
+        ),
+        (
+            "http://10.0.0.1/img.png".to_owned(),
+            "a private (10.0.0.0/8) address",
+        ),
+    ] {
+        refused_with(&open, &url, &words);
+    }
+    assert_eq!(hits.load(SeqCst), 0, "a refused address was connected to");
+    // A name is refused once it resolves to a loopback address.
+    refused_with(
+        &open,
+        &format!("http://localhost:{port}/img.png"),
+        "a loopback address",
+    );
+    assert_eq!(hits.load(SeqCst), 0, "a refused name was connected to");
+
+    // A listed host is fetched; a redirect off the list is refused.
+    let listed = ServerProc::start(
+        &dir,
+        &[
+            "--allow-remote-media",
+            "--allowed-media-domains",
+            "localhost",
+        ],
+        &[],
+    );
+    let r = listed.post(
+        "/v1/chat/completions",
+        &image_chat(&[format!("http://localhost:{port}/img.png")], json!({})),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    refused_with(
+        &listed,
+        &format!("http://localhost:{port}/hop"),
+        "a redirect was refused: the host `127.0.0.1` is not one of --allowed-media-domains",
+    );
+    refused_with(
+        &listed,
+        &format!("http://127.0.0.1:{port}/img.png"),
+        "not one of --allowed-media-domains",
+    );
+
+    // The test flag reaches the local server, redirect included.
+    let private = ServerProc::start(
+        &dir,
+        &["--allow-remote-media", "--allow-private-media-hosts"],
+        &[],
+    );
+    for url in [
+        format!("http://localhost:{port}/hop"),
+        format!("http://2130706433:{port}/img.png"),
+    ] {
+        let r = private.post(
+            "/v1/chat/completions",
+            &image_chat(&[url.clone()], json!({})),
+        );
+        assert_eq!(r.status, 200, "{url}: {}", r.body);
+    }
 }
 
 /// `usage.input_tokens` of a one-token `/v1/responses` reply to a user turn

@@ -432,6 +432,7 @@ fn api_key_guards_model_routes_only() {
     );
     assert_eq!(models.json()["data"][0]["id"], "tiny");
     assert_eq!(server.get("/health").status, 200, "/health stays open");
+    assert_eq!(server.get("/ready").status, 200, "/ready stays open");
     assert_eq!(server.get("/metrics").status, 200, "/metrics stays open");
 
     if let Some(out) = openai_client(
@@ -455,9 +456,13 @@ fn sigterm_drains_a_running_stream_then_exits_0() {
     let first = stream.next_data().expect("first event");
     server.terminate();
     std::thread::sleep(Duration::from_millis(100));
+    // Draining: still alive, no longer ready.
     let health = server.get("/health");
-    assert_eq!(health.status, 503, "{}", health.body);
+    assert_eq!(health.status, 200, "{}", health.body);
     assert_eq!(health.json()["status"], "draining");
+    let ready = server.get("/ready");
+    assert_eq!(ready.status, 503, "{}", ready.body);
+    assert_eq!(ready.json()["status"], "draining");
     let refused = server.post(
         "/v1/completions",
         &json!({"prompt": "Hello", "max_tokens": 2}),
