@@ -278,7 +278,7 @@ impl Metrics {
             prefix_hits: counter(
                 &r,
                 "gemma4_prefix_cache_hits_total",
-                "Prompt blocks reused from the prefix cache",
+                "Sequences admitted with a prompt prefix reused from the prefix cache",
             )?,
             preemptions: counter(
                 &r,

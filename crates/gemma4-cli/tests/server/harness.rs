@@ -409,39 +409,48 @@ pub fn python() -> String {
 /// Runs `tests/python/openai_client.py` and returns its JSON report, or
 /// `None` (with a message) when the `openai` package is missing outside CI.
 pub fn openai_client(base_url: &str, args: &[&str]) -> Option<Value> {
+    let base_url = format!("{base_url}/v1");
+    let mut all = vec!["--base-url", base_url.as_str()];
+    all.extend_from_slice(args);
+    python_script("openai_client.py", &["openai"], &all)
+}
+
+/// Runs `tests/python/SCRIPT` with `args` and returns the JSON object it
+/// prints, or `None` (with a message) when one of `modules` cannot be
+/// imported outside CI (in CI that fails the test).
+pub fn python_script(script: &str, modules: &[&str], args: &[&str]) -> Option<Value> {
     let py = python();
-    let has_openai = Command::new(&py)
-        .args(["-c", "import openai"])
+    let imports = format!("import {}", modules.join(", "));
+    let importable = Command::new(&py)
+        .args(["-c", &imports])
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    if !has_openai {
+    if !importable {
         let msg = format!(
-            "the `openai` Python package is not importable with {py}; run scripts/test (it creates .venv) or set GEMMA4_PYTHON"
+            "`{imports}` fails with {py}; run scripts/test (it creates .venv) or set GEMMA4_PYTHON"
         );
         if std::env::var_os("CI").is_some() {
             panic!("{msg}");
         }
-        eprintln!("SKIPPED openai-client checks: {msg}");
+        eprintln!("SKIPPED {script} checks: {msg}");
         return None;
     }
-    let script = root().join("tests/python/openai_client.py");
     let out = Command::new(&py)
-        .arg(&script)
-        .args(["--base-url", &format!("{base_url}/v1")])
+        .arg(root().join("tests/python").join(script))
         .args(args)
         .output()
-        .expect("run the openai client script");
+        .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success(),
-        "openai client failed ({}):\n{stderr}\n{stdout}",
+        "{script} failed ({}):\n{stderr}\n{stdout}",
         out.status
     );
     Some(
         serde_json::from_str(stdout.trim())
-            .unwrap_or_else(|e| panic!("client output is not JSON ({e}): {stdout}\n{stderr}")),
+            .unwrap_or_else(|e| panic!("{script} output is not JSON ({e}): {stdout}\n{stderr}")),
     )
 }
 

@@ -8,6 +8,7 @@ mod harness;
 mod images;
 mod protocol;
 mod real_vocab;
+mod routing;
 mod schemas;
 
 use std::time::{Duration, Instant};
