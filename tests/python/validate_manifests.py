@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
+import re
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -413,6 +416,15 @@ def flag_values(args: list[str]) -> dict[str, str]:
     return values
 
 
+def serve_flags() -> set[str] | None:
+    """The long flags of `$GEMMA4_BIN serve --help`, or None without a binary to ask."""
+    binary = os.environ.get("GEMMA4_BIN")
+    if not binary:
+        return None
+    out = subprocess.run([binary, "serve", "--help"], capture_output=True, text=True, check=True).stdout
+    return set(re.findall(r"--([a-z][a-z0-9-]*)", out))
+
+
 def endpoint_port(endpoint: str) -> int | None:
     tail = endpoint.rsplit(":", 1)
     try:
@@ -548,6 +560,10 @@ def check_consistency(docs: list[Doc], report: Report) -> None:
     report.check(model.startswith("/models/"), f"{dep.label}: --model is under /models", f"--model {model!r}")
     served_name = flags.get("served-model-name", "")
     report.check(bool(served_name), f"{dep.label}: --served-model-name is set")
+    known = serve_flags()
+    if known is not None:
+        unknown = sorted(set(flags) - known)
+        report.check(not unknown, f"{dep.label}: every flag is one `gemma4 serve` takes", f"unknown {unknown}")
 
     # Model volume.
     mounts = {m.get("mountPath"): m for m in server.get("volumeMounts") or []}
