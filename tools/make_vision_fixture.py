@@ -52,6 +52,18 @@ feature extractor computes them (`mel.0`, the valid frames only), its soft token
 and the chat turn with the clip; and `audio_processor.json`, for clips of several lengths,
 the reference's valid mel frames and soft-token count:
   python tools/make_vision_fixture.py tests/fixtures/oracle/e-style tests/fixtures/vision/e-audio --audio
+
+With `--pooling K` the encoder pools K×K patches into one soft token instead of the
+published 3×3. The reference reads K in two places that must agree: the model's
+`vision_config.pooling_kernel_size` (the pooler and `get_image_features` split by it) and
+the image processor's own `pooling_kernel_size`, which transformers takes from
+`processor_config.json` (its `image_processor` entry; `preprocessor_config.json` is the
+older place) and otherwise from the class default, 3; it never looks at the model config.
+The processor then resizes onto `patch_size × K`-pixel blocks within `max_soft_tokens × K²`
+patches. So this variant also writes `processor_config.json`, and its goldens come from the
+image processor loaded from it; its `processor.json` covers all five accepted budgets and
+a README.md says what the variant is:
+  python tools/make_vision_fixture.py tests/fixtures/oracle/e-style tests/fixtures/vision/e-style-pool2 --processor --pooling 2
 """
 
 import hashlib
@@ -79,6 +91,7 @@ from transformers.models.gemma4_unified.image_processing_gemma4_unified import G
 SEED = 20261201
 MAX_SOFT_TOKENS = 70
 IMAGE_TOKEN, BOI_TOKEN, EOI_TOKEN = 500, 501, 502
+VIDEO_TOKEN = 506  # as tools/make_video_fixture.py sets it
 AUDIO_TOKEN, BOA_TOKEN, EOA_TOKEN = 503, 504, 505
 # (width, height): upscaled, exact multiple of 48 (not resized), downscaled, a strip.
 TEST_IMAGES = [(100, 77), (144, 96), (800, 600), (40, 300)]
@@ -89,6 +102,9 @@ OTHER_SHAPES = [
     (3000, 100), (100, 3000), (5000, 5000),
 ]
 BUDGETS = [70, 280, 1120]
+# Every budget transformers' Gemma4ImageProcessor accepts (`_SUPPORTED_SOFT_TOKENS`),
+# whatever the pooling kernel; recorded for the `--pooling` variants.
+ALL_BUDGETS = [70, 140, 280, 560, 1120]
 # Clip lengths (samples at 16 kHz) whose frame and soft-token counts are recorded: too
 # short for a window, one window, odd and even frame counts, 1 s, the test clip, 30 s.
 AUDIO_LENGTHS = [100, 161, 320, 481, 1000, 3333, 16_000, 20_800, 77_777, 480_000]
@@ -135,7 +151,7 @@ def write_compressed(audio_dir: Path, samples: np.ndarray) -> None:
     soundfile.write(str(audio_dir / "0.mp3"), samples.astype(np.float32) / 32768, 16_000, format="MP3")
 
 
-def vision_config() -> dict:
+def vision_config(pooling: int = 3) -> dict:
     return {
         "model_type": "gemma4_vision",
         "hidden_size": 32,
@@ -146,7 +162,7 @@ def vision_config() -> dict:
         "head_dim": 16,
         "hidden_activation": "gelu_pytorch_tanh",
         "rms_norm_eps": 1e-6,
-        "pooling_kernel_size": 3,
+        "pooling_kernel_size": pooling,
         "patch_size": 16,
         "position_embedding_size": 128,
         "use_clipped_linears": True,
@@ -236,13 +252,53 @@ def resized_bytes(pixel_values: torch.Tensor, positions: torch.Tensor, patch: in
     return out
 
 
-def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool, with_audio: bool) -> None:
+def write_image(path: Path, img: Image.Image) -> None:
+    """Writes a test image unless the file already holds these pixels (the images are
+    shared by every variant, and an identical file is left as it is)."""
+    if path.exists():
+        with Image.open(path) as old:
+            if old.mode == img.mode and old.size == img.size and old.tobytes() == img.tobytes():
+                return
+    img.save(path)
+
+
+def processor_config(pooling: int) -> dict:
+    """`processor_config.json` as transformers saves it, with the image processor's entry."""
+    proc = Gemma4ImageProcessor(max_soft_tokens=MAX_SOFT_TOKENS, pooling_kernel_size=pooling)
+    return {"image_processor": proc.to_dict(), "processor_class": "Gemma4Processor"}
+
+
+def write_readme(dst: Path, pooling: int) -> None:
+    side = 16 * pooling
+    (dst / "README.md").write_text(f"""\
+Written by `tools/make_vision_fixture.py --processor --pooling {pooling}` from the E-style text
+checkpoint: the `e-style` vision fixture with a {pooling}×{pooling} pooling kernel instead of the
+published 3×3 (same weights, same test images).
+
+- `config.json`: `vision_config.pooling_kernel_size` = {pooling}, `patch_size` = 16.
+- `processor_config.json`: the image processor's own `pooling_kernel_size` = {pooling},
+  `patch_size` = 16, `max_soft_tokens` = {MAX_SOFT_TOKENS}. transformers 5.23's
+  `Gemma4ImageProcessor` reads these from the `image_processor` entry of this file (else
+  `preprocessor_config.json`, else its class defaults 16 / 3 / 280), never from `config.json`;
+  a request may override them per call (`images_kwargs`).
+- Images are resized onto {side}-pixel blocks (`patch_size × pooling_kernel_size`) within
+  `max_soft_tokens × {pooling * pooling}` patches; each image gives `patches / {pooling * pooling}` soft tokens.
+  (Test image 1, 144×96, is kept at its size only by 48-pixel blocks; here it is resized.)
+- `max_soft_tokens` must be one of 70, 140, 280, 560, 1120 (`_SUPPORTED_SOFT_TOKENS`, checked
+  whatever the pooling kernel); `processor.json` covers all five.
+""")
+
+
+def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool, with_audio: bool,
+         pooling: int = 3) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     image_dir = dst.parent / "images"
     image_dir.mkdir(exist_ok=True)
     cfg = json.loads((src / "config.json").read_text())
     unified = cfg["model_type"] == "gemma4_unified"
-    cfg["vision_config"] = unified_vision_config() if unified else vision_config()
+    if unified and pooling != 3:
+        raise SystemExit("--pooling is for checkpoints with a vision encoder")
+    cfg["vision_config"] = unified_vision_config() if unified else vision_config(pooling)
     if bidirectional:
         cfg["text_config"]["use_bidirectional_attention"] = "vision"
     if unified:
@@ -260,6 +316,7 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool, with_a
     cfg["image_token_id"] = IMAGE_TOKEN
     cfg["boi_token_id"] = BOI_TOKEN
     cfg["eoi_token_id"] = EOI_TOKEN
+    cfg["video_token_id"] = VIDEO_TOKEN
     config_class = Gemma4UnifiedConfig if unified else Gemma4Config
     model_class = Gemma4UnifiedForConditionalGeneration if unified else Gemma4ForConditionalGeneration
     config = config_class(**{k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version")})
@@ -293,14 +350,27 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool, with_a
         dst, dtype=torch.float32, attn_implementation="eager"
     ).eval()
 
-    tv = (Gemma4UnifiedImageProcessor if unified else Gemma4ImageProcessor)(max_soft_tokens=MAX_SOFT_TOKENS)
-    pil = Gemma4ImageProcessorPil(max_soft_tokens=MAX_SOFT_TOKENS)
+    budgets = BUDGETS
+    if pooling != 3:
+        # The processor's setting as a checkpoint carries it, and the reference
+        # processor loaded from that file.
+        (dst / "processor_config.json").write_text(json.dumps(processor_config(pooling), indent=2) + "\n")
+        write_readme(dst, pooling)
+        tv = Gemma4ImageProcessor.from_pretrained(dst)
+        pil = Gemma4ImageProcessorPil.from_pretrained(dst)
+        for proc in (tv, pil):
+            got = (proc.patch_size, proc.pooling_kernel_size, proc.max_soft_tokens)
+            assert got == (16, pooling, MAX_SOFT_TOKENS), got
+        budgets = ALL_BUDGETS
+    else:
+        tv = (Gemma4UnifiedImageProcessor if unified else Gemma4ImageProcessor)(max_soft_tokens=MAX_SOFT_TOKENS)
+        pil = Gemma4ImageProcessorPil(max_soft_tokens=MAX_SOFT_TOKENS)
     processor_cases = []
     tensors = {}
     images = []
     for i, (w, h) in enumerate(TEST_IMAGES):
         img = test_image(i, w, h)
-        img.save(image_dir / f"{i}.png")
+        write_image(image_dir / f"{i}.png", img)
         img = Image.open(image_dir / f"{i}.png").convert("RGB")
         out = tv(images=[img], return_tensors="pt")
         out_pil = pil(images=[img], return_tensors="pt")
@@ -324,8 +394,12 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool, with_a
             "pixels_sha256": hashlib.sha256(pixels.tobytes()).hexdigest(),
         })
     for w, h in OTHER_SHAPES:
-        for budget in BUDGETS:
-            proc = Gemma4ImageProcessor(max_soft_tokens=budget)
+        for budget in budgets:
+            if pooling != 3:
+                proc = Gemma4ImageProcessor.from_pretrained(dst, max_soft_tokens=budget)
+                assert (proc.pooling_kernel_size, proc.max_soft_tokens) == (pooling, budget)
+            else:
+                proc = Gemma4ImageProcessor(max_soft_tokens=budget)
             img = Image.new("RGB", (w, h), (40, 90, 200))
             try:
                 out = proc(images=[img], return_tensors="pt")
@@ -465,20 +539,26 @@ def main(src: Path, dst: Path, bidirectional: bool, with_processor: bool, with_a
     chat_golden = {"messages_text": "Compare these two.", "images": chat_images, "audios": chat_audios,
                    "rendered": rendered, "ids": ids, "greedy": gen}
     save_file(tensors, dst / "golden_tensors.safetensors")
-    (dst / "golden.json").write_text(json.dumps({
+    golden = {
         "generator": "tools/make_vision_fixture.py",
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "max_soft_tokens": MAX_SOFT_TOKENS,
+    }
+    if pooling != 3:
+        golden.update({"patch_size": 16, "pooling_kernel_size": pooling})
+    golden.update({
         "images": [f"../images/{i}.png" for i in range(len(TEST_IMAGES))],
         "audios": ["../audio/0.wav"] if has_audio else [],
         "prompts": golden_prompts,
         "chat": chat_golden,
-    }, indent=1) + "\n")
+    })
+    (dst / "golden.json").write_text(json.dumps(golden, indent=1) + "\n")
     print(f"wrote {dst}")
 
 
 if __name__ == "__main__":
     flags = sys.argv[3:]
+    pooling = int(flags[flags.index("--pooling") + 1]) if "--pooling" in flags else 3
     main(Path(sys.argv[1]), Path(sys.argv[2]), "--bidirectional" in flags, "--processor" in flags,
-         "--audio" in flags)
+         "--audio" in flags, pooling)

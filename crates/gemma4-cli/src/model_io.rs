@@ -90,6 +90,12 @@ pub fn load_media_encoders_measured(
     let context = || format!("cannot load the media encoders of {}", path.display());
     let images =
         gemma4_model::ImageEncoder::load_dir_measured(path, text_hidden).with_context(context)?;
+    if let Some((encoder, _)) = &images {
+        gemma4_media::ProcessorSettings::read(path)
+            .and_then(|s| s.check_encoder(encoder.patch_geometry()))
+            .map_err(anyhow::Error::msg)
+            .with_context(context)?;
+    }
     let audio =
         gemma4_model::AudioEncoder::load_dir_measured(path, text_hidden).with_context(context)?;
     Ok((images, audio))

@@ -86,8 +86,9 @@ pub struct Args {
     block_size: usize,
     /// Soft tokens per image unless a request's `mm_processor_kwargs` says
     /// otherwise: 70, 140, 280, 560 or 1120 (more reads finer detail).
-    #[arg(long, default_value_t = 280, value_parser = parse_soft_tokens)]
-    max_soft_tokens: usize,
+    /// Default: the checkpoint's `processor_config.json`, else 280.
+    #[arg(long, value_parser = parse_soft_tokens)]
+    max_soft_tokens: Option<usize>,
     /// Most media items per prompt, as `image=N,audio=M,video=K` (any may be
     /// left out: 8 images, 8 audio clips, 2 videos).
     #[arg(long, default_value = "image=8,audio=8,video=2", value_parser = parse_mm_limit)]
@@ -366,7 +367,8 @@ fn parse_mm_limit(s: &str) -> std::result::Result<MaxItems, String> {
 struct MediaArgs {
     /// The multimodal projector file the towers come from, if one is named.
     mmproj: Option<std::path::PathBuf>,
-    max_soft_tokens: usize,
+    /// `--max-soft-tokens`, if given.
+    max_soft_tokens: Option<usize>,
     max_items: MaxItems,
     /// Bounds of image fetches by URL and the hosts they may reach, when
     /// they are allowed.
@@ -383,6 +385,8 @@ fn load(
     mut engine_config: EngineConfig,
 ) -> Result<ModelContext> {
     let loaded = model_args.load()?;
+    let checkpoint = loaded.path.clone();
+    let loaded_path_is_dir = checkpoint.is_dir();
     let (images, audio) = crate::model_io::load_media_encoders(
         &loaded.path,
         media.mmproj.as_deref(),
@@ -408,6 +412,15 @@ fn load(
     if images.is_none() && audio.is_none() {
         return Ok(context);
     }
+    let max_soft_tokens = match media.max_soft_tokens {
+        Some(n) => n,
+        None if loaded_path_is_dir => {
+            gemma4_media::ProcessorSettings::read(&checkpoint)
+                .map_err(anyhow::Error::msg)?
+                .max_soft_tokens
+        }
+        None => 280,
+    };
     let mut loaded_encoders: Vec<String> = images.iter().map(|e| e.describe()).collect();
     if let Some(a) = &audio {
         loaded_encoders.push(a.describe());
@@ -415,13 +428,13 @@ fn load(
     eprintln!(
         "{}; {} soft tokens per image; at most {} images, {} audio clips and {} videos per prompt",
         loaded_encoders.join("; "),
-        media.max_soft_tokens,
+        max_soft_tokens,
         media.max_items.images,
         media.max_items.audio,
         media.max_items.videos,
     );
     let mut encoders =
-        gemma4_server::media::Media::new(images, audio, media.max_soft_tokens, media.max_items);
+        gemma4_server::media::Media::new(images, audio, max_soft_tokens, media.max_items);
     if let Some((limits, hosts)) = media.remote.clone() {
         let hosts_said = match (&hosts.allowed_domains, hosts.allow_private) {
             (Some(list), _) => format!("only from {}", list.join(", ")),

@@ -10,9 +10,9 @@ use std::path::Path;
 use anyhow::{Context, Result};
 use gemma4_media::resize::resize_bicubic;
 use gemma4_media::video::{decode_video, DEFAULT_VIDEO_FRAMES, VIDEO_SOFT_TOKENS};
-use gemma4_media::{decode_image, DecodeLimits, ImageProcessor, VideoLimits};
+use gemma4_media::{decode_image, DecodeLimits, VideoLimits};
 use gemma4_model::{place_soft_tokens, Gemma4, SoftTokenSource, VisionInput};
-use gemma4_server::media::encode_video_frames;
+use gemma4_server::media::{encode_video_frames, processor_for};
 use serde::Deserialize;
 
 use crate::verify_vision::{check_prompt, close_to_reference, read_golden, Tensors};
@@ -68,7 +68,7 @@ pub fn verify(
 
     // Stage 1: the sampled frames and the processor's resized bytes.
     let sampled = video.indices == golden.indices && video.timestamps() == golden.timestamps;
-    let processor = ImageProcessor::new(VIDEO_SOFT_TOKENS)?;
+    let processor = processor_for(&encoder, VIDEO_SOFT_TOKENS)?;
     let mut departing = Vec::new();
     for (f, frame) in video.frames.iter().enumerate() {
         let decoded = golden.frame_crc32.get(f) == Some(&crc32fast::hash(&frame.pixels));
@@ -120,10 +120,11 @@ pub fn verify(
             .with_context(|| format!("cannot read {}", image_path.display()))?,
         DecodeLimits::default(),
     )?;
+    let image_processor = processor_for(&encoder, golden.image_max_soft_tokens)?;
     let processed = if encoder.takes_merged_patches() {
-        ImageProcessor::new(golden.image_max_soft_tokens)?.process_merged(&image)?
+        image_processor.process_merged(&image)?
     } else {
-        ImageProcessor::new(golden.image_max_soft_tokens)?.process(&image)?
+        image_processor.process(&image)?
     };
     let image_embeds: Vec<f32> = encoder
         .encode(VisionInput {

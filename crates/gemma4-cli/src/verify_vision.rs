@@ -8,9 +8,10 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use gemma4_media::audio::decode_wav;
-use gemma4_media::{decode_image, resize::resize_bicubic, DecodeLimits, ImageProcessor};
+use gemma4_media::{decode_image, resize::resize_bicubic, DecodeLimits};
 use gemma4_model::golden::greedy_with_soft_tokens;
 use gemma4_model::{place_soft_tokens, AudioFeatures, Gemma4, SoftTokenSource, VisionInput};
+use gemma4_server::media::processor_for;
 use serde::Deserialize;
 
 /// A golden file with images.
@@ -151,7 +152,7 @@ pub fn verify(
     let encoder =
         images.context("the golden file holds images, but the model has no vision tower")?;
     let tensors = Tensors::read(&golden_path.with_file_name("golden_tensors.safetensors"))?;
-    let processor = ImageProcessor::new(golden.max_soft_tokens)?;
+    let processor = processor_for(&encoder, golden.max_soft_tokens)?;
     let dir = golden_path.parent().unwrap_or(Path::new("."));
     let mut all = true;
     let mut features = Vec::with_capacity(golden.images.len());

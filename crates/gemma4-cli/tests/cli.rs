@@ -81,7 +81,14 @@ fn verify_passes_on_every_fixture() {
 #[test]
 fn verify_checks_images_stage_by_stage() {
     let vision = root().join("tests/fixtures/vision");
-    for v in ["e-style", "dense", "moe", "unified", "e-audio"] {
+    for v in [
+        "e-style",
+        "e-style-pool2",
+        "dense",
+        "moe",
+        "unified",
+        "e-audio",
+    ] {
         let dir = vision.join(v);
         let (out, text) = verify_dir(&dir);
         assert!(out.status.success(), "{v}: {text}");
@@ -188,6 +195,45 @@ fn verify_checks_images_stage_by_stage() {
     assert!(text.contains("DIFF  audio=0 mel_frames=129"), "{text}");
     assert!(
         text.lines().any(|l| l.starts_with("SEQ_MATCH false")),
+        "{text}"
+    );
+    let _ = std::fs::remove_dir_all(&tmp);
+}
+
+/// The image processor's geometry comes from the checkpoint's processor
+/// files, as the reference's does; one that disagrees with the encoder's
+/// pooling kernel (the reference then fails on every image) is refused at
+/// load, naming both fields.
+#[test]
+fn a_processor_that_cannot_feed_the_encoder_is_refused_at_load() {
+    let vision = root().join("tests/fixtures/vision");
+    let tmp = std::env::temp_dir().join(format!("gemma4-cli-{}-pooling", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let pooled = copy_files(&vision.join("e-style-pool2"), &tmp.join("pool3"), &[]);
+    let config = pooled.join("processor_config.json");
+    let text = std::fs::read_to_string(&config).expect("processor_config.json");
+    let three = text.replace("\"pooling_kernel_size\": 2", "\"pooling_kernel_size\": 3");
+    assert_ne!(text, three);
+    std::fs::write(&config, three).expect("write");
+    let (out, text) = verify_dir(&pooled);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("image_processor.pooling_kernel_size")
+            || text
+                .contains("sets pooling_kernel_size 3, but vision_config.pooling_kernel_size is 2"),
+        "{text}"
+    );
+    // Without processor files the reference takes its defaults (3×3).
+    let bare = copy_files(
+        &vision.join("e-style-pool2"),
+        &tmp.join("bare"),
+        &["processor_config.json"],
+    );
+    let (out, text) = verify_dir(&bare);
+    assert!(!out.status.success(), "{text}");
+    assert!(text.contains("with no processor_config.json"), "{text}");
+    assert!(
+        text.contains("vision_config.pooling_kernel_size is 2"),
         "{text}"
     );
     let _ = std::fs::remove_dir_all(&tmp);

@@ -4,7 +4,8 @@
 
 use std::io::Cursor;
 
-use image::{ImageFormat, ImageReader, Limits};
+use image::metadata::Orientation;
+use image::{ImageDecoder, ImageFormat, ImageReader, Limits};
 
 use crate::{MediaError, Result};
 
@@ -44,23 +45,54 @@ impl Default for DecodeLimits {
     }
 }
 
-/// Decodes PNG, JPEG, GIF (first frame), WebP or BMP bytes to RGB. Images
-/// with an alpha channel are composited as the reference's `convert("RGB")`
-/// does: the alpha is dropped.
+/// Decodes PNG, JPEG, GIF (first frame), WebP or BMP bytes to RGB, turned
+/// upright as the file's EXIF orientation says (the reference's loaders do
+/// so on every path a request's image takes). Images with an alpha channel
+/// are composited as the reference's `convert("RGB")` does: the alpha is
+/// dropped.
 pub fn decode_image(bytes: &[u8], limits: DecodeLimits) -> Result<RgbImage> {
+    let upright = decode_as_stored(bytes, limits)?;
+    Ok(match exif_orientation(bytes) {
+        Orientation::NoTransforms => upright,
+        orientation => {
+            let (w, h) = (upright.width, upright.height);
+            let Some(buffer) = image::RgbImage::from_raw(w, h, upright.pixels) else {
+                return Err(MediaError::Decode("the decoded size does not match".into()));
+            };
+            let mut turned = image::DynamicImage::ImageRgb8(buffer);
+            turned.apply_orientation(orientation);
+            let rgb = turned.into_rgb8();
+            let (width, height) = rgb.dimensions();
+            RgbImage {
+                width,
+                height,
+                pixels: rgb.into_raw(),
+            }
+        }
+    })
+}
+
+/// The orientation the file's EXIF data names; none when it has no EXIF
+/// data or names no valid orientation (the reference ignores those too).
+fn exif_orientation(bytes: &[u8]) -> Orientation {
+    ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .ok()
+        .and_then(|r| r.into_decoder().ok())
+        .and_then(|mut d| d.orientation().ok())
+        .unwrap_or(Orientation::NoTransforms)
+}
+
+/// The pixels as stored, before any EXIF orientation.
+fn decode_as_stored(bytes: &[u8], limits: DecodeLimits) -> Result<RgbImage> {
     let reader = || {
         ImageReader::new(Cursor::new(bytes))
             .with_guessed_format()
             .map_err(|e| MediaError::Decode(e.to_string()))
     };
     match reader()?.format() {
-        Some(
-            ImageFormat::Png
-            | ImageFormat::Jpeg
-            | ImageFormat::Gif
-            | ImageFormat::WebP
-            | ImageFormat::Bmp,
-        ) => {}
+        Some(ImageFormat::Jpeg) => return crate::jpeg::decode_jpeg(bytes, limits),
+        Some(ImageFormat::Png | ImageFormat::Gif | ImageFormat::WebP | ImageFormat::Bmp) => {}
         _ => return Err(MediaError::UnsupportedFormat),
     }
     let (width, height) = reader()?

@@ -18,13 +18,16 @@
 
 pub mod audio;
 pub mod decode;
+pub mod jpeg;
 pub mod mel;
 pub mod processor;
 pub mod resize;
 pub mod video;
 
 pub use decode::{decode_image, DecodeLimits, RgbImage};
-pub use processor::{ImageProcessor, ProcessedImage, Rescale, SUPPORTED_SOFT_TOKENS};
+pub use processor::{
+    ImageProcessor, ProcessedImage, ProcessorSettings, Rescale, SUPPORTED_SOFT_TOKENS,
+};
 pub use video::{decode_video, Video, VideoLimits};
 
 /// What can go wrong with a piece of media; every variant names the problem
@@ -46,6 +49,8 @@ pub enum MediaError {
     Empty,
     #[error("max_soft_tokens must be one of 70, 140, 280, 560, 1120 (got {0})")]
     SoftTokenBudget(usize),
+    #[error("an image processor needs patches and a pooling kernel of at least one pixel (patch_size {patch_size}, pooling_kernel_size {pooling})")]
+    Geometry { patch_size: usize, pooling: usize },
     #[error("the audio format is not supported (send WAV, FLAC or MP3)")]
     UnsupportedAudio,
     #[error("the audio could not be decoded: {0}")]

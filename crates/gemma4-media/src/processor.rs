@@ -2,6 +2,8 @@
 //! `patch · pooling` blocks within a patch budget, rescale to `[0, 1]`,
 //! 16×16 patches in row-major order with their `(x, y)` positions.
 
+use std::path::{Path, PathBuf};
+
 use crate::resize::resize_bicubic;
 use crate::{MediaError, Result, RgbImage};
 
@@ -31,6 +33,103 @@ impl Rescale {
     }
 }
 
+/// What a checkpoint's processor files set for images. The reference's
+/// image processor reads them from the `image_processor` entry of
+/// `processor_config.json` (else from `preprocessor_config.json`), never
+/// from `config.json`, and takes its class defaults (16, 3, 280) for what
+/// neither sets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProcessorSettings {
+    pub patch_size: usize,
+    pub pooling: usize,
+    pub max_soft_tokens: usize,
+    /// The file they came from, `None` for the defaults.
+    pub file: Option<PathBuf>,
+}
+
+impl ProcessorSettings {
+    /// The settings in checkpoint directory `dir`; an unreadable file or a
+    /// value the reference would not take is an error naming the field.
+    pub fn read(dir: &Path) -> std::result::Result<Self, String> {
+        let mut settings = Self {
+            patch_size: 16,
+            pooling: 3,
+            max_soft_tokens: 280,
+            file: None,
+        };
+        for (name, entry) in [
+            ("processor_config.json", Some("image_processor")),
+            ("preprocessor_config.json", None),
+        ] {
+            let path = dir.join(name);
+            let Ok(text) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
+            let fields = match entry {
+                Some(key) => match json.get(key) {
+                    Some(v) => v,
+                    None => continue,
+                },
+                None => &json,
+            };
+            let prefix = entry.map(|e| format!("{e}.")).unwrap_or_default();
+            let number = |key: &str, default: usize| match fields.get(key) {
+                None => Ok(default),
+                Some(v) => v
+                    .as_u64()
+                    .filter(|&n| n > 0)
+                    .map(|n| n as usize)
+                    .ok_or_else(|| {
+                        format!(
+                            "{}: {prefix}{key} must be a whole number of at least 1",
+                            path.display()
+                        )
+                    }),
+            };
+            settings.patch_size = number("patch_size", settings.patch_size)?;
+            settings.pooling = number("pooling_kernel_size", settings.pooling)?;
+            settings.max_soft_tokens = number("max_soft_tokens", settings.max_soft_tokens)?;
+            if !SUPPORTED_SOFT_TOKENS.contains(&settings.max_soft_tokens) {
+                return Err(format!(
+                    "{}: {prefix}max_soft_tokens is {}; the reference takes one of {SUPPORTED_SOFT_TOKENS:?}",
+                    path.display(),
+                    settings.max_soft_tokens
+                ));
+            }
+            settings.file = Some(path);
+            break;
+        }
+        Ok(settings)
+    }
+
+    /// Refuses settings that would cut images into blocks the encoder
+    /// cannot pool: the reference then fails on every image, so the
+    /// checkpoint cannot be served. `encoder` is the vision config's
+    /// `(patch_size, pooling_kernel_size)`.
+    pub fn check_encoder(&self, encoder: (usize, usize)) -> std::result::Result<(), String> {
+        let source = match &self.file {
+            Some(path) => format!("{} sets", path.display()),
+            None => {
+                "with no processor_config.json, the reference's image processor takes its defaults,"
+                    .to_owned()
+            }
+        };
+        for (key, ours, theirs) in [
+            ("patch_size", self.patch_size, encoder.0),
+            ("pooling_kernel_size", self.pooling, encoder.1),
+        ] {
+            if ours != theirs {
+                return Err(format!(
+                    "{source} {key} {ours}, but vision_config.{key} is {theirs}: images would be cut into blocks the encoder cannot take; make the two agree"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The processor's settings (`patch_size`, `pooling_kernel_size`,
 /// `max_soft_tokens` of `processor_config.json` / the vision config).
 #[derive(Debug, Clone, Copy)]
@@ -56,14 +155,32 @@ pub struct ProcessedImage {
 }
 
 impl ImageProcessor {
-    /// Gemma 4's defaults: 16-pixel patches, 3×3 pooling, 280 soft tokens.
+    /// The published checkpoints' geometry (16-pixel patches pooled 3×3)
+    /// with a soft-token budget.
     pub fn new(max_soft_tokens: usize) -> Result<Self> {
+        Self::with_geometry(16, 3, max_soft_tokens)
+    }
+
+    /// The processor of an encoder with `patch_size`-pixel patches pooled
+    /// `pooling × pooling` into one soft token: images are resized on
+    /// `patch_size · pooling` blocks, as the reference does for any kernel.
+    pub fn with_geometry(
+        patch_size: usize,
+        pooling: usize,
+        max_soft_tokens: usize,
+    ) -> Result<Self> {
         if !SUPPORTED_SOFT_TOKENS.contains(&max_soft_tokens) {
             return Err(MediaError::SoftTokenBudget(max_soft_tokens));
         }
+        if patch_size == 0 || pooling == 0 {
+            return Err(MediaError::Geometry {
+                patch_size,
+                pooling,
+            });
+        }
         Ok(Self {
-            patch_size: 16,
-            pooling: 3,
+            patch_size,
+            pooling,
             max_soft_tokens,
         })
     }

@@ -1,19 +1,33 @@
 //! The image processor against transformers' `Gemma4ImageProcessor`, from
-//! the vision fixture written by `tools/make_vision_fixture.py`: resized
-//! size, patch and soft-token counts for 28 shapes at three budgets, and the
-//! resized pixels byte for byte for the fixture's test images.
+//! the vision fixtures written by `tools/make_vision_fixture.py` (the
+//! published 3×3 pooling kernel, and a checkpoint pooling 2×2): resized
+//! size, patch and soft-token counts for 28 shapes at several budgets, and
+//! the resized pixels byte for byte for the fixture's test images, with the
+//! geometry read from each checkpoint's processor files.
 
 use std::path::PathBuf;
 
-use gemma4_media::{decode_image, DecodeLimits, ImageProcessor, MediaError};
+use gemma4_media::{decode_image, DecodeLimits, ImageProcessor, MediaError, ProcessorSettings};
 use serde_json::Value;
 
-fn fixture() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/vision/e-style")
+/// The fixtures and the pooling kernel each was written with.
+const FIXTURES: [(&str, usize); 2] = [("e-style", 3), ("e-style-pool2", 2)];
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/vision")
+        .join(name)
 }
 
-fn cases() -> Vec<Value> {
-    let text = std::fs::read_to_string(fixture().join("processor.json")).expect("processor.json");
+/// The processor the checkpoint's own files describe, with a budget.
+fn processor(name: &str, budget: usize) -> ImageProcessor {
+    let s = ProcessorSettings::read(&fixture(name)).expect("processor settings");
+    ImageProcessor::with_geometry(s.patch_size, s.pooling, budget).expect("budget")
+}
+
+fn cases(name: &str) -> Vec<Value> {
+    let text =
+        std::fs::read_to_string(fixture(name).join("processor.json")).expect("processor.json");
     serde_json::from_str::<Value>(&text)
         .expect("json")
         .as_array()
@@ -28,11 +42,26 @@ fn field(case: &Value, key: &str) -> u64 {
 }
 
 #[test]
+fn each_checkpoint_names_its_pooling() {
+    for (name, pooling) in FIXTURES {
+        let s = ProcessorSettings::read(&fixture(name)).expect("settings");
+        assert_eq!((s.patch_size, s.pooling), (16, pooling), "{name}");
+    }
+}
+
+#[test]
 fn sizes_and_counts_match_the_reference_processor() {
-    let cases = cases();
-    assert!(cases.len() >= 70, "{} cases", cases.len());
+    for (name, pooling) in FIXTURES {
+        sizes_and_counts_match(name, pooling);
+    }
+}
+
+fn sizes_and_counts_match(name: &str, pooling: usize) {
+    let cases = cases(name);
+    assert!(cases.len() >= 70, "{name}: {} cases", cases.len());
     for case in &cases {
-        let proc = ImageProcessor::new(field(case, "max_soft_tokens") as usize).expect("budget");
+        let proc = processor(name, field(case, "max_soft_tokens") as usize);
+        assert_eq!(proc.pooling, pooling);
         let (w, h) = (field(case, "width") as u32, field(case, "height") as u32);
         if case.get("error").is_some() {
             assert!(proc.target_size(w, h).is_err(), "{case}");
@@ -49,23 +78,33 @@ fn sizes_and_counts_match_the_reference_processor() {
         );
         let patches = (tw as usize / proc.patch_size) * (th as usize / proc.patch_size);
         assert_eq!(patches as u64, field(case, "patches"), "{case}");
-        assert_eq!((patches / 9) as u64, field(case, "soft_tokens"), "{case}");
+        assert_eq!(
+            (patches / (pooling * pooling)) as u64,
+            field(case, "soft_tokens"),
+            "{name}: {case}"
+        );
         assert!(patches <= proc.max_patches());
     }
 }
 
 #[test]
 fn resized_pixels_match_the_reference_byte_for_byte() {
-    let bytes = std::fs::read(fixture().join("golden_tensors.safetensors")).expect("goldens");
+    for (name, _) in FIXTURES {
+        resized_pixels_match(name);
+    }
+}
+
+fn resized_pixels_match(name: &str) {
+    let bytes = std::fs::read(fixture(name).join("golden_tensors.safetensors")).expect("goldens");
     let goldens = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
     let mut checked = 0;
-    for (i, case) in cases()
+    for (i, case) in cases(name)
         .iter()
         .filter(|c| c.get("image").is_some())
         .enumerate()
     {
         let file = std::fs::read(
-            fixture()
+            fixture(name)
                 .join("../images")
                 .join(case["image"].as_str().unwrap()),
         )
@@ -75,7 +114,7 @@ fn resized_pixels_match_the_reference_byte_for_byte() {
             (u64::from(img.width), u64::from(img.height)),
             (field(case, "width"), field(case, "height"))
         );
-        let proc = ImageProcessor::new(field(case, "max_soft_tokens") as usize).unwrap();
+        let proc = processor(name, field(case, "max_soft_tokens") as usize);
         let out = proc.process(&img).expect("process");
         assert_eq!(out.soft_tokens as u64, field(case, "soft_tokens"));
         let want = goldens.tensor(&format!("pixels.{i}")).expect("pixels");
@@ -90,7 +129,7 @@ fn resized_pixels_match_the_reference_byte_for_byte() {
         assert_eq!(
             differing,
             0,
-            "image {i}: {differing} of {} bytes differ",
+            "{name} image {i}: {differing} of {} bytes differ",
             want.data().len()
         );
         // The patches hold those bytes rescaled.
@@ -101,7 +140,7 @@ fn resized_pixels_match_the_reference_byte_for_byte() {
         );
         checked += 1;
     }
-    assert_eq!(checked, 4);
+    assert_eq!(checked, 4, "{name}");
 }
 
 #[test]

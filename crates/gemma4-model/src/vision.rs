@@ -245,10 +245,19 @@ impl ImageEncoder {
         }
     }
 
-    /// Whether the encoder takes 3×3-merged (48-pixel) patches, one soft
-    /// token each, rather than 16-pixel patches pooled 3×3.
+    /// Whether the encoder takes merged patches (`pooling × pooling` blocks
+    /// as one patch), one soft token each, rather than patches it pools.
     pub fn takes_merged_patches(&self) -> bool {
         matches!(self, Self::Unified(_))
+    }
+
+    /// `(patch_size, pooling_kernel_size)` of the checkpoint: the image
+    /// processor resizes on blocks of their product.
+    pub fn patch_geometry(&self) -> (usize, usize) {
+        match self {
+            Self::Tower(t) => (t.config().patch_size, t.config().pooling),
+            Self::Unified(u) => (u.config().patch_size, u.config().pooling),
+        }
     }
 
     /// The image's soft tokens, `[tokens, hidden]`.
@@ -331,8 +340,11 @@ impl VisionConfig {
                 .get("rms_norm_eps")
                 .and_then(Value::as_f64)
                 .unwrap_or(1e-6),
-            patch_size: usize_of("patch_size", Some(16))?,
-            pooling: usize_of("pooling_kernel_size", Some(3))?,
+            patch_size: at_least_one(usize_of("patch_size", Some(16))?, "patch_size")?,
+            pooling: at_least_one(
+                usize_of("pooling_kernel_size", Some(3))?,
+                "pooling_kernel_size",
+            )?,
             position_table_size: usize_of("position_embedding_size", Some(10240))?,
             rope_theta: rope
                 .and_then(|r| r.get("rope_theta"))
@@ -354,6 +366,18 @@ impl VisionConfig {
         }
         Ok(Some(cfg))
     }
+}
+
+/// `vision_config.KEY`'s value, refused at load when it is 0 (no patch can
+/// be cut, nothing pooled).
+pub(crate) fn at_least_one(value: usize, key: &str) -> std::result::Result<usize, ConfigError> {
+    if value == 0 {
+        return Err(ConfigError::invalid(
+            format!("vision_config.{key}"),
+            "must be at least 1",
+        ));
+    }
+    Ok(value)
 }
 
 /// One image as the encoder takes it: `[patches, patch² · 3]` values in

@@ -23,6 +23,9 @@ use crate::vision::{MediaTokens, VisionInput};
 pub struct UnifiedVisionConfig {
     /// Pixels of a merged patch side (`patch_size · pooling_kernel_size`).
     pub patch_pixels: usize,
+    /// The image processor's patch side and the blocks it merges.
+    pub patch_size: usize,
+    pub pooling: usize,
     pub embed_dim: usize,
     pub position_table_size: usize,
     pub rms_norm_eps: f64,
@@ -52,8 +55,13 @@ impl UnifiedVisionConfig {
                 "must equal mm_embed_dim (the projection reads the embedder's output)",
             ));
         }
+        let patch_size = crate::vision::at_least_one(num("patch_size", 16)?, "patch_size")?;
+        let pooling =
+            crate::vision::at_least_one(num("pooling_kernel_size", 3)?, "pooling_kernel_size")?;
         Ok(Self {
-            patch_pixels: num("patch_size", 16)? * num("pooling_kernel_size", 3)?,
+            patch_pixels: patch_size * pooling,
+            patch_size,
+            pooling,
             embed_dim,
             position_table_size: num("mm_posemb_size", 1120)?,
             rms_norm_eps: v

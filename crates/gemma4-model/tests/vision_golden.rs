@@ -25,7 +25,14 @@ use serde_json::Value;
 
 use common::{encode_image, max_abs_diff, tensor, vision_fixture};
 
-const VARIANTS: [&str; 5] = ["e-style", "dense", "moe", "unified", "e-audio"];
+const VARIANTS: [&str; 6] = [
+    "e-style",
+    "e-style-pool2",
+    "dense",
+    "moe",
+    "unified",
+    "e-audio",
+];
 
 fn fixture(variant: &str) -> PathBuf {
     vision_fixture(variant)

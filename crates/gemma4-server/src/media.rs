@@ -146,7 +146,12 @@ impl Media {
     ) -> Result<Vec<Encoded>, ApiError> {
         self.check_counts(parts)?;
         let budget = max_soft_tokens.unwrap_or(self.default_soft_tokens);
-        let processor = ImageProcessor::new(budget).map_err(|e| {
+        let processor = match &self.images {
+            Some(encoder) => Some(processor_for(encoder, budget)),
+            None => ImageProcessor::new(budget).map(|_| None).transpose(),
+        }
+        .transpose()
+        .map_err(|e| {
             ApiError::bad_request(format!("`mm_processor_kwargs.max_soft_tokens`: {e}"))
                 .with_param("mm_processor_kwargs.max_soft_tokens")
         })?;
@@ -157,19 +162,25 @@ impl Media {
                     ApiError::bad_request(format!("`{}`: {e}", part.param))
                         .with_param(part.param.clone())
                 };
-                let internal = |e: gemma4_model::ModelError| {
-                    ApiError::internal(format!("the media encoder failed: {e}"))
+                // The encoder refuses input past the model's own limits (a
+                // patch grid wider than its position table): the client's
+                // image, a 400; anything else is the server's fault.
+                let internal = |e: gemma4_model::ModelError| match e {
+                    gemma4_model::ModelError::Input(why) => {
+                        bad(format!("this model cannot encode it: {why}"))
+                    }
+                    e => ApiError::internal(format!("the media encoder failed: {e}")),
                 };
                 let mut h = self.hash_keys.build_hasher();
                 let mut frames = Vec::new();
                 let (tokens, embeds, soft_tokens) = match part.kind {
                     MediaKind::Image => {
-                        let encoder = self.images.as_ref().ok_or_else(|| {
-                            bad(
+                        let (Some(encoder), Some(processor)) = (&self.images, &processor) else {
+                            return Err(bad(
                                 "this model has no vision tower; it cannot read image_url parts"
                                     .into(),
-                            )
-                        })?;
+                            ));
+                        };
                         let img = self.load_image(&part.data).map_err(bad)?;
                         let processed = if encoder.takes_merged_patches() {
                             processor.process_merged(&img)
@@ -377,6 +388,16 @@ pub enum FrameError {
     Encoder(#[from] gemma4_model::ModelError),
 }
 
+/// The image processor for `encoder`'s checkpoint: its patch size and
+/// pooling kernel, with a soft-token budget.
+pub fn processor_for(
+    encoder: &ImageEncoder,
+    max_soft_tokens: usize,
+) -> Result<ImageProcessor, MediaError> {
+    let (patch_size, pooling) = encoder.patch_geometry();
+    ImageProcessor::with_geometry(patch_size, pooling, max_soft_tokens)
+}
+
 /// A video's sampled frames as the reference video processor lays them out
 /// (resized within its soft-token budget per frame, bytes divided by 255)
 /// and encoded as images, in order.
@@ -384,7 +405,7 @@ pub fn encode_video_frames(
     encoder: &ImageEncoder,
     video: &Video,
 ) -> Result<Vec<EncodedFrame>, FrameError> {
-    let processor = ImageProcessor::new(VIDEO_SOFT_TOKENS)?;
+    let processor = processor_for(encoder, VIDEO_SOFT_TOKENS)?;
     video
         .frames
         .iter()

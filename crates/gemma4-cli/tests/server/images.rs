@@ -51,6 +51,68 @@ fn a_chat_with_two_images_keeps_the_reference_tokens_through_the_openai_client()
     check_bad_media(&out);
 }
 
+/// A JPEG reads as the pixels the reference decodes from it: the same chat
+/// with the JPEG and with a PNG of the reference's decoded pixels gives the
+/// same prompt, tokens and log-probabilities, for 4:2:0 and 4:2:2 files,
+/// progressive, CMYK and EXIF-rotated ones.
+#[test]
+fn a_jpeg_reads_as_the_pixels_the_reference_decodes() {
+    // Equal pixels share a media digest, so the second chat would reuse the
+    // first one's KV and compute its logits in other chunks: off, each
+    // request is computed the same way.
+    let server = ServerProc::start(&vision_fixture(), &["--no-prefix-caching"], &[]);
+    let corpus = fixture_of("jpeg");
+    let extra = json!({"max_tokens": 6, "temperature": 0, "ignore_eos": true,
+                       "logprobs": true, "top_logprobs": 2});
+    for name in [
+        "pil-q75-420-progressive-250x170",
+        "cjpeg-q90-422-arithmetic-progressive-128x128",
+        "pil-cmyk-q90-97x61",
+        "pil-q85-420-exif6-97x61",
+    ] {
+        let read = |file: String| std::fs::read(corpus.join(&file)).expect("corpus file");
+        let replies: Vec<Value> = [format!("{name}.jpg"), format!("{name}.rgb.png")]
+            .into_iter()
+            .map(|file| {
+                let r = server.post(
+                    "/v1/chat/completions",
+                    &image_chat(&[data_uri(&read(file))], extra.clone()),
+                );
+                assert_eq!(r.status, 200, "{name}: {}", r.body);
+                let reply = r.json();
+                json!([
+                    reply["usage"]["prompt_tokens"],
+                    reply["choices"][0]["logprobs"]
+                ])
+            })
+            .collect();
+        assert_eq!(replies[0], replies[1], "{name}");
+    }
+    // 33×300 at this budget is 15×150 patches, past the tiny checkpoint's
+    // 128-entry position table: the client's image, refused by name.
+    let thin = std::fs::read(corpus.join("cjpeg-q80-422-33x300.jpg")).expect("jpeg");
+    let r = server.post(
+        "/v1/chat/completions",
+        &image_chat(&[data_uri(&thin)], json!({})),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    let e = openai_error(&r);
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("position table"),
+        "{e}"
+    );
+    assert_eq!(e["param"], "messages[0].content[1].image_url.url");
+}
+
+#[test]
+fn a_chat_with_two_images_on_a_checkpoint_pooling_2x2_keeps_the_reference_tokens() {
+    // Images resized on 32-pixel blocks, as its processor_config.json says.
+    chat_through_the_client("e-style-pool2", "wav");
+}
+
 #[test]
 fn a_chat_with_two_images_and_an_audio_clip_on_the_12b_keeps_the_reference_tokens() {
     // Its reply ends in byte tokens that are not UTF-8 together: the stream

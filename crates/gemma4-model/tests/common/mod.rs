@@ -38,7 +38,8 @@ pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
 pub fn encode_image(encoder: &ImageEncoder, index: usize) -> Vec<f32> {
     let png = std::fs::read(vision_fixture("images").join(format!("{index}.png"))).expect("png");
     let img = decode_image(&png, DecodeLimits::default()).expect("decode");
-    let proc = ImageProcessor::new(70).unwrap();
+    let (patch_size, pooling) = encoder.patch_geometry();
+    let proc = ImageProcessor::with_geometry(patch_size, pooling, 70).unwrap();
     let processed = if encoder.takes_merged_patches() {
         proc.process_merged(&img)
     } else {
