@@ -228,6 +228,11 @@ impl FinishReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub cached_prompt_tokens: usize,
+    /// Prompt tokens this request computed in whole blocks, which the prefix
+    /// cache then keeps for later requests (0 without prefix caching).
+    pub cache_written_prompt_tokens: usize,
 }
 
 /// What the engine sends back, in order: zero or more `Token`s, then one `Finished`.

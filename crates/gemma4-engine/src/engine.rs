@@ -599,6 +599,8 @@ impl Worker {
             let usage = Usage {
                 prompt_tokens: live.prompt_len,
                 completion_tokens: live.generated,
+                cached_prompt_tokens: 0,
+                cache_written_prompt_tokens: 0,
             };
             let finished = OutputMsg::Finished {
                 id,
@@ -694,7 +696,10 @@ impl Worker {
 
     /// Removes a request wherever it is, frees its blocks and has `Finished` sent.
     fn end(&mut self, id: u64, reason: FinishReason) {
-        self.scheduler.remove(id, &mut self.kv);
+        let cached = self
+            .scheduler
+            .remove(id, &mut self.kv)
+            .map_or(0, |seq| seq.prefix_hit);
         if let Some(l) = self.live.remove(&id) {
             self.ended.push(id);
             if !l.admitted {
@@ -705,9 +710,21 @@ impl Worker {
             let usage = Usage {
                 prompt_tokens: l.prompt_len,
                 completion_tokens: l.generated,
+                cached_prompt_tokens: cached.min(l.prompt_len),
+                cache_written_prompt_tokens: self.cache_written(l.prompt_len, cached),
             };
             let _ = self.output.send(OutputMsg::Finished { id, reason, usage });
         }
+    }
+
+    /// Prompt tokens of the whole blocks a request computed itself (the
+    /// prefix cache registers every full block).
+    fn cache_written(&self, prompt_len: usize, cached: usize) -> usize {
+        if !self.kv.prefix_caching() {
+            return 0;
+        }
+        let bs = self.kv.block_size();
+        (prompt_len / bs * bs).saturating_sub(cached)
     }
 
     fn step(&mut self) {

@@ -169,6 +169,10 @@ impl KvManager {
         self.block_size
     }
 
+    pub fn prefix_caching(&self) -> bool {
+        self.prefix_caching
+    }
+
     /// Records [`KvEvent`]s from now on, for [`KvManager::take_events`].
     pub fn record_events(&mut self) {
         self.events.get_or_insert_with(Vec::new);

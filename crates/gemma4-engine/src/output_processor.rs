@@ -115,8 +115,8 @@ impl Processor {
                     reason: e.ended.take().unwrap_or(reason),
                     text,
                     usage: Usage {
-                        prompt_tokens: usage.prompt_tokens,
                         completion_tokens: e.accepted,
+                        ..usage
                     },
                 });
             }

@@ -219,6 +219,7 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
                     .iter()
                     .map(ChatTokenLogprob::from_engine)
                     .collect(),
+                refusal: None,
             }),
             message: ChatMessage::from_turn(o.message),
             finish_reason: o.finish_reason,

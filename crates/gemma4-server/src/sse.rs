@@ -125,6 +125,7 @@ impl Streamer {
                         delta,
                         logprobs: logprob.take().map(|lp| ChatLogprobs {
                             content: vec![ChatTokenLogprob::from_engine(&lp)],
+                            refusal: None,
                         }),
                         finish_reason: None,
                     });

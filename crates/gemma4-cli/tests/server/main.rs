@@ -13,7 +13,9 @@ mod schemas;
 
 use std::time::{Duration, Instant};
 
-use harness::{fixture, golden, openai_client, openai_error, request, EventStream, ServerProc};
+use harness::{
+    fixture, golden, openai_client, openai_error, python_script, request, EventStream, ServerProc,
+};
 use serde_json::{json, Value};
 
 const VARIANTS: [&str; 4] = ["e-style", "dense-k-eq-v", "moe", "unified"];
@@ -780,4 +782,23 @@ fn stops_seeds_and_logprobs_follow_the_greedy_reference() {
     let a = sampled(7);
     assert_eq!(a, sampled(7), "seeded sampling is reproducible");
     assert_ne!(a[0], a[1], "choices of one request use different seeds");
+}
+
+/// Every reply and every streamed chunk and event of chat, completions,
+/// models and responses (plain, with log-probs, with a forced tool call,
+/// with instructions and metadata) validates against the official `openai`
+/// SDK's own types, and has the keys the spec requires where the SDK is
+/// looser (`tests/python/sdk_conformance.py` lists both ways it differs).
+#[test]
+fn every_reply_and_event_validates_against_the_openai_sdk_types() {
+    let server = ServerProc::start(&fixture("e-style"), &[], &[]);
+    let Some(out) = python_script(
+        "sdk_conformance.py",
+        &["openai"],
+        &["--base-url", &server.url()],
+    ) else {
+        return;
+    };
+    assert_eq!(out["problems"], json!([]), "{out}");
+    assert!(out["checked"].as_u64() > Some(60), "{out}");
 }

@@ -118,6 +118,9 @@ pub struct ChatMessage {
     pub role: &'static str,
     /// `null` when the model only called tools.
     pub content: Option<String>,
+    /// Always `null`: the model has no refusal channel (the API's field is
+    /// required and nullable).
+    pub refusal: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -135,6 +138,7 @@ impl ChatMessage {
         Self {
             role: "assistant",
             content,
+            refusal: None,
             reasoning_content: (!turn.reasoning.is_empty()).then_some(turn.reasoning),
             tool_calls: turn
                 .tool_calls
@@ -172,6 +176,8 @@ pub struct FunctionCallJson {
 #[derive(Debug, Default, Serialize)]
 pub struct ChatLogprobs {
     pub content: Vec<ChatTokenLogprob>,
+    /// Always `null`, as `message.refusal` is.
+    pub refusal: Option<Vec<ChatTokenLogprob>>,
 }
 
 #[derive(Debug, Serialize)]

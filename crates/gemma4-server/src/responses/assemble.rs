@@ -40,7 +40,9 @@ impl Item {
     fn part(&self) -> Value {
         match self.kind {
             Kind::Reasoning => json!({"type": "reasoning_text", "text": self.text}),
-            _ => json!({"type": "output_text", "text": self.text, "annotations": []}),
+            _ => {
+                json!({"type": "output_text", "text": self.text, "annotations": [], "logprobs": []})
+            }
         }
     }
 
@@ -84,6 +86,10 @@ pub enum Ending {
 #[derive(Debug, Clone, Default)]
 pub struct TurnUsage {
     pub input: usize,
+    /// Input tokens whose KV came from the prefix cache, and those the turn
+    /// added to it.
+    pub cached: usize,
+    pub cache_written: usize,
     pub output: usize,
     pub reasoning: usize,
     /// The input's media, item by item (`None` without media).
@@ -95,6 +101,9 @@ pub struct Assembler {
     id: String,
     model: String,
     created_at: u64,
+    /// The request's settings every Response object repeats (`instructions`,
+    /// `tools`, `tool_choice`, `temperature`, …).
+    settings: Value,
     items: Vec<Item>,
     /// White space between items, held until text follows it.
     held: String,
@@ -104,11 +113,12 @@ pub struct Assembler {
 }
 
 impl Assembler {
-    pub fn new(id: String, model: String, created_at: u64) -> Self {
+    pub fn new(id: String, model: String, created_at: u64, settings: Value) -> Self {
         Self {
             id,
             model,
             created_at,
+            settings,
             items: Vec::new(),
             held: String::new(),
             calls: Vec::new(),
@@ -335,12 +345,19 @@ impl Assembler {
             "total_tokens": usage.input + usage.output,
             "output_tokens_details": {"reasoning_tokens": usage.reasoning},
         });
-        if let (Some(media), Some(u)) = (usage.media, usage_json.as_object_mut()) {
+        let mut details = json!({
+            "cached_tokens": usage.cached,
+            "cache_write_tokens": usage.cache_written,
+        });
+        if let (Some(media), Some(d)) = (usage.media, details.as_object_mut()) {
             // Each image's, clip's and video's soft tokens, as chat's
             // `prompt_tokens_details` has them.
-            u.insert("input_tokens_details".into(), json!(media));
+            if let Value::Object(media) = json!(media) {
+                d.extend(media);
+            }
         }
-        json!({
+        usage_json["input_tokens_details"] = details;
+        let mut response = json!({
             "id": self.id,
             "object": "response",
             "created_at": self.created_at,
@@ -355,7 +372,11 @@ impl Assembler {
             "output": self.items.iter().map(Item::json).collect::<Vec<_>>(),
             "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": usage_json,
-        })
+        });
+        if let (Some(r), Value::Object(settings)) = (response.as_object_mut(), &self.settings) {
+            r.extend(settings.clone());
+        }
+        response
     }
 }
 
@@ -435,7 +456,7 @@ mod tests {
 
     #[test]
     fn a_stream_adds_up_to_the_whole_response() {
-        let mut a = Assembler::new("resp-1".into(), "m".into(), 0);
+        let mut a = Assembler::new("resp-1".into(), "m".into(), 0, json!({}));
         let all = events(&mut a, &turn(), Ending::Completed);
         let last = all.last().expect("events");
         assert_eq!(last["type"], "response.completed");
@@ -462,7 +483,7 @@ mod tests {
 
     #[test]
     fn a_cut_turn_is_incomplete_and_an_empty_one_still_answers() {
-        let mut a = Assembler::new("resp-2".into(), "m".into(), 0);
+        let mut a = Assembler::new("resp-2".into(), "m".into(), 0, json!({}));
         let cut = &turn()[..5];
         let all = events(&mut a, cut, Ending::Incomplete);
         let last = all.last().expect("events");
@@ -477,7 +498,7 @@ mod tests {
             *last["response"]["output"].as_array().expect("output")
         );
 
-        let mut a = Assembler::new("resp-3".into(), "m".into(), 0);
+        let mut a = Assembler::new("resp-3".into(), "m".into(), 0, json!({}));
         let all = events(
             &mut a,
             &[OutputEvent::Content("  ".into())],
@@ -488,7 +509,7 @@ mod tests {
         assert_eq!(output[0]["type"], "message");
         assert_eq!(output[0]["content"][0]["text"], "  ");
 
-        let mut a = Assembler::new("resp-4".into(), "m".into(), 0);
+        let mut a = Assembler::new("resp-4".into(), "m".into(), 0, json!({}));
         let text = [
             OutputEvent::Content("Hello".into()),
             OutputEvent::Content(", world".into()),
@@ -501,7 +522,7 @@ mod tests {
 
     #[test]
     fn a_failure_names_its_error() {
-        let mut a = Assembler::new("resp-5".into(), "m".into(), 0);
+        let mut a = Assembler::new("resp-5".into(), "m".into(), 0, json!({}));
         let failed = Ending::Failed(ApiError::internal("generation failed: boom"));
         let all = events(&mut a, &[OutputEvent::Content("Hi".into())], failed);
         let last = all.last().expect("events");

@@ -170,6 +170,24 @@ fn chat_body(f: &Fields) -> Result<Value, ApiError> {
     f.refuse_unless("include", "/v1/responses", |i| {
         i.as_array().is_some_and(Vec::is_empty)
     })?;
+    // Checked here, where the request's own names are known.
+    if f.get("input")
+        .and_then(Value::as_array)
+        .is_some_and(Vec::is_empty)
+    {
+        return Err(bad(
+            "`input` is an empty list; send at least one item",
+            "input",
+        ));
+    }
+    if let Some(max) = f.get("max_output_tokens") {
+        if !max.as_u64().is_some_and(|n| n >= 1) {
+            return Err(bad(
+                format!("`max_output_tokens` must be a whole number of at least 1; got {max}"),
+                "max_output_tokens",
+            ));
+        }
+    }
     let mut body = Map::new();
     if let Some(parallel) = f.get("parallel_tool_calls") {
         body.insert("parallel_tool_calls".into(), parallel.clone());
@@ -237,6 +255,22 @@ fn chat_body(f: &Fields) -> Result<Value, ApiError> {
     Ok(Value::Object(body))
 }
 
+/// The request's settings a Response object repeats, as sent or as the
+/// server takes them when left out.
+fn echoed_settings(f: &Fields) -> Result<Value, ApiError> {
+    let given = |key: &str| f.get(key).cloned();
+    Ok(json!({
+        "instructions": given("instructions").unwrap_or(Value::Null),
+        "tools": given("tools").unwrap_or_else(|| json!([])),
+        "tool_choice": given("tool_choice").unwrap_or_else(|| json!("auto")),
+        "parallel_tool_calls": f.bool("parallel_tool_calls")?.unwrap_or(true),
+        "metadata": given("metadata").unwrap_or_else(|| json!({})),
+        "temperature": given("temperature").unwrap_or(Value::Null),
+        "top_p": given("top_p").unwrap_or(Value::Null),
+        "max_output_tokens": given("max_output_tokens").unwrap_or(Value::Null),
+    }))
+}
+
 /// `POST /v1/responses`.
 pub async fn responses(
     State(state): State<Arc<AppState>>,
@@ -249,15 +283,23 @@ pub async fn responses(
     let f = Fields::parse(&bytes)?;
     let streamed = f.bool("stream")?.unwrap_or(false);
     let chat = chat_body(&f)?;
+    let settings = echoed_settings(&f)?;
     let bytes = serde_json::to_vec(&chat)
         .map_err(|e| ApiError::internal(format!("cannot restate the request: {e}")))?;
     let req = ChatRequest::parse(&bytes)?;
     let submitted = submit_chat(&state, &model, req, arrival).await?;
     let turn = Turn {
-        assembler: Assembler::new(state.response_id("resp"), submitted.served, unix_now()),
+        assembler: Assembler::new(
+            state.response_id("resp"),
+            submitted.served,
+            unix_now(),
+            settings,
+        ),
         generation: submitted.generation,
         state,
         output_tokens: 0,
+        cached_tokens: 0,
+        cache_written_tokens: 0,
         ended: false,
         failure: None,
         _guard: guard,
@@ -274,6 +316,8 @@ struct Turn {
     generation: Generation,
     state: Arc<AppState>,
     output_tokens: usize,
+    cached_tokens: usize,
+    cache_written_tokens: usize,
     ended: bool,
     /// Why the turn failed, for a whole reply's error status.
     failure: Option<ApiError>,
@@ -302,6 +346,8 @@ impl Turn {
         }
         if let EngineEvent::Finished { reason, usage, .. } = &next.event {
             self.output_tokens = usage.completion_tokens;
+            self.cached_tokens = usage.cached_prompt_tokens;
+            self.cache_written_tokens = usage.cache_written_prompt_tokens;
             self.ended = true;
             let ending = self.ending(next.index, reason);
             events.extend(self.assembler.finish(&ending, self.usage()));
@@ -327,6 +373,8 @@ impl Turn {
     fn usage(&self) -> TurnUsage {
         TurnUsage {
             input: self.generation.prompt_tokens,
+            cached: self.cached_tokens,
+            cache_written: self.cache_written_tokens,
             output: self.output_tokens,
             reasoning: self.generation.reasoning_tokens(),
             media: PromptTokensDetails::of(&self.generation.prompt_media),
