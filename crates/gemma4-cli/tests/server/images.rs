@@ -377,7 +377,7 @@ fn media_urls_reach_only_public_or_listed_hosts() {
             "a private (10.0.0.0/8) address",
         ),
     ] {
-        refused_with(&open, &url, &words);
+        refused_with(&open, &url, words);
     }
     assert_eq!(hits.load(SeqCst), 0, "a refused address was connected to");
     // A name is refused once it resolves to a loopback address.
@@ -426,7 +426,7 @@ fn media_urls_reach_only_public_or_listed_hosts() {
     ] {
         let r = private.post(
             "/v1/chat/completions",
-            &image_chat(&[url.clone()], json!({})),
+            &image_chat(std::slice::from_ref(&url), json!({})),
         );
         assert_eq!(r.status, 200, "{url}: {}", r.body);
     }

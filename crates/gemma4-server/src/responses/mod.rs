@@ -181,7 +181,7 @@ fn chat_body(f: &Fields) -> Result<Value, ApiError> {
         ));
     }
     if let Some(max) = f.get("max_output_tokens") {
-        if !max.as_u64().is_some_and(|n| n >= 1) {
+        if max.as_u64().is_none_or(|n| n < 1) {
             return Err(bad(
                 format!("`max_output_tokens` must be a whole number of at least 1; got {max}"),
                 "max_output_tokens",
