@@ -3,6 +3,12 @@
 //! This crate only parses arguments and wires the library crates together;
 //! each subcommand lives in its own module.
 
+/// The static (musl) build allocates with mimalloc: musl's own allocator
+/// halves the speed of prefill under several threads.
+#[cfg(target_env = "musl")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod bench;
 mod bench_local;
 mod chat;
