@@ -69,6 +69,7 @@ SCENARIOS = {
     "b": "docker kill",
     "c": "network disconnect",
     "d": "rolling restart",
+    "e": "rolling restart under gemma4 bench serve",
 }
 
 
@@ -948,8 +949,46 @@ def scenario_rolling(fleet, args, res):
     res.check(all(x["ok"] for x in recs), f"no request failed ({sum(not x['ok'] for x in recs)} did)")
 
 
+def scenario_bench(fleet, args, res):
+    """A rolling restart of all three while `gemma4 bench serve` sends its load
+    through the balancer: every one of its requests must complete."""
+    binary = os.environ.get("GEMMA4_BIN") or str(REPO / "target/release/gemma4")
+    report = Path(tempfile.mkdtemp(prefix="gemma4-fleet-bench-")) / "report.json"
+    cmd = [binary, "bench", "serve", "--url", f"http://127.0.0.1:{fleet.haproxy.port}", "--model", "tiny",
+           "--concurrency", "6", "--num-prompts", str(args.bench_prompts), "--input-len", "16",
+           "--output-len", str(args.max_tokens), "--warmup", "0", "--timeout", "120", "--no-progress",
+           "--out", str(report)]
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = ""
+    try:
+        time.sleep(args.warmup)
+        for r in REPLICAS:
+            t_act = now()
+            docker("stop", "-t", "30", fleet.names[r], timeout=60)
+            res.check(fleet.exit_code(r) == 0, f"{r} exited with status 0 after draining")
+            fleet.wait_status(r, "DOWN")
+            t_restart = now()
+            docker("start", fleet.names[r])
+            t_up = fleet.wait_status(r, "UP")
+            res.note(f"{r} stopped at {res.rel(t_act)}, UP again {t_up - t_restart:.2f} s after its restart")
+        res.check(bench.poll() is None, "gemma4 bench serve was still sending after the last restart")
+        output, _ = bench.communicate(timeout=max(30.0, fleet.deadline.left()))
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    res.check(bench.returncode == 0, f"gemma4 bench serve exited 0 (got {bench.returncode}) {output[-400:]!r}")
+    level = json.loads(report.read_text())["throughput"]["sweep"][0] if report.exists() else {}
+    completed, errors = level.get("completed"), level.get("errors")
+    res.note(f"gemma4 bench serve: {completed} of {args.bench_prompts} requests completed, {errors} errors, "
+             f"{level.get('connection_retries')} connection retries, {level.get('output_tok_per_s')} output tok/s")
+    res.check(completed == args.bench_prompts and not errors,
+              f"every bench request completed ({completed} of {args.bench_prompts}, {errors} errors)")
+    shutil.rmtree(report.parent, ignore_errors=True)
+
+
 RUNNERS = {"r": scenario_retries, "a": scenario_stop, "b": scenario_kill, "c": scenario_disconnect,
-           "d": scenario_rolling}
+           "d": scenario_rolling, "e": scenario_bench}
 
 
 # ---------------------------------------------------------------------------- image checks
@@ -1059,9 +1098,10 @@ def parse_args():
     ap.add_argument("--network", default="gemma4-fleet")
     ap.add_argument("--model-dir", default=str(REPO / "tests/fixtures/oracle/e-style"))
     ap.add_argument("--haproxy", default=shutil.which("haproxy") or "/usr/sbin/haproxy")
-    ap.add_argument("--scenarios", default="r,a,b,c,d", help="comma-separated, from " + ",".join(SCENARIOS))
+    ap.add_argument("--scenarios", default="r,a,b,c,d,e", help="comma-separated, from " + ",".join(SCENARIOS))
     ap.add_argument("--keep-going", action="store_true", help="run the next scenarios after a failed one")
     ap.add_argument("--clients", type=int, default=8)
+    ap.add_argument("--bench-prompts", type=int, default=240, help="requests of `gemma4 bench serve` in 'e'")
     ap.add_argument("--max-tokens", type=int, default=1000, help="tokens per load request")
     ap.add_argument("--long-tokens", type=int, default=3500, help="tokens of the stream kept running in 'r'")
     ap.add_argument("--threads", type=int, default=1, help="GEMMA4_THREADS of each replica")
