@@ -386,7 +386,6 @@ fn load(
 ) -> Result<ModelContext> {
     let loaded = model_args.load()?;
     let checkpoint = loaded.path.clone();
-    let loaded_path_is_dir = checkpoint.is_dir();
     let (images, audio) = crate::model_io::load_media_encoders(
         &loaded.path,
         media.mmproj.as_deref(),
@@ -414,7 +413,7 @@ fn load(
     }
     let max_soft_tokens = match media.max_soft_tokens {
         Some(n) => n,
-        None if loaded_path_is_dir => {
+        None if checkpoint.is_dir() => {
             gemma4_media::ProcessorSettings::read(&checkpoint)
                 .map_err(anyhow::Error::msg)?
                 .max_soft_tokens

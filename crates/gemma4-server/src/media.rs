@@ -146,15 +146,17 @@ impl Media {
     ) -> Result<Vec<Encoded>, ApiError> {
         self.check_counts(parts)?;
         let budget = max_soft_tokens.unwrap_or(self.default_soft_tokens);
-        let processor = match &self.images {
-            Some(encoder) => Some(processor_for(encoder, budget)),
-            None => ImageProcessor::new(budget).map(|_| None).transpose(),
-        }
-        .transpose()
-        .map_err(|e| {
-            ApiError::bad_request(format!("`mm_processor_kwargs.max_soft_tokens`: {e}"))
-                .with_param("mm_processor_kwargs.max_soft_tokens")
-        })?;
+        let processor = ImageProcessor::new(budget)
+            .and_then(|_| {
+                self.images
+                    .as_ref()
+                    .map(|e| processor_for(e, budget))
+                    .transpose()
+            })
+            .map_err(|e| {
+                ApiError::bad_request(format!("`mm_processor_kwargs.max_soft_tokens`: {e}"))
+                    .with_param("mm_processor_kwargs.max_soft_tokens")
+            })?;
         parts
             .iter()
             .map(|part| {

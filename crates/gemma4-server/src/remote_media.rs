@@ -179,9 +179,16 @@ fn v6_kind(ip: Ipv6Addr) -> Option<&'static str> {
 fn check_public(host: &str, ip: IpAddr) -> Result<(), String> {
     match non_public_kind(ip) {
         None => Ok(()),
-        Some(kind) => Err(format!(
-            "the host `{host}` is {ip}, a {kind} address; media are fetched only from public addresses (list a trusted host in --allowed-media-domains)"
-        )),
+        Some(kind) => {
+            let article = if kind.starts_with(['a', 'e', 'i', 'o', 'u']) {
+                "an"
+            } else {
+                "a"
+            };
+            Err(format!(
+                "the host `{host}` is {ip}, {article} {kind} address; media are fetched only from public addresses (list a trusted host in --allowed-media-domains)"
+            ))
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream;
-use gemma4_engine::{EngineEvent, FinishReason};
+use gemma4_engine::{EngineEvent, FinishReason, Usage};
 use serde_json::{json, Map, Value};
 
 use crate::drain::ActiveGuard;
@@ -297,9 +297,7 @@ pub async fn responses(
         ),
         generation: submitted.generation,
         state,
-        output_tokens: 0,
-        cached_tokens: 0,
-        cache_written_tokens: 0,
+        engine_usage: Usage::default(),
         ended: false,
         failure: None,
         _guard: guard,
@@ -315,9 +313,8 @@ struct Turn {
     assembler: Assembler,
     generation: Generation,
     state: Arc<AppState>,
-    output_tokens: usize,
-    cached_tokens: usize,
-    cache_written_tokens: usize,
+    /// The engine's counts, once the turn has finished.
+    engine_usage: Usage,
     ended: bool,
     /// Why the turn failed, for a whole reply's error status.
     failure: Option<ApiError>,
@@ -345,9 +342,7 @@ impl Turn {
             events.extend(self.assembler.apply(e));
         }
         if let EngineEvent::Finished { reason, usage, .. } = &next.event {
-            self.output_tokens = usage.completion_tokens;
-            self.cached_tokens = usage.cached_prompt_tokens;
-            self.cache_written_tokens = usage.cache_written_prompt_tokens;
+            self.engine_usage = *usage;
             self.ended = true;
             let ending = self.ending(next.index, reason);
             events.extend(self.assembler.finish(&ending, self.usage()));
@@ -373,9 +368,9 @@ impl Turn {
     fn usage(&self) -> TurnUsage {
         TurnUsage {
             input: self.generation.prompt_tokens,
-            cached: self.cached_tokens,
-            cache_written: self.cache_written_tokens,
-            output: self.output_tokens,
+            cached: self.engine_usage.cached_prompt_tokens,
+            cache_written: self.engine_usage.cache_written_prompt_tokens,
+            output: self.engine_usage.completion_tokens,
             reasoning: self.generation.reasoning_tokens(),
             media: PromptTokensDetails::of(&self.generation.prompt_media),
         }
