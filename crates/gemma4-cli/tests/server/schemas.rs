@@ -249,4 +249,21 @@ fn unenforceable_tool_schemas_are_refused_and_neutral_fields_accepted() {
     );
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.json()["error"]["param"], "background");
+    // Fields a Response repeats are checked before they are repeated, and
+    // the Responses route names its own fields.
+    for (body, param) in [
+        (
+            json!({"input": "hi", "max_output_tokens": 4, "metadata": [1]}),
+            "metadata",
+        ),
+        (json!({"input": [], "max_output_tokens": 4}), "input"),
+        (
+            json!({"input": "hi", "max_output_tokens": 0}),
+            "max_output_tokens",
+        ),
+    ] {
+        let r = server.post("/v1/responses", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        assert_eq!(r.json()["error"]["param"], param, "{body}");
+    }
 }

@@ -264,7 +264,7 @@ fn echoed_settings(f: &Fields) -> Result<Value, ApiError> {
         "tools": given("tools").unwrap_or_else(|| json!([])),
         "tool_choice": given("tool_choice").unwrap_or_else(|| json!("auto")),
         "parallel_tool_calls": f.bool("parallel_tool_calls")?.unwrap_or(true),
-        "metadata": given("metadata").unwrap_or_else(|| json!({})),
+        "metadata": Value::Object(f.object("metadata")?.cloned().unwrap_or_default()),
         "temperature": given("temperature").unwrap_or(Value::Null),
         "top_p": given("top_p").unwrap_or(Value::Null),
         "max_output_tokens": given("max_output_tokens").unwrap_or(Value::Null),
