@@ -95,7 +95,9 @@ pub struct Args {
     limit_mm_per_prompt: MaxItems,
     /// Let `image_url` parts name http(s) URLs, fetched by the server (off:
     /// only `data:` URIs are read). Each fetch is bounded by
-    /// --media-fetch-timeout, --max-media-bytes and 3 redirects.
+    /// --media-fetch-timeout, --max-media-bytes and 3 redirects, and one
+    /// request's fetches by --media-request-timeout and
+    /// --max-media-bytes-per-request.
     #[arg(long)]
     allow_remote_media: bool,
     /// With --allow-remote-media, fetch only from these hosts (comma-separated
@@ -119,6 +121,14 @@ pub struct Args {
     /// Largest image fetched by URL, in bytes (with --allow-remote-media).
     #[arg(long, default_value_t = 20 * 1024 * 1024)]
     max_media_bytes: usize,
+    /// Seconds all of one request's media fetches may take together (with
+    /// --allow-remote-media).
+    #[arg(long, default_value_t = 20.0)]
+    media_request_timeout: f64,
+    /// Most bytes fetched by URL for one request, over all its parts (with
+    /// --allow-remote-media).
+    #[arg(long, default_value_t = 32 * 1024 * 1024)]
+    max_media_bytes_per_request: usize,
     /// Most tokens in one engine step (the prefill chunk size).
     #[arg(long, default_value_t = 512)]
     max_batch_tokens: usize,
@@ -288,6 +298,11 @@ async fn serve(args: Args) -> Result<ExitCode> {
                     timeout: positive_seconds("--media-fetch-timeout", args.media_fetch_timeout)?,
                     max_bytes: args.max_media_bytes,
                     max_redirects: 3,
+                    request_timeout: positive_seconds(
+                        "--media-request-timeout",
+                        args.media_request_timeout,
+                    )?,
+                    max_request_bytes: args.max_media_bytes_per_request,
                 };
                 let hosts = gemma4_server::remote_media::HostPolicy {
                     allowed_domains: args.allowed_media_domains.clone(),

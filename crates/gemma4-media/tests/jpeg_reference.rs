@@ -7,6 +7,7 @@
 
 use std::path::{Path, PathBuf};
 
+use gemma4_media::jpeg::{decode_jpeg_upsampled, ChromaUpsampling};
 use gemma4_media::{decode_image, DecodeLimits, RgbImage};
 use serde_json::Value;
 
@@ -72,17 +73,8 @@ fn plain_upsampling_departs_on_subsampled_files() {
             continue;
         }
         let bytes = std::fs::read(corpus().join(name)).expect("jpeg");
-        let mut d = turbojpeg::Decompressor::new().expect("decompressor");
-        let header = d.read_header(&bytes).expect("header");
-        d.set_fast_upsample(true).expect("fast upsampling");
-        let mut image = turbojpeg::Image {
-            pixels: vec![0u8; header.width * header.height * 3],
-            width: header.width,
-            pitch: header.width * 3,
-            height: header.height,
-            format: turbojpeg::PixelFormat::RGB,
-        };
-        d.decompress(&bytes, image.as_deref_mut()).expect("decode");
+        let image = decode_jpeg_upsampled(&bytes, DecodeLimits::default(), ChromaUpsampling::Plain)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
         let (n, _) = difference(&image.pixels, &reference(&entry).pixels);
         assert!(
             n > 0,
@@ -91,4 +83,71 @@ fn plain_upsampling_departs_on_subsampled_files() {
         checked += 1;
     }
     assert!(checked >= 10, "only {checked} smoothly upsampled files");
+}
+
+/// The byte ranges of a JPEG's scans: each SOS segment with the entropy-coded
+/// data after it, up to the next marker that is not a restart marker.
+fn scans(bytes: &[u8]) -> Vec<std::ops::Range<usize>> {
+    let mut found = Vec::new();
+    let mut at = 2; // after SOI
+    while at + 4 <= bytes.len() && bytes[at] == 0xFF {
+        let marker = bytes[at + 1];
+        if marker == 0xD9 {
+            break;
+        }
+        let length = usize::from(u16::from_be_bytes([bytes[at + 2], bytes[at + 3]]));
+        let mut end = at + 2 + length;
+        if marker == 0xDA {
+            while end + 1 < bytes.len()
+                && !(bytes[end] == 0xFF
+                    && bytes[end + 1] != 0
+                    && !(0xD0..=0xD7).contains(&bytes[end + 1]))
+            {
+                end += 1;
+            }
+            found.push(at..end);
+        }
+        at = end;
+    }
+    found
+}
+
+/// A progressive file whose scans never end is refused once it passes the
+/// scan limit, with a message that says so, while the file it was made from
+/// still decodes.
+#[test]
+fn endless_progressive_scans_are_refused() {
+    let name = "pil-q75-420-progressive-250x170.jpg";
+    let bytes = std::fs::read(corpus().join(name)).expect("jpeg");
+    let found = scans(&bytes);
+    assert_eq!(found.len(), 10, "{name}: the manifest says 10 scans");
+    decode_image(&bytes, DecodeLimits::default()).expect("the original decodes");
+
+    // The first scan (DC) repeated: libjpeg warns of a bogus progression and
+    // goes on, so only the limit stops it.
+    let first = found[0].clone();
+    let mut endless = bytes[..first.end].to_vec();
+    for _ in 0..600 {
+        endless.extend_from_slice(&bytes[first.clone()]);
+    }
+    endless.extend_from_slice(&bytes[first.end..]);
+    let err = decode_image(&endless, DecodeLimits::default()).expect_err("600 extra scans");
+    assert!(err.to_string().contains("more than 500 scans"), "{err}");
+}
+
+/// libjpeg's own message reaches the caller.
+#[test]
+fn libjpegs_message_names_the_fault() {
+    let mut bytes = std::fs::read(corpus().join("pil-q75-420-97x61.jpg")).expect("jpeg");
+    let sof = bytes
+        .windows(2)
+        .position(|w| w == [0xFF, 0xC0])
+        .expect("SOF0");
+    // Nine components in a frame header sized for three.
+    bytes[sof + 9] = 9;
+    let err = decode_image(&bytes, DecodeLimits::default()).expect_err("bad frame header");
+    assert_eq!(
+        err.to_string(),
+        "the image could not be decoded: JPEG: Bogus marker length"
+    );
 }

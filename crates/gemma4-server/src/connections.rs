@@ -2,14 +2,23 @@
 //! with a deadline for its request headers (a connection that sends nothing,
 //! or dribbles its headers, is closed when it passes; the same deadline
 //! bounds an idle kept-alive connection) and a cap on how many connections
-//! are open at once: past it, a socket gets a 503 and is closed at once.
-//! Body deadlines are the handlers' (see [`crate::admission::read_body`]).
+//! are open at once. Past the cap a few more connections are kept for the
+//! probes (`/health`, `/ready`, `/metrics`), one request each, so a
+//! saturated server still answers its liveness probe instead of being
+//! restarted; every other request on them, and every socket past that
+//! reserve, gets a 503 and is closed at once. Body deadlines are the
+//! handlers' (see [`crate::admission::read_body`]).
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::Body;
+use axum::http::{header, Request, Response, StatusCode};
 use axum::Router;
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
+use hyper::service::{service_fn, Service};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::service::TowerToHyperService;
 use tokio::io::AsyncWriteExt;
@@ -23,9 +32,36 @@ use crate::server::AppState;
 /// How long a refused socket may take to receive its 503.
 const REFUSAL_WRITE_LIMIT: Duration = Duration::from_secs(1);
 
-/// What a socket over the connection cap is told before it is closed.
-const REFUSAL: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: 175\r\n\r\n{\"error\":{\"message\":\"the server has too many open connections (--max-connections); retry later\",\"type\":\"service_unavailable_error\",\"param\":null,\"code\":\"too_many_connections\"}}";
+/// What a request over the connection cap is told before it is closed.
+const REFUSAL_BODY: &str = "{\"error\":{\"message\":\"the server has too many open connections (--max-connections); retry later\",\"type\":\"service_unavailable_error\",\"param\":null,\"code\":\"too_many_connections\"}}";
 
+/// Connections kept past the cap for the probes.
+pub const PROBE_RESERVE: usize = 4;
+
+/// The paths a connection from the probe reserve may ask for.
+const PROBES: [&str; 3] = ["/health", "/ready", "/metrics"];
+
+/// The refusal as raw bytes, for a socket past the probe reserve.
+fn refusal_bytes() -> Vec<u8> {
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{REFUSAL_BODY}",
+        REFUSAL_BODY.len()
+    )
+    .into_bytes()
+}
+
+/// The refusal as a response, for a request on a probe connection.
+fn refusal_response() -> Response<Body> {
+    let mut response = Response::new(Body::from(REFUSAL_BODY));
+    *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        "application/json".parse().expect("static"),
+    );
+    headers.insert(header::RETRY_AFTER, "1".parse().expect("static"));
+    response
+}
 /// Limits of the HTTP side.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
@@ -45,6 +81,7 @@ pub async fn accept_loop(
     grace: Duration,
 ) -> Result<(), ServerError> {
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let probe_slots = Arc::new(Semaphore::new(PROBE_RESERVE));
     let mut connections = JoinSet::new();
     loop {
         let accepted = tokio::select! {
@@ -62,17 +99,25 @@ pub async fn accept_loop(
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            state.metrics.record_refused_connection();
-            connections.spawn(refuse(stream));
-            continue;
+        let (slot, probes_only) = match slots.clone().try_acquire_owned() {
+            Ok(slot) => (slot, false),
+            Err(_) => {
+                state.metrics.record_refused_connection();
+                match probe_slots.clone().try_acquire_owned() {
+                    Ok(slot) => (slot, true),
+                    Err(_) => {
+                        connections.spawn(refuse(stream));
+                        continue;
+                    }
+                }
+            }
         };
         let app = app.clone();
         let stop = stop.clone();
         let state = state.clone();
         connections.spawn(async move {
             state.metrics.connection_opened();
-            serve_connection(stream, app, limits, stop).await;
+            serve_connection(stream, app, limits, stop, probes_only).await;
             state.metrics.connection_closed();
             drop(slot);
         });
@@ -94,13 +139,27 @@ async fn serve_connection(
     app: Router,
     limits: ConnectionLimits,
     mut stop: watch::Receiver<bool>,
+    probes_only: bool,
 ) {
     let _ = stream.set_nodelay(true);
     let mut builder = http1::Builder::new();
     builder
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout);
-    let connection = builder.serve_connection(TokioIo::new(stream), TowerToHyperService::new(app));
+        .header_read_timeout(limits.header_read_timeout)
+        // A probe connection serves one request and closes, freeing its place.
+        .keep_alive(!probes_only);
+    let app = TowerToHyperService::new(app);
+    let service = service_fn(move |request: Request<Incoming>| {
+        let refused = probes_only && !PROBES.contains(&request.uri().path());
+        let answer = (!refused).then(|| app.call(request));
+        async move {
+            match answer {
+                Some(answer) => answer.await,
+                None => Ok::<_, Infallible>(refusal_response()),
+            }
+        }
+    });
+    let connection = builder.serve_connection(TokioIo::new(stream), service);
     tokio::pin!(connection);
     let result = tokio::select! {
         result = connection.as_mut() => result,
@@ -121,7 +180,8 @@ async fn stopped(stop: &mut watch::Receiver<bool>) {
 }
 
 async fn refuse(mut stream: TcpStream) {
-    let _ = tokio::time::timeout(REFUSAL_WRITE_LIMIT, stream.write_all(REFUSAL)).await;
+    let refusal = refusal_bytes();
+    let _ = tokio::time::timeout(REFUSAL_WRITE_LIMIT, stream.write_all(&refusal)).await;
     let _ = stream.shutdown().await;
 }
 
@@ -131,7 +191,8 @@ mod tests {
 
     #[test]
     fn the_refusal_is_well_formed() {
-        let text = std::str::from_utf8(REFUSAL).expect("ascii");
+        let refusal = refusal_bytes();
+        let text = std::str::from_utf8(&refusal).expect("ascii");
         let (head, body) = text.split_once("\r\n\r\n").expect("head and body");
         let length: usize = head
             .lines()

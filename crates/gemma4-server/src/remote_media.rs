@@ -23,13 +23,17 @@ use reqwest::Url;
 use crate::error::ApiError;
 use crate::openai::request::{MediaKind, MediaPart};
 
-/// The bounds of every fetch.
+/// The bounds of every fetch, and of all the fetches of one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RemoteMediaLimits {
     /// The whole fetch, from connecting to the last byte.
     pub timeout: Duration,
     pub max_bytes: usize,
     pub max_redirects: usize,
+    /// All of one request's fetches, from the first connection to the last byte.
+    pub request_timeout: Duration,
+    /// Bytes fetched for one request, over all its parts.
+    pub max_request_bytes: usize,
 }
 
 impl Default for RemoteMediaLimits {
@@ -38,6 +42,8 @@ impl Default for RemoteMediaLimits {
             timeout: Duration::from_secs(10),
             max_bytes: 20 << 20,
             max_redirects: 3,
+            request_timeout: Duration::from_secs(20),
+            max_request_bytes: 32 << 20,
         }
     }
 }
@@ -266,19 +272,30 @@ impl RemoteMedia {
     }
 
     /// Replaces every http(s) image or video URL of `parts` by a `data:` URI
-    /// of the fetched bytes; a failed fetch is a 400 naming the part.
+    /// of the fetched bytes, within the per-request bounds as well as each
+    /// fetch's own; a failed fetch is a 400 naming the part.
     pub async fn fetch_all(&self, parts: &mut [MediaPart]) -> Result<(), ApiError> {
+        let limits = self.limits;
+        let deadline = tokio::time::Instant::now() + limits.request_timeout;
+        let mut fetched = 0;
         for part in parts.iter_mut().filter(|p| p.kind != MediaKind::Audio) {
             if !is_remote(&part.data) {
                 continue;
             }
-            let bytes = self
-                .fetch(&part.data, part.kind.noun())
-                .await
-                .map_err(|why| {
-                    ApiError::bad_request(format!("`{}`: {why}", part.param))
-                        .with_param(part.param.clone())
-                })?;
+            let left = limits.max_request_bytes.saturating_sub(fetched);
+            let fetch = self.fetch(&part.data, part.kind.noun(), left);
+            let fetched_part = match tokio::time::timeout_at(deadline, fetch).await {
+                Ok(result) => result,
+                Err(_) => Err(format!(
+                    "the request's media did not all arrive within {} s (--media-request-timeout)",
+                    limits.request_timeout.as_secs_f64()
+                )),
+            };
+            let bytes = fetched_part.map_err(|why| {
+                ApiError::bad_request(format!("`{}`: {why}", part.param))
+                    .with_param(part.param.clone())
+            })?;
+            fetched += bytes.len();
             part.data = format!(
                 "data:application/octet-stream;base64,{}",
                 base64::engine::general_purpose::STANDARD.encode(bytes)
@@ -287,7 +304,9 @@ impl RemoteMedia {
         Ok(())
     }
 
-    async fn fetch(&self, url: &str, what: &str) -> Result<Vec<u8>, String> {
+    /// One fetch, of at most `--max-media-bytes` and of the `left` bytes the
+    /// request's budget still allows.
+    async fn fetch(&self, url: &str, what: &str, left: usize) -> Result<Vec<u8>, String> {
         let limits = self.limits;
         let seconds = limits.timeout.as_secs_f64();
         let parsed = Url::parse(url).map_err(|e| format!("not a URL the server can fetch: {e}"))?;
@@ -308,20 +327,28 @@ impl RemoteMedia {
         if !status.is_success() {
             return Err(format!("fetching the {what} answered HTTP {status}"));
         }
+        let cap = limits.max_bytes.min(left);
         let too_large = |n: u64| {
-            format!(
-                "the {what} is {n} bytes or more; at most {} are fetched",
-                limits.max_bytes
-            )
+            if n <= limits.max_bytes as u64 {
+                format!(
+                    "the {what} is {n} bytes or more, past what is left of the {} bytes fetched for one request (--max-media-bytes-per-request)",
+                    limits.max_request_bytes
+                )
+            } else {
+                format!(
+                    "the {what} is {n} bytes or more; at most {} are fetched (--max-media-bytes)",
+                    limits.max_bytes
+                )
+            }
         };
         if let Some(n) = response.content_length() {
-            if n > limits.max_bytes as u64 {
+            if n > cap as u64 {
                 return Err(too_large(n));
             }
         }
         let mut bytes = Vec::new();
         while let Some(chunk) = response.chunk().await.map_err(failed)? {
-            if bytes.len() + chunk.len() > limits.max_bytes {
+            if bytes.len() + chunk.len() > cap {
                 return Err(too_large((bytes.len() + chunk.len()) as u64));
             }
             bytes.extend_from_slice(&chunk);

@@ -363,9 +363,16 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
         blocking(move || text_prompt(&model, &req.prompt)).await?
     };
     let prompts = vec![prompt];
-    let requests = build_requests(
-        &state, &model, &prompts, &sampling, None, None, arrival, "prompt",
-    )?;
+    let (requests, prompts) = {
+        let (state, model) = (Arc::clone(&state), Arc::clone(&model));
+        blocking(move || {
+            let requests = build_requests(
+                &state, &model, &prompts, &sampling, None, None, arrival, "prompt",
+            )?;
+            Ok((requests, prompts))
+        })
+        .await?
+    };
     let generation =
         Generation::submit(&state, &model, requests, &prompts, arrival, Reading::Text)?;
     let prompt_tokens = generation.prompt_tokens;
@@ -436,21 +443,30 @@ async fn submit_openai(
         .chat
         .as_ref()
         .is_some_and(|c| matches!(c.tool_choice, ToolChoice::Required | ToolChoice::Named(_)));
-    if job.sampling.grammar.is_some() || forces_call {
-        // The first structured request builds the vocabulary's token trie.
-        let model = Arc::clone(model);
-        blocking(move || model.grammars().map(|_| ())).await?;
-    }
-    let mut requests = build_requests(
-        state,
-        model,
-        &job.prompts,
-        &job.sampling,
-        job.logprobs,
-        job.chat.as_ref(),
-        job.arrival,
-        job.prompt_param,
-    )?;
+    // On the blocking pool: the first structured request builds the
+    // vocabulary's token trie, and a grammar takes CPU time to write and
+    // compile, which must never hold up the threads that answer probes.
+    let structured = job.sampling.grammar.is_some() || forces_call;
+    let (mut requests, job) = {
+        let (state, model) = (Arc::clone(state), Arc::clone(model));
+        blocking(move || {
+            if structured {
+                model.grammars()?;
+            }
+            let requests = build_requests(
+                &state,
+                &model,
+                &job.prompts,
+                &job.sampling,
+                job.logprobs,
+                job.chat.as_ref(),
+                job.arrival,
+                job.prompt_param,
+            )?;
+            Ok((requests, job))
+        })
+        .await?
+    };
     // Requests come `n` per prompt, in prompt order.
     for (i, r) in requests.iter_mut().enumerate() {
         r.soft_prompt = job.soft_prompts[i / job.sampling.n.max(1)].clone();

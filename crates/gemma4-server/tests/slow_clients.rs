@@ -142,6 +142,21 @@ async fn a_short_body_gets_408_at_the_body_deadline() {
     stop(running).await;
 }
 
+/// Sends `request` on a new connection and reads until the server closes it.
+fn exchange(port: u16, request: &str) -> String {
+    let mut s = connect(port);
+    s.write_all(request.as_bytes()).expect("write");
+    let mut raw = Vec::new();
+    let started = Instant::now();
+    while !closed_by_server(&mut s, &mut raw) {
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "no answer to {request:?}"
+        );
+    }
+    String::from_utf8_lossy(&raw).into_owned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connections_past_the_cap_get_503_and_the_cap_frees_up() {
     let running = start(ServerConfig {
@@ -154,35 +169,33 @@ async fn connections_past_the_cap_get_503_and_the_cap_frees_up() {
         let idle: Vec<TcpStream> = (0..3).map(|_| connect(port)).collect();
         // Let the server accept them before the next one knocks.
         std::thread::sleep(Duration::from_millis(100));
-        let mut extra = connect(port);
-        extra
-            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
-            .expect("write");
-        let mut raw = Vec::new();
-        let started = Instant::now();
-        while !closed_by_server(&mut extra, &mut raw) {
-            assert!(started.elapsed() < Duration::from_secs(2), "no refusal");
-        }
-        assert_eq!(status(&raw), Some(503), "{}", String::from_utf8_lossy(&raw));
-        assert!(String::from_utf8_lossy(&raw).contains("--max-connections"));
+        // Past the cap, a probe is still answered by its handler (loading:
+        // 503 "loading"), on a connection that closes after it...
+        let probe = exchange(port, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(probe.contains("\"loading\""), "{probe}");
+        assert!(!probe.contains("--max-connections"), "{probe}");
+        let metrics = exchange(port, "GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert_eq!(status(metrics.as_bytes()), Some(200), "{metrics}");
+        // ...and any other request is refused.
+        let other = exchange(port, "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert_eq!(status(other.as_bytes()), Some(503), "{other}");
+        assert!(other.contains("--max-connections"), "{other}");
+        // With the probes' reserve held too, a socket is refused at once.
+        let reserve: Vec<TcpStream> = (0..gemma4_server::connections::PROBE_RESERVE)
+            .map(|_| connect(port))
+            .collect();
+        std::thread::sleep(Duration::from_millis(100));
+        let refused = exchange(port, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert_eq!(status(refused.as_bytes()), Some(503), "{refused}");
+        assert!(refused.contains("--max-connections"), "{refused}");
         // Idle connections pass their header deadline and make room.
         std::thread::sleep(HEADER_TIMEOUT + Duration::from_millis(300));
-        let mut later = connect(port);
-        later
-            .write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            .expect("write");
-        let mut raw = Vec::new();
-        let started = Instant::now();
-        while !closed_by_server(&mut later, &mut raw) {
-            assert!(started.elapsed() < Duration::from_secs(2), "no answer");
-        }
-        // Loading: /health answers 503 "loading", not the connection refusal.
-        assert!(
-            String::from_utf8_lossy(&raw).contains("\"loading\""),
-            "{}",
-            String::from_utf8_lossy(&raw)
+        let later = exchange(
+            port,
+            "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
         );
-        drop(idle);
+        assert!(!later.contains("--max-connections"), "{later}");
+        drop((idle, reserve));
     })
     .await
     .expect("join");

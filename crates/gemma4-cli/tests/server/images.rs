@@ -193,7 +193,7 @@ fn a_chat_with_two_images_and_an_audio_clip_on_the_e_style_towers_keeps_the_refe
 
 /// A plain HTTP server on a local port for the remote-media test: `/img.png`
 /// (the image), `/big.png` (declares 10 MB), `/stream.png` (chunked, without
-/// end), `/slow.png` (answers after 3 s), `/loop` (redirects to itself),
+/// end), `/slowish.png` (the image after 1.4 s), `/slow.png` (answers after 3 s), `/loop` (redirects to itself),
 /// `/hop` (redirects to `/img.png` at 127.0.0.1) and anything else 404;
 /// with the number of requests it has taken.
 fn media_host(
@@ -240,6 +240,14 @@ fn media_host(
                         }
                         conn.write_all(b"0\r\n\r\n")
                     })(),
+                    "/slowish.png" => {
+                        std::thread::sleep(std::time::Duration::from_millis(1400));
+                        conn.write_all(
+                            format!("HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", png.len())
+                                .as_bytes(),
+                        )
+                        .and_then(|_| conn.write_all(&png))
+                    }
                     "/slow.png" => {
                         std::thread::sleep(std::time::Duration::from_secs(3));
                         conn.write_all(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
@@ -272,7 +280,7 @@ fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
             "--allow-remote-media",
             "--allow-private-media-hosts",
             "--media-fetch-timeout",
-            "1",
+            "2",
             "--max-media-bytes",
             "1000000",
             "--limit-mm-per-prompt",
@@ -295,7 +303,7 @@ fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
     for (path, words) in [
         ("/big.png", "at most 1000000 are fetched"),
         ("/stream.png", "at most 1000000 are fetched"),
-        ("/slow.png", "did not arrive within 1 s"),
+        ("/slow.png", "did not arrive within 2 s"),
         ("/loop", "more than 3 redirects"),
         ("/missing.png", "HTTP 404"),
     ] {
@@ -310,6 +318,48 @@ fn images_by_url_are_fetched_only_when_allowed_and_within_bounds() {
             "{path}: {e}"
         );
         assert_eq!(e["param"], "messages[0].content[1].image_url.url", "{path}");
+    }
+    // The request's budgets: each image is within its own bounds, the two
+    // together are not; the second is named.
+    let per_request = (png.len() * 3 / 2).to_string();
+    let budgeted = ServerProc::start(
+        &dir,
+        &[
+            "--allow-remote-media",
+            "--allow-private-media-hosts",
+            "--media-fetch-timeout",
+            "2",
+            "--media-request-timeout",
+            "2.5",
+            "--max-media-bytes-per-request",
+            &per_request,
+        ],
+        &[],
+    );
+    for (path, words) in [
+        ("/img.png", "--max-media-bytes-per-request"),
+        (
+            "/slowish.png",
+            "did not all arrive within 2.5 s (--media-request-timeout)",
+        ),
+    ] {
+        let url = format!("http://{host}{path}");
+        let one = budgeted.post(
+            "/v1/chat/completions",
+            &image_chat(std::slice::from_ref(&url), json!({})),
+        );
+        assert_eq!(one.status, 200, "{path}: {}", one.body);
+        let r = budgeted.post(
+            "/v1/chat/completions",
+            &image_chat(&[url.clone(), url], json!({})),
+        );
+        assert_eq!(r.status, 400, "{path}: {}", r.body);
+        let e = openai_error(&r);
+        assert!(
+            e["message"].as_str().unwrap_or_default().contains(words),
+            "{path}: {e}"
+        );
+        assert_eq!(e["param"], "messages[0].content[2].image_url.url", "{path}");
     }
     // More images than the server takes are refused before any is fetched.
     let before = hits.load(std::sync::atomic::Ordering::SeqCst);

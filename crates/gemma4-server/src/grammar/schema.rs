@@ -253,6 +253,13 @@ pub fn merge(a: &Value, b: &Value, at: &str) -> Result<Value, SchemaError> {
                 }
                 Value::Object(props)
             }
+            // Closed by either part is closed (an `allOf` with `false` would
+            // read as an object no value meets).
+            "items" | "additionalItems" | "additionalProperties"
+                if ours == &Value::Bool(false) || theirs == &Value::Bool(false) =>
+            {
+                Value::Bool(false)
+            }
             "items" | "additionalItems" | "additionalProperties" => all_of(ours, theirs),
             "prefixItems" => merge_prefix(ours, theirs),
             "anyOf" | "oneOf" => cross(ours, theirs, at)?,
@@ -272,7 +279,52 @@ pub fn merge(a: &Value, b: &Value, at: &str) -> Result<Value, SchemaError> {
         };
         out.insert(key.clone(), merged);
     }
+    for (part, other) in [(a, b), (b, a)] {
+        if !hold_undeclared(part, other, &mut out) {
+            return Ok(Value::Bool(false));
+        }
+    }
     Ok(Value::Object(out))
+}
+
+/// Holds the properties `other` declares and `part` does not to what
+/// `part`'s own `additionalProperties` allows them: dropped where it is
+/// `false` (and no value can be had when one of them is required), held to
+/// its schema otherwise. Without `additionalProperties`, `part` says nothing
+/// of them. Returns whether the merged schema can still be met.
+fn hold_undeclared(
+    part: &Map<String, Value>,
+    other: &Map<String, Value>,
+    out: &mut Map<String, Value>,
+) -> bool {
+    let Some(extra) = part.get("additionalProperties") else {
+        return true;
+    };
+    let declared = part.get("properties").and_then(Value::as_object);
+    let undeclared: Vec<String> = other
+        .get("properties")
+        .and_then(Value::as_object)
+        .into_iter()
+        .flatten()
+        .map(|(name, _)| name.clone())
+        .filter(|name| !declared.is_some_and(|d| d.contains_key(name)))
+        .collect();
+    let required = list(out.get("required").unwrap_or(&Value::Null));
+    let Some(Value::Object(props)) = out.get_mut("properties") else {
+        return true;
+    };
+    for name in undeclared {
+        if extra == &Value::Bool(false) {
+            if required.iter().any(|r| r == name.as_str()) {
+                return false;
+            }
+            props.remove(&name);
+        } else if let Some(schema) = props.get(&name) {
+            let both = all_of(schema, extra);
+            props.insert(name, both);
+        }
+    }
+    true
 }
 
 /// The patterns of a `pattern` keyword: one, or several after a merge.
@@ -343,6 +395,29 @@ mod tests {
         let e = merge(&json!({"format": "date"}), &json!({"format": "uuid"}), "/x")
             .expect_err("two formats");
         assert!(e.message.contains("format"), "{e:?}");
+    }
+
+    #[test]
+    fn a_closed_part_keeps_the_others_properties_out() {
+        let closed =
+            json!({"properties": {"a": {"type": "integer"}}, "additionalProperties": false});
+        let open = json!({"properties": {"b": {"type": "boolean"}}});
+        for (x, y) in [(&closed, &open), (&open, &closed)] {
+            let m = merge(x, y, "").expect("merges");
+            assert_eq!(m["properties"], json!({"a": {"type": "integer"}}), "{m}");
+            assert_eq!(m["additionalProperties"], false);
+        }
+        let required = json!({"properties": {"b": {"type": "boolean"}}, "required": ["b"]});
+        assert_eq!(
+            merge(&closed, &required, "").expect("merges"),
+            Value::Bool(false)
+        );
+        let typed = json!({"properties": {"a": {}}, "additionalProperties": {"type": "string"}});
+        let m = merge(&typed, &open, "").expect("merges");
+        assert_eq!(
+            m["properties"]["b"],
+            json!({"allOf": [{"type": "boolean"}, {"type": "string"}]})
+        );
     }
 
     #[test]

@@ -13,6 +13,7 @@
 //! dropped.
 
 use std::collections::HashMap;
+use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value};
 
@@ -67,6 +68,18 @@ const TYPES: &[&str] = &["string", "number", "boolean", "null", "array", "object
 
 /// How deep `$ref`s and `allOf`s may be merged into one another.
 const MAX_MERGE_DEPTH: usize = 32;
+
+/// The budget of one request's call grammar. A `$ref` alone is one named
+/// rule however often it is used, but one merged into an `allOf` part or
+/// beside other keywords is written out again each time, so schemas that
+/// nest such merges can multiply; past these limits the request is refused
+/// by name rather than let it hold a thread and memory.
+/// Subschemas translated, over all tools.
+pub const MAX_SUBSCHEMAS: usize = 10_000;
+/// Grammar text written, counting each subschema's text once.
+pub const MAX_GRAMMAR_BYTES: usize = 4 << 20;
+/// Time spent translating.
+pub const MAX_TRANSLATION_TIME: Duration = Duration::from_secs(2);
 
 /// A Lark grammar for Gemma 4 tool calls whose arguments follow each tool's
 /// `parameters` schema, then `<|tool_response>` after the last call. `only`
@@ -125,7 +138,8 @@ pub fn tool_call_grammar(
         format!("start: ({call})+ <[{}]>", markers.end)
     };
     let mut out = vec![start];
-    out.extend(lark.rules);
+    // A reference whose target failed leaves its slot empty.
+    out.extend(lark.rules.into_iter().filter(|r| !r.is_empty()));
     Ok(out.join("\n"))
 }
 
@@ -152,8 +166,15 @@ struct LarkWriter {
     written: HashMap<String, String>,
     /// The schema of the tool being written, for `$ref`.
     root: Value,
-    /// The rule of each `$ref` target of the current tool, by pointer.
-    refs: HashMap<String, String>,
+    /// The rule of each `$ref` target of the current tool, by pointer, or
+    /// why the target cannot be written.
+    refs: HashMap<String, Result<String, SchemaError>>,
+    /// Subschemas translated so far, against [`MAX_SUBSCHEMAS`].
+    subschemas: usize,
+    /// Text written so far, against [`MAX_GRAMMAR_BYTES`].
+    bytes: usize,
+    /// When the translation must have finished.
+    deadline: Instant,
 }
 
 fn types_of(schema: &Map<String, Value>, at: &str) -> Result<Vec<String>, SchemaError> {
@@ -236,7 +257,32 @@ impl LarkWriter {
             written: HashMap::new(),
             root: Value::Null,
             refs: HashMap::new(),
+            subschemas: 0,
+            bytes: 0,
+            deadline: Instant::now() + MAX_TRANSLATION_TIME,
         }
+    }
+
+    /// Counts one more subschema against the budget.
+    fn spend(&mut self, at: &str) -> Result<(), SchemaError> {
+        self.subschemas += 1;
+        let over = if self.subschemas > MAX_SUBSCHEMAS {
+            format!("more than {MAX_SUBSCHEMAS} subschemas")
+        } else if self.bytes > MAX_GRAMMAR_BYTES {
+            format!("more than {} MiB of grammar", MAX_GRAMMAR_BYTES >> 20)
+        } else if Instant::now() > self.deadline {
+            format!("more than {} s", MAX_TRANSLATION_TIME.as_secs())
+        } else {
+            return Ok(());
+        };
+        Err(SchemaError::new(
+            at,
+            format!(
+                "the tools' schemas take {over} to enforce (the limit); each `$ref` merged into \
+                 an `allOf` part or beside other keywords is written out again, so nesting them \
+                 multiplies: give shared parts their own `$defs` entry referenced alone"
+            ),
+        ))
     }
 
     /// A named rule (lower case) or terminal (upper case) for `body`, written once.
@@ -268,6 +314,13 @@ impl LarkWriter {
     }
 
     fn value(&mut self, schema: &Value, at: &str, depth: usize) -> Result<String, SchemaError> {
+        self.spend(at)?;
+        let text = self.subschema(schema, at, depth)?;
+        self.bytes += text.len();
+        Ok(text)
+    }
+
+    fn subschema(&mut self, schema: &Value, at: &str, depth: usize) -> Result<String, SchemaError> {
         if depth > MAX_MERGE_DEPTH {
             return Err(SchemaError::new(at, "`$ref`s and `allOf`s nest too deep"));
         }
@@ -334,16 +387,25 @@ impl LarkWriter {
         }
         let key = reference.as_str().unwrap_or_default().to_string();
         if let Some(rule) = self.refs.get(&key) {
-            return Ok(rule.clone());
+            return rule.clone();
         }
         let name = format!("ref{}", self.rules.len());
-        self.refs.insert(key.clone(), name.clone());
+        self.refs.insert(key.clone(), Ok(name.clone()));
         // Reserve the rule's place; its body may refer to it.
         let slot = self.rules.len();
         self.rules.push(String::new());
-        let body = self.value(&target, &key, depth + 1)?;
-        self.rules[slot] = format!("{name}: {body}");
-        Ok(name)
+        // A named rule ends any chain of merges: recursion through it stops
+        // at the name, so its body starts a fresh count.
+        match self.value(&target, &key, 0) {
+            Ok(body) => {
+                self.rules[slot] = format!("{name}: {body}");
+                Ok(name)
+            }
+            Err(e) => {
+                self.refs.insert(key, Err(e.clone()));
+                Err(e)
+            }
+        }
     }
 
     /// A schema with any `$ref` at its top replaced by its target (for merging).
@@ -361,8 +423,11 @@ impl LarkWriter {
         schema::merge(&target, &Value::Object(rest), at)
     }
 
-    /// `anyOf`/`oneOf`: each option with the keywords beside it. (A `oneOf`
-    /// whose options overlap is enforced as `anyOf`.)
+    /// `anyOf`/`oneOf`: each option with the keywords beside it, or as it
+    /// is when nothing beside it constrains (so a `$ref` option stays one
+    /// named rule). A grammar cannot forbid a value two options match, so a
+    /// `oneOf` is taken only when no two of its options can (see
+    /// [`disjoint`]), where it means what `anyOf` means.
     fn alternatives(
         &mut self,
         obj: &Map<String, Value>,
@@ -377,17 +442,28 @@ impl LarkWriter {
                 format!("`{key}` must be a non-empty list of schemas"),
             ));
         };
+        if key == "oneOf" {
+            self.check_exclusive(options, at, depth)?;
+        }
         let mut rest = obj.clone();
         rest.remove(key);
+        let constraining = rest
+            .keys()
+            .any(|k| !schema::ANNOTATIONS.contains(&k.as_str()));
         let rest = Value::Object(rest);
         let mut alts = Vec::new();
         let mut refused = None;
         for (i, option) in options.iter().enumerate() {
             let here = format!("{at}/{key}/{i}");
-            let option = self.inline(option, &here, depth)?;
-            let merged = schema::merge(&rest, &option, &here)?;
+            let written = if constraining {
+                let option = self.inline(option, &here, depth)?;
+                let merged = schema::merge(&rest, &option, &here)?;
+                self.value(&merged, &here, depth + 1)
+            } else {
+                self.value(option, &here, depth + 1)
+            };
             // An option the other keywords rule out is skipped, not an error.
-            match self.value(&merged, &here, depth + 1) {
+            match written {
                 Ok(alt) => alts.push(alt),
                 Err(e) if e.unsatisfiable => refused = Some(e),
                 Err(e) => return Err(e),
@@ -399,6 +475,32 @@ impl LarkWriter {
             }));
         }
         Ok(format!("({})", alts.join(" | ")))
+    }
+
+    /// Refuses a `oneOf` two of whose options might both match a value.
+    fn check_exclusive(
+        &mut self,
+        options: &[Value],
+        at: &str,
+        depth: usize,
+    ) -> Result<(), SchemaError> {
+        let mut seen: Vec<Value> = Vec::with_capacity(options.len());
+        for (j, option) in options.iter().enumerate() {
+            let option = self.inline(option, &format!("{at}/oneOf/{j}"), depth)?;
+            if let Some(i) = seen.iter().position(|earlier| !disjoint(earlier, &option)) {
+                return Err(SchemaError::new(
+                    at,
+                    format!(
+                        "`oneOf` options {i} and {j} may both match a value, which a grammar cannot \
+                         forbid; it is enforced only when its options differ in `type`, in \
+                         `const`/`enum`, or in a required property's `const`/`enum` (a \
+                         discriminator): use `anyOf` if either may match"
+                    ),
+                ));
+            }
+            seen.push(option);
+        }
+        Ok(())
     }
 
     /// A schema without combinators: constants, or one alternative per type.
@@ -416,15 +518,16 @@ impl LarkWriter {
             (None, None) => None,
         };
         if let Some(values) = constants {
+            let check = self.sibling_check(obj, at)?;
             let alts: Vec<String> = values
                 .iter()
-                .filter(|v| has_type(v, &types))
+                .filter(|v| has_type(v, &types) && check.as_ref().is_none_or(|c| c.is_valid(v)))
                 .map(|v| self.constant(v))
                 .collect();
             if alts.is_empty() {
                 return Err(SchemaError::unsatisfiable(
                     at,
-                    "no value of `enum`/`const` has an allowed `type`",
+                    "no value of `enum`/`const` meets the keywords beside it",
                 ));
             }
             return Ok(format!("({})", alts.join(" | ")));
@@ -454,6 +557,50 @@ impl LarkWriter {
         Ok(format!("({})", alts.join(" | ")))
     }
 
+    /// A validator of the keywords beside `enum`/`const`, which every listed
+    /// value must meet too; none when only `type` and annotations are there.
+    fn sibling_check(
+        &self,
+        obj: &Map<String, Value>,
+        at: &str,
+    ) -> Result<Option<jsonschema::Validator>, SchemaError> {
+        let mut siblings: Map<String, Value> = obj
+            .iter()
+            .filter(|(k, _)| {
+                !matches!(k.as_str(), "enum" | "const" | "type" | "nullable")
+                    && !schema::ANNOTATIONS.contains(&k.as_str())
+            })
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        if siblings.is_empty() {
+            return Ok(None);
+        }
+        // Merged patterns are a list; each must match.
+        if let Some(patterns) = siblings.remove("pattern") {
+            let all: Vec<Value> = schema::patterns(&patterns)
+                .into_iter()
+                .map(|p| serde_json::json!({ "pattern": p }))
+                .collect();
+            siblings.insert("allOf".into(), Value::Array(all));
+        }
+        // Local `$ref`s inside the siblings point into the tool's schema.
+        for defs in ["$defs", "definitions"] {
+            if let Some(d) = self.root.get(defs) {
+                siblings.insert(defs.into(), d.clone());
+            }
+        }
+        jsonschema::options()
+            .should_validate_formats(true)
+            .build(&Value::Object(siblings))
+            .map(Some)
+            .map_err(|e| {
+                SchemaError::new(
+                    at,
+                    format!("the keywords beside `enum`/`const` cannot be checked: {e}"),
+                )
+            })
+    }
+
     /// A value written exactly, in the call syntax.
     fn constant(&mut self, v: &Value) -> String {
         match v {
@@ -464,7 +611,7 @@ impl LarkWriter {
             }
             Value::Object(map) => {
                 let mut keys: Vec<&String> = map.keys().collect();
-                keys.sort();
+                keys.sort_by(|a, b| template_order(a, b));
                 let inner: Vec<String> = keys
                     .into_iter()
                     .map(|k| format!("{} \":\" {}", self.key(k), self.constant(&map[k])))
@@ -509,18 +656,10 @@ impl LarkWriter {
             empty_ok &= matches_empty;
             parts.push(slashed(&rx));
         }
-        if let Some(format) = obj.get("format") {
-            let name = format.as_str().unwrap_or_default();
-            let Some((_, rx)) = FORMATS.iter().find(|(n, _)| *n == name) else {
-                let known: Vec<&str> = FORMATS.iter().map(|(n, _)| *n).collect();
-                return Err(SchemaError::new(
-                    at,
-                    format!(
-                        "`format` {format} cannot be enforced in a tool call (these can: {})",
-                        known.join(", ")
-                    ),
-                ));
-            };
+        // A format not listed is an annotation, as JSON Schema has it unless
+        // a vocabulary asserts it (Pydantic writes `password`, `binary`, …).
+        let format = obj.get("format").and_then(Value::as_str);
+        if let Some((_, rx)) = FORMATS.iter().find(|(n, _)| Some(*n) == format) {
             empty_ok = false;
             parts.push(slashed(rx));
         }
@@ -598,6 +737,10 @@ impl LarkWriter {
         }
         // Draft 4 spells tuples as `items: [...]` with `additionalItems`.
         let (prefix, rest) = match (obj.get("prefixItems"), obj.get("items")) {
+            (Some(_), Some(Value::Array(_))) => return Err(SchemaError::new(
+                at,
+                "`prefixItems` beside a list in `items` mixes two drafts' tuples; give one of them",
+            )),
             (_, Some(Value::Array(tuple))) => (tuple.clone(), obj.get("additionalItems").cloned()),
             (Some(Value::Array(p)), items) => (p.clone(), items.cloned()),
             (Some(_), _) => return Err(SchemaError::new(at, "`prefixItems` must be a list")),
@@ -606,7 +749,12 @@ impl LarkWriter {
         let rest = match rest {
             None | Some(Value::Bool(true)) => Some(self.any()),
             Some(Value::Bool(false)) => None,
-            Some(s) => Some(self.value(&s, &format!("{at}/items"), depth + 1)?),
+            // Items no value meets: none past the prefix.
+            Some(s) => match self.value(&s, &format!("{at}/items"), depth + 1) {
+                Ok(item) => Some(item),
+                Err(e) if e.unsatisfiable => None,
+                Err(e) => return Err(e),
+            },
         };
         let keep = max.map_or(prefix.len(), |m| m.min(prefix.len()));
         let mut elements = Vec::new();
@@ -673,16 +821,22 @@ impl LarkWriter {
                 }
             }
         }
-        props.sort_by(|a, b| a.0.cmp(&b.0));
+        props.sort_by(|a, b| template_order(&a.0, &b.0));
         let mut items = Vec::new();
         for (key, sub) in &props {
-            let value = self.value(sub, &format!("{at}/properties/{key}"), depth + 1)?;
+            let required = required.contains(key);
+            let value = match self.value(sub, &format!("{at}/properties/{key}"), depth + 1) {
+                Ok(value) => value,
+                // A property no value can meet is left out, unless required.
+                Err(e) if e.unsatisfiable && !required => continue,
+                Err(e) => return Err(e),
+            };
             // A named rule: the alternatives below name each item several
             // times, and a nested object's text would otherwise multiply.
             let item = self.define(false, format!("{} \":\" {value}", self.key(key)));
-            items.push((item, required.contains(key)));
+            items.push((item, required));
         }
-        let declared = declared_properties(&items);
+        let declared = self.declared_properties(&items);
         let extra = match extra {
             None => None,
             Some(s) => {
@@ -714,6 +868,43 @@ impl LarkWriter {
         Ok(format!("\"{{\" {body} \"}}\""))
     }
 
+    /// The declared properties of an object in order, the first present one
+    /// bare and each later one behind a comma; and whether all of them may
+    /// be absent. Two rules per property, so the text grows with their
+    /// number, not its square.
+    fn declared_properties(&mut self, items: &[(String, bool)]) -> Option<(String, bool)> {
+        // `tails[i]`: properties `i..` after one already written.
+        let mut tails = vec![String::new(); items.len() + 1];
+        for (i, (item, required)) in items.iter().enumerate().rev() {
+            let next = &tails[i + 1];
+            let body = if *required {
+                format!("\",\" {item} {next}")
+            } else {
+                format!("(\",\" {item})? {next}")
+            };
+            tails[i] = self.define(false, body.trim_end().to_string());
+        }
+        // `first`: properties `i..`, the first one written bare; it may be a
+        // later one only while the ones before it are optional.
+        let last = items.iter().position(|(_, required)| *required);
+        let last = last.unwrap_or(items.len().saturating_sub(1));
+        let mut first = String::new();
+        for (i, (item, required)) in items.iter().enumerate().take(last + 1).rev() {
+            let here = format!("{item} {}", tails[i + 1]).trim_end().to_string();
+            let body = if *required || first.is_empty() {
+                here
+            } else {
+                format!("{here} | {first}")
+            };
+            first = self.define(false, body);
+        }
+        if first.is_empty() {
+            return None;
+        }
+        let all_optional = items.iter().all(|(_, req)| !req);
+        Some((first, all_optional))
+    }
+
     /// Any JSON value, in the call syntax.
     fn any(&mut self) -> String {
         if let Some(name) = self.written.get("any") {
@@ -736,31 +927,67 @@ impl LarkWriter {
     }
 }
 
-/// The declared properties of an object, the first present one bare and
-/// each later one behind a comma; and whether all of them may be absent.
-fn declared_properties(items: &[(String, bool)]) -> Option<(String, bool)> {
-    let mut alternatives = Vec::new();
-    for first in 0..items.len() {
-        let rest: Vec<String> = items[first + 1..]
-            .iter()
-            .map(|(item, req)| {
-                if *req {
-                    format!("\",\" {item}")
-                } else {
-                    format!("(\",\" {item})?")
-                }
-            })
-            .collect();
-        alternatives.push(format!("{} {}", items[first].0, rest.join(" ")));
-        if items[first].1 {
-            break;
+/// Whether no value can match both schemas, as far as their `type`s, their
+/// `const`/`enum` values, one required property's values or their `allOf`
+/// parts show.
+fn disjoint(a: &Value, b: &Value) -> bool {
+    let (Some(oa), Some(ob)) = (a.as_object(), b.as_object()) else {
+        return false;
+    };
+    // A schema is within each of its `allOf` parts: one part apart is enough.
+    let parts = |o: &Map<String, Value>| o.get("allOf").and_then(Value::as_array).cloned();
+    if parts(oa).is_some_and(|ps| ps.iter().any(|p| disjoint(p, b)))
+        || parts(ob).is_some_and(|ps| ps.iter().any(|p| disjoint(a, p)))
+    {
+        return true;
+    }
+    let (a, b) = (oa, ob);
+    let values = |o: &Map<String, Value>| match (o.get("const"), o.get("enum")) {
+        (Some(c), _) => Some(vec![c.clone()]),
+        (None, Some(Value::Array(values))) => Some(values.clone()),
+        _ => None,
+    };
+    let apart = |x: Option<Vec<Value>>, y: Option<Vec<Value>>| match (x, y) {
+        (Some(x), Some(y)) => x.iter().all(|v| !y.contains(v)),
+        _ => false,
+    };
+    if let (Ok(ta), Ok(tb)) = (types_of(a, ""), types_of(b, "")) {
+        let meet = |t: &String, u: &String| {
+            t == u || (t == "integer" && u == "number") || (t == "number" && u == "integer")
+        };
+        if !ta.iter().any(|t| tb.iter().any(|u| meet(t, u))) {
+            return true;
         }
     }
-    if alternatives.is_empty() {
-        return None;
+    if apart(values(a), values(b)) {
+        return true;
     }
-    let all_optional = items.iter().all(|(_, req)| !req);
-    Some((format!("({})", alternatives.join(" | ")), all_optional))
+    let required = |o: &Map<String, Value>, name: &str| {
+        o.get("required")
+            .and_then(Value::as_array)
+            .is_some_and(|r| r.iter().any(|n| n == name))
+    };
+    let properties =
+        |o: &Map<String, Value>| o.get("properties").and_then(Value::as_object).cloned();
+    let (Some(pa), Some(pb)) = (properties(a), properties(b)) else {
+        return false;
+    };
+    pa.iter().any(|(name, sa)| {
+        let both = required(a, name) && required(b, name);
+        let sb = pb.get(name).and_then(Value::as_object);
+        both && sa
+            .as_object()
+            .zip(sb)
+            .is_some_and(|(x, y)| apart(values(x), values(y)))
+    })
+}
+
+/// The order the chat template writes an object's keys in: Jinja's
+/// `dictsort`, which compares them without case (ties in byte order).
+fn template_order(a: &str, b: &str) -> std::cmp::Ordering {
+    a.to_lowercase()
+        .cmp(&b.to_lowercase())
+        .then_with(|| a.cmp(b))
 }
 
 /// Comma-separated elements: `prefix` in place, then `rest` repeated, between
@@ -1071,6 +1298,182 @@ mod tests {
 
     /// Every keyword that cannot be enforced is a 400 naming the keyword,
     /// the tool and the field.
+    /// `$defs` where each level offers `width` alternatives of the one
+    /// below, `beside` added at every level (the first stands alone).
+    fn chain(depth: usize, width: usize, beside: Value) -> Value {
+        let mut defs = Map::new();
+        defs.insert(
+            "d0".into(),
+            json!({"type": "object", "properties": {"x": {"type": "integer"}}}),
+        );
+        for i in 1..=depth {
+            let mut level = beside.as_object().cloned().unwrap_or_default();
+            let option = json!({"$ref": format!("#/$defs/d{}", i - 1)});
+            level.insert("anyOf".into(), Value::Array(vec![option; width]));
+            defs.insert(format!("d{i}"), Value::Object(level));
+        }
+        json!({"$defs": defs, "type": "object",
+            "properties": {"v": {"$ref": format!("#/$defs/d{depth}")}}, "required": ["v"]})
+    }
+
+    #[test]
+    fn references_offered_as_alternatives_stay_one_rule_each() {
+        // Alone, each `$ref` is a rule: 4^30 expansions become 30 rules.
+        let started = Instant::now();
+        let tools = [tool(
+            "deep",
+            chain(30, 4, json!({"description": "a level"})),
+        )];
+        let lark = tool_call_grammar(&tools, None, true, fixture().markers)
+            .unwrap_or_else(|e| panic!("{}", e.message));
+        assert!(lark.len() < 20_000, "{} bytes", lark.len());
+        assert!(started.elapsed() < Duration::from_secs(1));
+        for seed in 0..4 {
+            check_calls(&tools, None, seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        }
+    }
+
+    #[test]
+    fn schemas_over_the_budget_are_refused_by_name() {
+        // Beside a constraining keyword each option is merged and written
+        // out again: 4^12 subschemas, refused at the limit, in good time.
+        let started = Instant::now();
+        let tools = [tool("deep", chain(12, 4, json!({"type": "object"})))];
+        let e =
+            tool_call_grammar(&tools, None, true, fixture().markers).expect_err("over the budget");
+        assert!(
+            e.message
+                .contains(&format!("more than {MAX_SUBSCHEMAS} subschemas")),
+            "{}",
+            e.message
+        );
+        assert!(
+            e.message.contains("tools[0].function.parameters"),
+            "{}",
+            e.message
+        );
+        assert!(
+            started.elapsed() < MAX_TRANSLATION_TIME,
+            "{:?}",
+            started.elapsed()
+        );
+        // The same shape a few levels deep is within it, and holds.
+        let tools = [tool("shallow", chain(3, 4, json!({"type": "object"})))];
+        for seed in 0..4 {
+            check_calls(&tools, None, seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        }
+    }
+
+    #[test]
+    fn many_optional_properties_grow_the_grammar_linearly() {
+        let size = |n: usize| {
+            let props: Map<String, Value> = (0..n)
+                .map(|i| (format!("p{i:03}"), json!({"type": "boolean"})))
+                .collect();
+            let tools = [tool("wide", json!({"type": "object", "properties": props}))];
+            tool_call_grammar(&tools, None, true, fixture().markers)
+                .unwrap_or_else(|e| panic!("{}", e.message))
+                .len()
+        };
+        let (small, large) = (size(100), size(400));
+        assert!(
+            large < small * 5,
+            "100 properties: {small} bytes, 400: {large}"
+        );
+        let props: Map<String, Value> = (0..12)
+            .map(|i| (format!("p{i:02}"), json!({"type": "integer", "minimum": i})))
+            .collect();
+        let tools = [tool(
+            "some",
+            json!({"type": "object", "properties": props, "required": ["p05", "p09"]}),
+        )];
+        for seed in 0..12 {
+            check_calls(&tools, None, seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        }
+    }
+
+    #[test]
+    fn combined_keywords_hold_together() {
+        let tools = [
+            // A closed `allOf` part keeps another part's property out.
+            tool(
+                "closed",
+                json!({"allOf": [
+                    {"properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "additionalProperties": false},
+                    {"properties": {"b": {"type": "boolean"}}}
+                ], "required": ["a"]}),
+            ),
+            // `enum`/`const` values meet the keywords beside them.
+            tool(
+                "short",
+                json!({"type": "object", "properties": {
+                    "e": {"enum": ["ab", "abcdefgh", 7], "maxLength": 3},
+                    "c": {"const": "2024-02-30", "format": "date"},
+                    "d": {"type": "string", "enum": ["2024-02-28", "2024-02-30"], "format": "date"}},
+                    "required": ["e", "d"]}),
+            ),
+            // A discriminated `oneOf`, as Pydantic writes it.
+            tool(
+                "pet",
+                json!({"$defs": {
+                    "cat": {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer", "minimum": 1, "maximum": 9}}, "required": ["kind", "lives"]},
+                    "dog": {"type": "object", "properties": {"kind": {"const": "dog"}, "good": {"type": "boolean"}}, "required": ["kind"]}},
+                    "type": "object",
+                    "properties": {"pet": {"oneOf": [{"$ref": "#/$defs/cat"}, {"$ref": "#/$defs/dog"}],
+                                           "discriminator": {"propertyName": "kind"}},
+                                   "n": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 5}, {"type": "string", "maxLength": 2}, {"type": "null"}]}},
+                    "required": ["pet", "n"]}),
+            ),
+            // Formats not listed are annotations.
+            tool(
+                "secret",
+                json!({"type": "object", "properties": {
+                    "password": {"type": "string", "format": "password", "maxLength": 8},
+                    "id": {"type": "string", "format": "uuid4"},
+                    "blob": {"type": "string", "format": "binary", "maxLength": 4}},
+                    "required": ["password", "id"]}),
+            ),
+        ];
+        for seed in 0..16 {
+            check_calls(&tools, None, seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        }
+        // The `const` that no date can be leaves "c" out; with it required
+        // no call can be made.
+        let mut never = tools[1].clone();
+        never["function"]["parameters"]["required"] = json!(["c"]);
+        let e = tool_call_grammar(&[never], None, true, fixture().markers).expect_err("no call");
+        assert!(e.message.contains("beside"), "{}", e.message);
+    }
+
+    #[test]
+    fn overlapping_one_of_options_are_refused() {
+        let tools = [tool(
+            "t",
+            json!({"type": "object", "properties": {
+                "v": {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}}}),
+        )];
+        let e = tool_call_grammar(&tools, None, true, fixture().markers).expect_err("overlap");
+        assert!(
+            e.message.contains("`oneOf` options 0 and 1"),
+            "{}",
+            e.message
+        );
+        assert!(e.message.contains("/properties/v"), "{}", e.message);
+    }
+
+    #[test]
+    fn keys_come_in_the_templates_order() {
+        let tools = [tool(
+            "t",
+            json!({"type": "object", "properties": {
+                "b": {"const": 1}, "A": {"const": 2}, "C": {"const": 3}, "a": {"const": 4}},
+                "required": ["a", "A", "b", "C"]}),
+        )];
+        // `dictsort`: without case, ties in byte order.
+        let (text, _) = forced_calls(&tools, None, 0);
+        assert!(text.contains("{A:2,a:4,b:1,C:3}"), "{text}");
+    }
+
     #[test]
     fn what_cannot_be_enforced_is_refused_by_name() {
         let cases = [
@@ -1083,8 +1486,8 @@ mod tests {
                 "pattern",
             ),
             (
-                json!({"type": "object", "properties": {"s": {"type": "string", "format": "iri"}}}),
-                "format",
+                json!({"type": "object", "properties": {"t": {"type": "array", "prefixItems": [{}], "items": [{}]}}}),
+                "prefixItems",
             ),
             (
                 json!({"type": "object", "properties": {"s": {"$ref": "other.json#/x"}}}),
@@ -1101,7 +1504,7 @@ mod tests {
             (json!({"type": "string"}), "must describe an object"),
             (json!({"type": "OBJECT"}), "\"OBJECT\" is not a JSON type"),
             (
-                json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}}),
+                json!({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}}, "required": ["n"]}),
                 "lower bound",
             ),
         ];
@@ -1171,6 +1574,13 @@ mod tests {
                 (inner.clone(), 0u64..2, 0u64..3).prop_map(|(items, lo, span)| json!({"type": "array", "items": items, "minItems": lo, "maxItems": lo + span})),
                 (inner.clone(), inner.clone()).prop_map(|(a, b)| json!({"type": "array", "prefixItems": [a, b], "items": false})),
                 (inner.clone(), inner.clone()).prop_map(|(a, b)| json!({"anyOf": [a, b]})),
+                // Every part merged with itself holds what the part holds.
+                inner.clone().prop_map(|a| json!({"allOf": [a.clone(), a, {"description": "twice"}]})),
+                // Options apart by type, and a discriminated union.
+                (0i64..5).prop_map(|hi| json!({"oneOf": [{"type": "boolean"}, {"type": "integer", "minimum": 0, "maximum": hi}, {"type": "null"}]})),
+                (inner.clone(), inner.clone()).prop_map(|(a, b)| json!({"oneOf": [
+                    {"type": "object", "properties": {"kind": {"const": "a"}, "x": a}, "required": ["kind"]},
+                    {"type": "object", "properties": {"kind": {"const": "b"}, "y": b}, "required": ["kind", "y"]}]})),
                 object(inner),
             ]
         })
@@ -1210,7 +1620,15 @@ mod tests {
         })]
 
         #[test]
-        fn random_schemas_give_valid_calls(params in object(schema()), seed in any::<u64>()) {
+        fn random_schemas_give_valid_calls(mut params in object(schema()), shared in schema(), seed in any::<u64>()) {
+            // A shared definition, referenced alone, as an option, and merged.
+            let here = "#/$defs/shared";
+            params["$defs"] = json!({"shared": shared});
+            if let Some(props) = params["properties"].as_object_mut() {
+                props.insert("r".into(), json!({"$ref": here}));
+                props.insert("ro".into(), json!({"anyOf": [{"$ref": here}, {"type": "boolean"}]}));
+                props.insert("rm".into(), json!({"allOf": [{"$ref": here}, {"$ref": here}]}));
+            }
             let tools = [tool("f", params), tool("g", json!({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}))];
             prop_assert!(check_calls(&tools, Some("f"), seed).is_ok(), "{:?}", check_calls(&tools, Some("f"), seed));
             prop_assert!(check_calls(&tools, None, seed).is_ok(), "{:?}", check_calls(&tools, None, seed));
