@@ -3,14 +3,16 @@
 
 Every YAML document there is checked:
 
-* core kinds (Deployment, Service, HorizontalPodAutoscaler, ConfigMap) against
+* core kinds (Deployment, Service, HorizontalPodAutoscaler, ConfigMap,
+  NetworkPolicy) against
   the Kubernetes OpenAPI schemas bundled with the `kubernetes-validate` package,
   in strict mode (unknown fields fail), for each version in KUBERNETES_VERSIONS;
 * custom kinds (InferencePool, ScaledObject) and the endpoint picker's plugin
   configuration against the JSON Schemas below, written from the published APIs;
 * then the manifests against each other: the selectors pick the pods, the ports
   line up with the server's flags, the probes hit /health and /ready, the grace
-  period covers preStop plus the drain, the autoscalers target the Deployment.
+  period covers preStop plus the drain, the autoscalers target the Deployment,
+  and a network policy lets only pods it names reach the KV-event port.
 
 `--self-test` breaks copies of the manifests in memory, one way at a time, and
 fails unless every broken copy is rejected.
@@ -47,7 +49,7 @@ MANIFEST_DIR = ROOT / "deploy" / "kubernetes"
 # GA in 1.34). 1.32: the version the manifests are pinned to.
 KUBERNETES_VERSIONS = ("1.30", "1.32")
 
-CORE_KINDS = {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap"}
+CORE_KINDS = {"Deployment", "Service", "HorizontalPodAutoscaler", "ConfigMap", "NetworkPolicy"}
 
 SERVER_CONTAINER = "gemma4"
 HTTP_PORT_NAME = "http"
@@ -738,6 +740,8 @@ def check_consistency(docs: list[Doc], report: Report) -> None:
             f"{where}: tokenizer modelName equals --served-model-name",
         )
 
+    check_network_policy(docs, report, selects_pods, http_port, kv_port)
+
     # Autoscalers.
     def targets_deployment(ref: dict[str, Any], kind_required: bool) -> bool:
         kind_ok = (
@@ -781,6 +785,45 @@ def check_consistency(docs: list[Doc], report: Report) -> None:
             f"{so.label}: a prometheus trigger queries {WAITING_METRIC}",
             f"queries {queries}",
         )
+
+
+def check_network_policy(
+    docs: list[Doc], report: Report, selects_pods: Callable[[dict[str, Any]], bool], http_port: Any, kv_port: Any
+) -> None:
+    """The KV-event port carries every prompt's token ids: a NetworkPolicy on
+    the gemma4 pods must admit it only from named pods, and still admit the
+    HTTP port."""
+    policies = [
+        p for p in find(docs, "NetworkPolicy")
+        if selects_pods(((p.body.get("spec") or {}).get("podSelector") or {}).get("matchLabels") or {})
+    ]
+    if not report.check(bool(policies), "a NetworkPolicy selects the gemma4 pods"):
+        return
+    rules = [
+        rule
+        for p in policies
+        if "Ingress" in ((p.body.get("spec") or {}).get("policyTypes") or [])
+        for rule in (p.body["spec"].get("ingress") or [])
+    ]
+
+    def opens(rule: dict[str, Any], names: tuple[str, Any]) -> bool:
+        ports = rule.get("ports")
+        return ports is None or any(port.get("port") in names for port in ports)
+
+    kv_rules = [r for r in rules if opens(r, (KV_EVENTS_PORT_NAME, kv_port))]
+    report.check(
+        bool(kv_rules)
+        and all(
+            r.get("from") and all(set(peer) == {"podSelector"} and peer["podSelector"] for peer in r["from"])
+            for r in kv_rules
+        ),
+        "NetworkPolicy: only named pods reach the kv-events port",
+        f"rules {kv_rules}",
+    )
+    report.check(
+        any(opens(r, (HTTP_PORT_NAME, http_port)) for r in rules),
+        "NetworkPolicy: the http port is reachable",
+    )
 
 
 def validate(docs: list[Doc]) -> Report:
@@ -853,6 +896,10 @@ def _models_mount(d: list[Doc]) -> dict[str, Any]:
 
 def _discovery(c: dict[str, Any]) -> dict[str, Any]:
     return precise(c)["kvEventsConfig"]["podDiscoveryConfig"]
+
+
+def _policy(d: list[Doc]) -> dict[str, Any]:
+    return one(d, "NetworkPolicy")["spec"]
 
 
 def _unknown_kind(d: list[Doc]) -> None:
@@ -1059,6 +1106,26 @@ MUTATIONS: list[tuple[str, str, Callable[[list[Doc]], None]]] = [
         "ScaledObject targets Deployment/other",
         "ScaledObject/gemma4: scales Deployment/gemma4",
         lambda d: _scaled(d)["scaleTargetRef"].__setitem__("name", "other"),
+    ),
+    (
+        "kv-events port open to every peer",
+        "only named pods reach the kv-events port",
+        lambda d: _policy(d)["ingress"][1].pop("from"),
+    ),
+    (
+        "kv-events port open to a namespace",
+        "only named pods reach the kv-events port",
+        lambda d: _policy(d)["ingress"][1]["from"].append({"namespaceSelector": {}}),
+    ),
+    (
+        "no NetworkPolicy",
+        "a NetworkPolicy selects the gemma4 pods",
+        lambda d: d.remove(find(d, "NetworkPolicy")[0]),
+    ),
+    (
+        "NetworkPolicy without the http port",
+        "the http port is reachable",
+        lambda d: _policy(d)["ingress"].pop(0),
     ),
     ("unknown kind", "no schema for example.com/v1 Widget", _unknown_kind),
 ]

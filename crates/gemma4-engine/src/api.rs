@@ -148,10 +148,10 @@ pub struct SoftPrompt {
     /// models with bidirectional image attention), ascending; audio rows
     /// belong to none.
     pub blocks: Vec<(usize, usize)>,
-    /// A digest of the media: cached prefixes are keyed on it, so two
-    /// prompts with the same placeholders but different media never share
-    /// KV blocks.
-    pub content_key: u64,
+    /// The media items and where they sit: the cached blocks they overlap
+    /// are keyed on them, so two prompts with the same placeholders but
+    /// different media never share those KV blocks.
+    pub media: Vec<crate::block_hash::MediaSpan>,
 }
 
 /// A prefill chunk's share of a [`SoftPrompt`], relative to the chunk.
@@ -275,6 +275,8 @@ pub struct EngineStats {
     pub kv_blocks_used: usize,
     pub kv_block_size: usize,
     pub prefix_cache_hits: u64,
+    /// Prompt tokens whose KV came from the prefix cache.
+    pub prefix_cache_hit_tokens: u64,
     pub preemptions: u64,
     /// Blocks in use in the sliding-window group and the full-attention group.
     pub kv_sliding_blocks_used: usize,

@@ -644,7 +644,8 @@ impl Worker {
                     events,
                 });
                 let soft = request.soft_prompt.as_deref();
-                let content_key = soft.map_or(0, |s| s.content_key);
+                let media: std::sync::Arc<[_]> =
+                    soft.map_or_else(|| [].into(), |s| s.media.as_slice().into());
                 let whole_spans = match soft {
                     Some(soft) if self.bidirectional_vision => soft.blocks.clone(),
                     _ => Vec::new(),
@@ -658,7 +659,7 @@ impl Worker {
                     id,
                     tokens: request.prompt_ids,
                     computed: 0,
-                    kv: self.kv.empty_keyed(content_key),
+                    kv: self.kv.empty_with_media(media),
                     prefix_hit: 0,
                     whole_spans,
                 });
@@ -840,6 +841,7 @@ impl Worker {
             s.kv_blocks_total = usage.iter().map(|u| u.total).sum();
             s.kv_blocks_used = usage.iter().map(|u| u.used).sum();
             s.prefix_cache_hits = self.scheduler.prefix_hits();
+            s.prefix_cache_hit_tokens = self.scheduler.prefix_hit_tokens();
             s.preemptions = self.scheduler.preemptions();
             s.step_retries = self.runner.step_retries();
             s.runner_requests = self.runner.requests();

@@ -5,15 +5,18 @@
 //! This module never touches tensors: it hands out block ids, and the model
 //! writes into the pools those ids address.
 //!
-//! When asked to, it also records [`KvEvent`]s: which prefixes enter the
-//! cache and which leave it, for routers that send each request to the
-//! replica already holding its prefix.
+//! When asked to, it also records [`KvEvent`]s: which prefixes enter each
+//! group's cache and which leave it, for routers that send each request to
+//! the replica already holding its prefix. Prefixes are hashed as vLLM
+//! hashes them ([`crate::block_hash`]).
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
-use std::hash::BuildHasher;
+use std::sync::Arc;
 
 use gemma4_model::config::AttentionKind;
 use gemma4_model::paged::{GroupBlocks, KvGroup};
+
+use crate::block_hash::{self, BlockHash, MediaKey, MediaSpan};
 
 /// Accounting for one cache group.
 #[derive(Debug)]
@@ -28,9 +31,9 @@ struct GroupState {
     free_cached: VecDeque<u32>,
     refcount: Vec<u32>,
     /// Prefix hash each block currently holds, if registered.
-    hash_of: Vec<Option<u64>>,
+    hash_of: Vec<Option<BlockHash>>,
     /// Prefix hash → block holding it (owned or free-but-intact).
-    cached: HashMap<u64, u32>,
+    cached: HashMap<BlockHash, u32>,
 }
 
 impl GroupState {
@@ -39,7 +42,7 @@ impl GroupState {
     }
 
     /// A free block, and the prefix hash it held (now forgotten), if any.
-    fn take_free(&mut self) -> Option<(u32, Option<u64>)> {
+    fn take_free(&mut self) -> Option<(u32, Option<BlockHash>)> {
         let b = match self.free.pop_first() {
             Some(b) => b,
             None => self.free_cached.pop_front()?,
@@ -87,11 +90,11 @@ pub struct SeqKv {
     pub tables: Vec<GroupBlocks>,
     /// Full blocks whose prefix hash has been registered (or adopted).
     registered_blocks: usize,
-    /// Hash of the last registered block (the chain's parent).
-    last_hash: u64,
-    /// The chain's root: 0 for text, a digest of the media for prompts with
-    /// encoder rows.
-    seed: u64,
+    /// Hash of the last registered block (the chain's parent; the root hash
+    /// before the first).
+    last_hash: BlockHash,
+    /// The prompt's media: the blocks they overlap are keyed on them.
+    media: Arc<[MediaSpan]>,
 }
 
 /// Usage figures.
@@ -101,21 +104,28 @@ pub struct BlockUsage {
     pub used: usize,
 }
 
-/// A change to what the prefix cache holds, one full block of a sequence's
-/// tokens at a time. A prefix is what the full-attention group holds: the
-/// sliding window and layers that share KV do not change what a block of
-/// tokens means.
+/// A change to what one cache group holds, one full block of a sequence's
+/// tokens at a time. Every group reports its own: reusing a prefix needs
+/// the full-attention group's blocks and the sliding-window group's blocks
+/// of the window's reach, and the latter leave much sooner. Hashes are the
+/// external form ([`block_hash::external`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
-    /// A block of `token_ids` entered the cache under `hash`, following the
-    /// block `parent` (none for a sequence's first block).
+    /// A block of `token_ids` entered `group`'s cache under `hash`,
+    /// following the block `parent` (none for a sequence's first block).
     BlockStored {
+        group: usize,
+        /// The group's window, for a sliding-window group.
+        sliding_window: Option<usize>,
         hash: u64,
         parent: Option<u64>,
         token_ids: Vec<u32>,
+        /// The media the block overlaps: identifier and start, relative to
+        /// the block.
+        media: Vec<MediaKey>,
     },
-    /// The block held under `hash` was reused for other tokens.
-    BlockRemoved { hash: u64 },
+    /// The block `group` held under `hash` was reused for other tokens.
+    BlockRemoved { group: usize, hash: u64 },
 }
 
 /// The block allocator for every group.
@@ -124,13 +134,10 @@ pub struct KvManager {
     block_size: usize,
     groups: Vec<GroupState>,
     prefix_caching: bool,
-    /// The group whose cached blocks define the prefixes events report.
-    anchor: usize,
     /// Events not yet taken, when they are recorded.
     events: Option<Vec<KvEvent>>,
-    /// Keys of the prefix hash, random per process, so no client can craft a
-    /// prompt whose blocks collide with another request's.
-    hash_keys: std::collections::hash_map::RandomState,
+    /// The parent hash of every prompt's first block.
+    root: BlockHash,
 }
 
 impl KvManager {
@@ -154,14 +161,12 @@ impl KvManager {
                 cached: HashMap::new(),
             })
             .collect();
-        let anchor = groups.iter().position(|g| g.window.is_none()).unwrap_or(0);
         Self {
             block_size,
             groups,
             prefix_caching,
-            anchor,
             events: None,
-            hash_keys: std::collections::hash_map::RandomState::new(),
+            root: block_hash::root_hash(),
         }
     }
 
@@ -202,17 +207,18 @@ impl KvManager {
 
     /// An empty table set for a new sequence.
     pub fn empty(&self) -> SeqKv {
-        self.empty_keyed(0)
+        self.empty_with_media(Arc::from([]))
     }
 
-    /// An empty table set whose cached prefixes are keyed on `seed` as well
-    /// as on the tokens (prompts whose placeholders stand for media).
-    pub fn empty_keyed(&self, seed: u64) -> SeqKv {
+    /// An empty table set whose cached blocks are keyed on `media` as well
+    /// as on the tokens, where they overlap (prompts whose placeholders
+    /// stand for media).
+    pub fn empty_with_media(&self, media: Arc<[MediaSpan]>) -> SeqKv {
         SeqKv {
             tables: vec![GroupBlocks::default(); self.groups.len()],
             registered_blocks: 0,
-            last_hash: seed,
-            seed,
+            last_hash: self.root,
+            media,
         }
     }
 
@@ -247,7 +253,7 @@ impl KvManager {
         }
         let bs = self.block_size;
         let mut evicted = Vec::new();
-        for (index, ((g, t), n)) in self
+        for (group, ((g, t), n)) in self
             .groups
             .iter_mut()
             .zip(seq.tables.iter_mut())
@@ -263,11 +269,12 @@ impl KvManager {
                     return false;
                 };
                 t.blocks.push(b);
-                evicted.extend(held.filter(|_| index == self.anchor));
+                evicted.extend(held.map(|h| (group, h)));
             }
         }
-        for hash in evicted {
-            self.record(KvEvent::BlockRemoved { hash });
+        for (group, hash) in evicted {
+            let hash = block_hash::external(&hash);
+            self.record(KvEvent::BlockRemoved { group, hash });
         }
         true
     }
@@ -285,21 +292,24 @@ impl KvManager {
         }
     }
 
-    /// Returns every block of a finished, cancelled or preempted sequence.
+    /// Returns every block of a finished, cancelled or preempted sequence,
+    /// the last first: a chain's tail is reused before its head, so what is
+    /// left of a prefix stays adoptable (as vLLM's free queue orders them).
     pub fn release(&mut self, seq: &mut SeqKv) {
         for (g, t) in self.groups.iter_mut().zip(seq.tables.iter_mut()) {
-            for b in t.blocks.drain(..) {
+            for b in t.blocks.drain(..).rev() {
                 g.decref(b);
             }
             t.first_block = 0;
         }
         seq.registered_blocks = 0;
-        seq.last_hash = seq.seed;
+        seq.last_hash = self.root;
     }
 
-    /// Hash of block `index` given its parent's hash and its tokens.
-    fn chain(&self, parent: u64, index: usize, tokens: &[u32]) -> u64 {
-        self.hash_keys.hash_one((parent, index, tokens))
+    /// The media keys of block `index` of a sequence.
+    fn media_keys(&self, seq: &SeqKv, index: usize) -> Vec<MediaKey> {
+        let bs = self.block_size;
+        block_hash::media_keys(&seq.media, index * bs, (index + 1) * bs)
     }
 
     /// Reuses cached blocks for the longest block-aligned prefix of `tokens`
@@ -318,9 +328,10 @@ impl KvManager {
         let bs = self.block_size;
         let max_blocks = (tokens.len() - 1) / bs;
         let mut hashes = Vec::with_capacity(max_blocks);
-        let mut parent = seq.seed;
+        let mut parent = self.root;
         for b in 0..max_blocks {
-            parent = self.chain(parent, b, &tokens[b * bs..(b + 1) * bs]);
+            let media = self.media_keys(seq, b);
+            parent = block_hash::block_hash(&parent, &tokens[b * bs..(b + 1) * bs], &media);
             hashes.push(parent);
         }
         // Longest k such that each group has the blocks it needs for a resume at k·bs.
@@ -368,23 +379,27 @@ impl KvManager {
         while seq.registered_blocks < full {
             let b = seq.registered_blocks;
             let block_tokens = &tokens[b * bs..(b + 1) * bs];
-            let h = self.chain(seq.last_hash, b, block_tokens);
-            let mut stored = false;
-            for (index, (g, t)) in self.groups.iter_mut().zip(&seq.tables).enumerate() {
+            let media = self.media_keys(seq, b);
+            let h = block_hash::block_hash(&seq.last_hash, block_tokens, &media);
+            let mut stored = Vec::new();
+            for (group, (g, t)) in self.groups.iter_mut().zip(&seq.tables).enumerate() {
                 let Some(&phys) = b.checked_sub(t.first_block).and_then(|i| t.blocks.get(i)) else {
                     continue;
                 };
                 if g.hash_of[phys as usize].is_none() && !g.cached.contains_key(&h) {
                     g.hash_of[phys as usize] = Some(h);
                     g.cached.insert(h, phys);
-                    stored |= index == self.anchor;
+                    stored.push((group, g.window));
                 }
             }
-            if stored {
+            for (group, sliding_window) in stored {
                 self.record(KvEvent::BlockStored {
-                    hash: h,
-                    parent: (b > 0).then_some(seq.last_hash),
+                    group,
+                    sliding_window,
+                    hash: block_hash::external(&h),
+                    parent: (b > 0).then(|| block_hash::external(&seq.last_hash)),
                     token_ids: block_tokens.to_vec(),
+                    media: media.clone(),
                 });
             }
             seq.last_hash = h;
@@ -472,39 +487,47 @@ mod tests {
         m.release(&mut c);
     }
 
+    /// The external hashes of `tokens`' full blocks, chained as vLLM chains them.
+    fn chain_of(tokens: &[u32], bs: usize) -> Vec<u64> {
+        let mut parent = block_hash::root_hash();
+        tokens
+            .chunks_exact(bs)
+            .map(|block| {
+                parent = block_hash::block_hash(&parent, block, &[]);
+                block_hash::external(&parent)
+            })
+            .collect()
+    }
+
+    fn stored(group: usize, hash: u64, parent: Option<u64>, token_ids: Vec<u32>) -> KvEvent {
+        KvEvent::BlockStored {
+            group,
+            sliding_window: (group == 0).then_some(8),
+            hash,
+            parent,
+            token_ids,
+            media: vec![],
+        }
+    }
+
     #[test]
-    fn events_follow_the_full_attention_group() {
+    fn every_group_reports_its_blocks_and_tails_leave_first() {
         // 4 full-attention blocks: a second prompt's blocks must evict the first's.
         let mut m = KvManager::new(&groups(), &[16, 4], 4, 8, true);
         m.record_events();
         let first: Vec<u32> = (0..9).collect();
+        let hashes = chain_of(&first[..8], 4);
         let mut a = m.empty();
         assert!(m.allocate(&mut a, 9, 0));
         m.register_full_blocks(&mut a, &first, 9);
-        let stored = m.take_events();
-        let hashes: Vec<u64> = stored
-            .iter()
-            .map(|e| match e {
-                KvEvent::BlockStored { hash, .. } => *hash,
-                other => panic!("{other:?}"),
-            })
-            .collect();
-        assert_eq!(hashes.len(), 2, "one event per full block: {stored:?}");
         assert_eq!(
-            stored[0],
-            KvEvent::BlockStored {
-                hash: hashes[0],
-                parent: None,
-                token_ids: vec![0, 1, 2, 3]
-            }
-        );
-        assert_eq!(
-            stored[1],
-            KvEvent::BlockStored {
-                hash: hashes[1],
-                parent: Some(hashes[0]),
-                token_ids: vec![4, 5, 6, 7]
-            }
+            m.take_events(),
+            vec![
+                stored(0, hashes[0], None, vec![0, 1, 2, 3]),
+                stored(1, hashes[0], None, vec![0, 1, 2, 3]),
+                stored(0, hashes[1], Some(hashes[0]), vec![4, 5, 6, 7]),
+                stored(1, hashes[1], Some(hashes[0]), vec![4, 5, 6, 7]),
+            ]
         );
         // The same prefix again stores nothing new.
         let mut b = m.empty();
@@ -513,25 +536,75 @@ mod tests {
         assert_eq!(m.take_events(), vec![]);
         m.release(&mut a);
         m.release(&mut b);
-        // Another prompt of 16 tokens takes every full block, the cached ones last.
+        // Another prompt of 16 tokens takes every full-attention block, the
+        // cached ones last and the chain's tail first; the sliding group
+        // still has blocks that hold nothing, so it keeps its copies.
         let second: Vec<u32> = (100..116).collect();
         let mut c = m.empty();
         assert!(m.allocate(&mut c, 16, 0));
-        let removed = m.take_events();
         assert_eq!(
-            removed,
+            m.take_events(),
             vec![
-                KvEvent::BlockRemoved { hash: hashes[0] },
-                KvEvent::BlockRemoved { hash: hashes[1] }
+                KvEvent::BlockRemoved {
+                    group: 1,
+                    hash: hashes[1]
+                },
+                KvEvent::BlockRemoved {
+                    group: 1,
+                    hash: hashes[0]
+                }
             ]
         );
+        // A prefix the sliding group holds and the full group lost is not adopted.
+        let mut d = m.empty();
+        assert_eq!(m.adopt_prefix(&mut d, &first, |_| true), 0);
         m.register_full_blocks(&mut c, &second, 16);
-        assert_eq!(m.take_events().len(), 4);
+        assert_eq!(m.take_events().len(), 8);
         // Without recording, nothing accumulates.
         let mut quiet = KvManager::new(&groups(), &[16, 4], 4, 8, true);
-        let mut d = quiet.empty();
-        assert!(quiet.allocate(&mut d, 9, 0));
-        quiet.register_full_blocks(&mut d, &first, 9);
+        let mut e = quiet.empty();
+        assert!(quiet.allocate(&mut e, 9, 0));
+        quiet.register_full_blocks(&mut e, &first, 9);
         assert_eq!(quiet.take_events(), vec![]);
+    }
+
+    #[test]
+    fn blocks_over_media_are_keyed_on_it() {
+        let mut m = KvManager::new(&groups(), &[32, 32], 4, 8, true);
+        m.record_events();
+        // Positions 5..10 hold an image: blocks 1 and 2 overlap it.
+        let tokens: Vec<u32> = (0..13).collect();
+        let image = |identifier: &str| -> Arc<[MediaSpan]> {
+            Arc::from([MediaSpan {
+                identifier: identifier.into(),
+                start: 5,
+                end: 10,
+            }])
+        };
+        let mut a = m.empty_with_media(image("cat"));
+        assert!(m.allocate(&mut a, 13, 0));
+        m.register_full_blocks(&mut a, &tokens, 13);
+        let media: Vec<Vec<MediaKey>> = m
+            .take_events()
+            .into_iter()
+            .filter_map(|e| match e {
+                KvEvent::BlockStored {
+                    group: 1, media, ..
+                } => Some(media),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            media,
+            vec![vec![], vec![("cat".into(), 1)], vec![("cat".into(), -3)]]
+        );
+        // Another image in the same place shares only the block before it.
+        let mut b = m.empty_with_media(image("dog"));
+        assert_eq!(m.adopt_prefix(&mut b, &tokens, |_| true), 4);
+        let mut c = m.empty_with_media(image("cat"));
+        assert_eq!(m.adopt_prefix(&mut c, &tokens, |_| true), 12);
+        // Text alone with the same tokens shares the block before it too.
+        let mut d = m.empty();
+        assert_eq!(m.adopt_prefix(&mut d, &tokens, |_| true), 4);
     }
 }

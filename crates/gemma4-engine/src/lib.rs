@@ -8,6 +8,7 @@
 //! panic it cannot recover from through [`EngineHandle::health`].
 
 pub mod api;
+pub mod block_hash;
 pub mod engine;
 #[cfg(feature = "fault-injection")]
 pub mod fault;

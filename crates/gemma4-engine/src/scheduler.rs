@@ -107,6 +107,7 @@ pub struct Scheduler {
     running: Vec<SeqState>,
     preemptions: u64,
     prefix_hits: u64,
+    prefix_hit_tokens: u64,
 }
 
 impl Scheduler {
@@ -117,6 +118,7 @@ impl Scheduler {
             running: Vec::new(),
             preemptions: 0,
             prefix_hits: 0,
+            prefix_hit_tokens: 0,
         }
     }
 
@@ -160,6 +162,11 @@ impl Scheduler {
     /// Admissions that reused a cached prefix.
     pub fn prefix_hits(&self) -> u64 {
         self.prefix_hits
+    }
+
+    /// Prompt tokens whose KV came from the prefix cache, over all admissions.
+    pub fn prefix_hit_tokens(&self) -> u64 {
+        self.prefix_hit_tokens
     }
 
     /// The most blocks any running sequence holds in cache group `group`.
@@ -265,6 +272,7 @@ impl Scheduler {
                 seq.prefix_hit = hit;
                 if hit > 0 {
                     self.prefix_hits += 1;
+                    self.prefix_hit_tokens += hit as u64;
                 }
             }
             let start = seq.computed;

@@ -7,6 +7,7 @@ use std::hash::{DefaultHasher, Hash, Hasher};
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use gemma4_engine::block_hash::MediaSpan;
 use gemma4_engine::{start, EngineConfig, GenerationRequest, SamplingParams, SoftPrompt};
 use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::mel::log_mel;
@@ -163,7 +164,12 @@ fn media_request(
             rows: placed.rows,
             embeds: placed.embeds,
             blocks: placed.blocks,
-            content_key: h.finish(),
+            // The whole prompt is keyed on its media.
+            media: vec![MediaSpan {
+                identifier: format!("{:016x}", h.finish()),
+                start: 0,
+                end: ids.len(),
+            }],
         })),
     }
 }
@@ -266,14 +272,14 @@ fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
         rows: vec![1, 2],
         embeds: Vec::new(),
         blocks: Vec::new(),
-        content_key: 1,
+        media: Vec::new(),
     }));
     assert!(e_style.submit(r.clone()).is_err());
     r.soft_prompt = Some(Arc::new(SoftPrompt {
         rows: vec![9],
         embeds: vec![0.0; 64],
         blocks: Vec::new(),
-        content_key: 1,
+        media: Vec::new(),
     }));
     assert!(e_style.submit(r).is_err());
     // An image that attends to itself must fit one step.
@@ -289,7 +295,7 @@ fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
             rows: (1..82).collect(),
             embeds: vec![0.0; 81 * 128],
             blocks: vec![(1, 82)],
-            content_key: 1,
+            media: Vec::new(),
         })),
         ..r
     };
@@ -366,7 +372,11 @@ fn video_requests(variant: &str) -> Vec<(GenerationRequest, Vec<u32>)> {
                 rows: placed.rows,
                 embeds: placed.embeds,
                 blocks: placed.blocks,
-                content_key: 100 + k as u64,
+                media: vec![MediaSpan {
+                    identifier: format!("case {k}"),
+                    start: 0,
+                    end: ids.len(),
+                }],
             })
         });
         let request = GenerationRequest {

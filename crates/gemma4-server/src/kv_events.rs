@@ -5,16 +5,25 @@
 //! A PUB socket bound at `--kv-events-endpoint` sends one multipart message
 //! per engine step that changed the cache: the topic, a sequence number (8
 //! bytes, big-endian, from 0), and a MessagePack payload
-//! `[timestamp, events]`, each event a positional array:
-//! `["BlockStored", [hash], parent_hash | nil, token_ids, block_size, nil, nil]`
-//! (the nils are the LoRA id and the storage medium) or
-//! `["BlockRemoved", [hash], nil]`.
+//! `[timestamp, events, 0]` (the last is the data-parallel rank). Each event
+//! is a positional array, in the layout of vLLM's `array_like` events with
+//! the hybrid-cache fields (what llm-d's kv-cache indexer decodes):
+//! `["BlockStored", [hash], parent_hash | nil, token_ids, block_size,
+//! lora_id, medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+//! kv_cache_spec_sliding_window]` (LoRA fields and the medium nil;
+//! `extra_keys` is `[nil]`, or `[[[identifier, offset], …]]` for a block
+//! that overlaps media; the kind `"full_attention"` or `"sliding_window"`
+//! with the window) and `["BlockRemoved", [hash], medium, group_idx]`.
+//! Every KV group reports its own blocks; hashes are vLLM's `sha256_cbor`
+//! block hashes in their integer form (`gemma4_engine::block_hash`).
 //!
 //! The socket is `zeromq`, a pure-Rust implementation: no C library to
 //! link, so the static binary stays static. PUB drops messages for a slow
 //! subscriber rather than wait, and the engine hands its events over a
 //! bounded queue without waiting either: a router that cannot keep up
-//! loses events, never slows generation.
+//! loses events, never slows generation. Each step's batch takes its
+//! sequence number before it is queued, so a batch dropped at a full queue
+//! leaves a gap a subscriber can see.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,18 +61,17 @@ pub async fn publish(config: KvEventsConfig) -> Result<KvEventSink, String> {
         .await
         .map_err(|e| format!("cannot bind --kv-events-endpoint {}: {e}", config.endpoint))?;
     tracing::info!(endpoint = %bound, topic = %config.topic, "publishing KV-cache events");
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<Vec<KvEvent>>(QUEUE_STEPS);
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<(u64, Vec<KvEvent>)>(QUEUE_STEPS);
     let dropped = AtomicU64::new(0);
+    let sequence = AtomicU64::new(0);
     tokio::spawn(async move {
-        let mut sequence = 0u64;
-        while let Some(events) = rx.recv().await {
+        while let Some((sequence, events)) = rx.recv().await {
             let payload = payload(unix_seconds(), &events, config.block_size);
             let frames: Vec<axum::body::Bytes> = vec![
                 config.topic.clone().into_bytes().into(),
                 sequence.to_be_bytes().to_vec().into(),
                 payload.into(),
             ];
-            sequence += 1;
             let Ok(message) = ZmqMessage::try_from(frames) else {
                 continue;
             };
@@ -73,7 +81,8 @@ pub async fn publish(config: KvEventsConfig) -> Result<KvEventSink, String> {
         }
     });
     let sink = KvEventSink(Arc::new(move |events| {
-        if tx.try_send(events).is_err() && dropped.fetch_add(1, Ordering::Relaxed) == 0 {
+        let number = sequence.fetch_add(1, Ordering::Relaxed);
+        if tx.try_send((number, events)).is_err() && dropped.fetch_add(1, Ordering::Relaxed) == 0 {
             tracing::warn!(
                 "KV-cache events are published slower than the engine makes them; some are dropped"
             );
@@ -89,7 +98,7 @@ fn unix_seconds() -> f64 {
         .unwrap_or(0.0)
 }
 
-/// The MessagePack payload of one message: `[timestamp, events]`.
+/// The MessagePack payload of one message: `[timestamp, events, 0]`.
 pub fn payload(timestamp: f64, events: &[KvEvent], block_size: usize) -> Vec<u8> {
     let mut out = ByteBuf::new();
     match write_payload(&mut out, timestamp, events, block_size) {
@@ -109,45 +118,80 @@ fn write_payload(
     events: &[KvEvent],
     block_size: usize,
 ) -> Written {
-    encode::write_array_len(out, 2)?;
+    encode::write_array_len(out, 3)?;
     encode::write_f64(out, timestamp)?;
     encode::write_array_len(out, events.len() as u32)?;
     for event in events {
         write_event(out, event, block_size)?;
     }
+    // The data-parallel rank: one engine.
+    encode::write_uint(out, 0)?;
     Ok(())
+}
+
+fn nil(out: &mut ByteBuf) -> Written {
+    encode::write_nil(out).map_err(ValueWriteError::InvalidMarkerWrite)
 }
 
 fn write_event(out: &mut ByteBuf, event: &KvEvent, block_size: usize) -> Written {
     match event {
         KvEvent::BlockStored {
+            group,
+            sliding_window,
             hash,
             parent,
             token_ids,
+            media,
         } => {
-            encode::write_array_len(out, 7)?;
+            encode::write_array_len(out, 12)?;
             encode::write_str(out, "BlockStored")?;
             encode::write_array_len(out, 1)?;
             encode::write_uint(out, *hash)?;
             match parent {
                 Some(p) => encode::write_uint(out, *p).map(drop)?,
-                None => encode::write_nil(out).map_err(ValueWriteError::InvalidMarkerWrite)?,
+                None => nil(out)?,
             }
             encode::write_array_len(out, token_ids.len() as u32)?;
             for &id in token_ids {
                 encode::write_uint(out, u64::from(id))?;
             }
             encode::write_uint(out, block_size as u64)?;
-            // No LoRA adapter; the medium left to the reader's default.
-            encode::write_nil(out).map_err(ValueWriteError::InvalidMarkerWrite)?;
-            encode::write_nil(out).map_err(ValueWriteError::InvalidMarkerWrite)?;
+            // No LoRA adapter (id, then name around the medium); the medium
+            // left to the reader's default.
+            nil(out)?;
+            nil(out)?;
+            nil(out)?;
+            // One entry per hash: the block's media keys, or nil.
+            encode::write_array_len(out, 1)?;
+            if media.is_empty() {
+                nil(out)?;
+            } else {
+                encode::write_array_len(out, media.len() as u32)?;
+                for (identifier, offset) in media {
+                    encode::write_array_len(out, 2)?;
+                    encode::write_str(out, identifier)?;
+                    encode::write_sint(out, *offset)?;
+                }
+            }
+            encode::write_uint(out, *group as u64)?;
+            match sliding_window {
+                Some(window) => {
+                    encode::write_str(out, "sliding_window")?;
+                    encode::write_uint(out, *window as u64)?;
+                }
+                None => {
+                    encode::write_str(out, "full_attention")?;
+                    nil(out)?;
+                }
+            }
         }
-        KvEvent::BlockRemoved { hash } => {
-            encode::write_array_len(out, 3)?;
+        KvEvent::BlockRemoved { group, hash } => {
+            encode::write_array_len(out, 4)?;
             encode::write_str(out, "BlockRemoved")?;
             encode::write_array_len(out, 1)?;
             encode::write_uint(out, *hash)?;
-            encode::write_nil(out).map_err(ValueWriteError::InvalidMarkerWrite)?;
+            nil(out)?;
+            encode::write_uint(out, *group as u64)?;
         }
     }
     Ok(())
@@ -161,37 +205,55 @@ mod tests {
     fn payloads_are_positional_msgpack_arrays() {
         let events = [
             KvEvent::BlockStored {
+                group: 1,
+                sliding_window: None,
                 hash: u64::MAX,
                 parent: None,
                 token_ids: vec![2, 300],
+                media: vec![],
             },
             KvEvent::BlockStored {
+                group: 0,
+                sliding_window: Some(512),
                 hash: 7,
                 parent: Some(u64::MAX),
                 token_ids: vec![1],
+                media: vec![("ab".into(), -3)],
             },
-            KvEvent::BlockRemoved { hash: 7 },
+            KvEvent::BlockRemoved { group: 0, hash: 7 },
         ];
         let bytes = payload(1.5, &events, 16);
-        let mut expected = vec![0x92, 0xcb];
+        let mut expected = vec![0x93, 0xcb];
         expected.extend(1.5f64.to_be_bytes());
         expected.push(0x93);
-        // ["BlockStored", [u64::MAX], nil, [2, 300], 16, nil, nil]
-        expected.extend([0x97, 0xab]);
+        // ["BlockStored", [u64::MAX], nil, [2, 300], 16, nil, nil, nil, [nil],
+        //  1, "full_attention", nil]
+        expected.extend([0x9c, 0xab]);
         expected.extend(b"BlockStored");
         expected.extend([0x91, 0xcf]);
         expected.extend(u64::MAX.to_be_bytes());
-        expected.extend([0xc0, 0x92, 0x02, 0xcd, 0x01, 0x2c, 0x10, 0xc0, 0xc0]);
-        // ["BlockStored", [7], u64::MAX, [1], 16, nil, nil]
-        expected.extend([0x97, 0xab]);
+        expected.extend([0xc0, 0x92, 0x02, 0xcd, 0x01, 0x2c, 0x10, 0xc0, 0xc0, 0xc0]);
+        expected.extend([0x91, 0xc0, 0x01, 0xae]);
+        expected.extend(b"full_attention");
+        expected.push(0xc0);
+        // ["BlockStored", [7], u64::MAX, [1], 16, nil, nil, nil, [[["ab", -3]]],
+        //  0, "sliding_window", 512]
+        expected.extend([0x9c, 0xab]);
         expected.extend(b"BlockStored");
         expected.extend([0x91, 0x07, 0xcf]);
         expected.extend(u64::MAX.to_be_bytes());
-        expected.extend([0x91, 0x01, 0x10, 0xc0, 0xc0]);
-        // ["BlockRemoved", [7], nil]
-        expected.extend([0x93, 0xac]);
+        expected.extend([0x91, 0x01, 0x10, 0xc0, 0xc0, 0xc0]);
+        expected.extend([0x91, 0x91, 0x92, 0xa2]);
+        expected.extend(b"ab");
+        expected.extend([0xfd, 0x00, 0xae]);
+        expected.extend(b"sliding_window");
+        expected.extend([0xcd, 0x02, 0x00]);
+        // ["BlockRemoved", [7], nil, 0]
+        expected.extend([0x94, 0xac]);
         expected.extend(b"BlockRemoved");
-        expected.extend([0x91, 0x07, 0xc0]);
+        expected.extend([0x91, 0x07, 0xc0, 0x00]);
+        // The data-parallel rank.
+        expected.push(0x00);
         assert_eq!(bytes, expected);
     }
 }

@@ -8,10 +8,11 @@
 //! `MM:SS <|image>` + N × `<|video|>` + `<image|>` per frame, frames joined by
 //! a space.
 
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::Hash;
 use std::sync::Arc;
 
 use base64::Engine as _;
+use gemma4_engine::block_hash::{ContentDigest, MediaSpan};
 use gemma4_engine::SoftPrompt;
 use gemma4_media::audio::{decode_audio, frames, Audio};
 use gemma4_media::video::{DEFAULT_VIDEO_FRAMES, VIDEO_SOFT_TOKENS};
@@ -45,8 +46,6 @@ pub struct Media {
     pub video_limits: VideoLimits,
     /// Fetches images by http(s) URL; `None` (the default) refuses them.
     pub remote: Option<crate::remote_media::RemoteMedia>,
-    /// Keys the media digest (per process, so no client can aim at a collision).
-    hash_keys: std::collections::hash_map::RandomState,
 }
 
 /// The most images, audio clips and videos one prompt may hold
@@ -79,7 +78,9 @@ pub struct Encoded {
     /// A video's frames: each one's `MM:SS` and soft tokens (empty for
     /// images and audio, which are one run each).
     pub frames: Vec<(String, usize)>,
-    digest: u64,
+    /// A digest of what the item shows (its pixels or samples and how they
+    /// were laid out), the same on every replica: its KV blocks are keyed on it.
+    identifier: String,
 }
 
 impl Encoded {
@@ -109,7 +110,6 @@ impl Media {
             limits: DecodeLimits::default(),
             video_limits: VideoLimits::default(),
             remote: None,
-            hash_keys: Default::default(),
         }
     }
 
@@ -173,7 +173,7 @@ impl Media {
                     }
                     e => ApiError::internal(format!("the media encoder failed: {e}")),
                 };
-                let mut h = self.hash_keys.build_hasher();
+                let mut h = ContentDigest::default();
                 let mut frames = Vec::new();
                 let (tokens, embeds, soft_tokens) = match part.kind {
                     MediaKind::Image => {
@@ -259,7 +259,7 @@ impl Media {
                     embeds,
                     soft_tokens,
                     frames,
-                    digest: h.finish(),
+                    identifier: h.identifier(),
                 })
             })
             .collect()
@@ -285,11 +285,13 @@ impl Media {
         let mut rows = Vec::new();
         let mut embeds = Vec::new();
         let mut blocks = Vec::new();
-        let mut key = self.hash_keys.build_hasher();
+        let mut media = Vec::new();
         let mut pieces = pieces.into_iter();
         ids.extend(pieces.next().unwrap_or_default());
         for item in items {
             let MediaTokens { soft, begin, end } = item.tokens;
+            // The item runs from its first begin marker to its last end marker.
+            let start = ids.len();
             for (r, run) in item.runs().into_iter().enumerate() {
                 if r > 0 {
                     ids.extend(pieces.next().unwrap_or_default());
@@ -304,14 +306,18 @@ impl Media {
                 ids.push(end);
             }
             embeds.extend(item.embeds);
-            item.digest.hash(&mut key);
+            media.push(MediaSpan {
+                identifier: item.identifier,
+                start,
+                end: ids.len(),
+            });
             ids.extend(pieces.next().unwrap_or_default());
         }
         let soft = SoftPrompt {
             rows,
             embeds,
             blocks,
-            content_key: key.finish(),
+            media,
         };
         (ids, Arc::new(soft))
     }
@@ -503,7 +509,7 @@ mod tests {
             embeds: vec![0.5; soft_tokens],
             soft_tokens,
             frames: frames.iter().map(|(t, n)| ((*t).to_owned(), *n)).collect(),
-            digest: 7,
+            identifier: "7".into(),
         }
     }
 

@@ -42,6 +42,7 @@ pub struct Metrics {
     refused_connections: IntCounter,
     ready: IntGauge,
     prefix_hits: IntCounter,
+    prefix_hit_tokens: IntCounter,
     preemptions: IntCounter,
     step_retries: IntCounter,
     vllm: VllmGauges,
@@ -280,6 +281,11 @@ impl Metrics {
                 "gemma4_prefix_cache_hits_total",
                 "Sequences admitted with a prompt prefix reused from the prefix cache",
             )?,
+            prefix_hit_tokens: counter(
+                &r,
+                "gemma4_prefix_cache_hit_tokens_total",
+                "Prompt tokens whose KV was reused from the prefix cache",
+            )?,
             preemptions: counter(
                 &r,
                 "gemma4_preemptions_total",
@@ -363,6 +369,10 @@ impl Metrics {
             if let Ok(_lock) = self.mirror.lock() {
                 self.prefix_hits
                     .inc_by(s.prefix_cache_hits.saturating_sub(self.prefix_hits.get()));
+                self.prefix_hit_tokens.inc_by(
+                    s.prefix_cache_hit_tokens
+                        .saturating_sub(self.prefix_hit_tokens.get()),
+                );
                 self.preemptions
                     .inc_by(s.preemptions.saturating_sub(self.preemptions.get()));
                 self.step_retries

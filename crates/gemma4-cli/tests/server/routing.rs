@@ -71,6 +71,11 @@ fn kv_events_show_a_router_where_a_prefix_lives() {
                 &[
                     "--block-size",
                     "4",
+                    // Prefill in chunks of two blocks: the sliding-window
+                    // group then needs few blocks and keeps few, so it
+                    // loses prefixes the full-attention group still holds.
+                    "--max-batch-tokens",
+                    "8",
                     "--max-num-seqs",
                     "1",
                     "--max-model-len",
@@ -119,20 +124,73 @@ fn kv_events_show_a_router_where_a_prefix_lives() {
         assert!(!seqs.is_empty(), "{out}");
         assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>(), "{out}");
     }
-    // The long prompt went to r0 only: every full block of it is in r0's
-    // index, none in r1's, so the router picks r0, and r0 then reuses it.
+    // Both replicas report a sliding-window group (the fixture's window is
+    // 8 tokens) and a full-attention group.
+    for replica in out["replicas"].as_array().expect("replicas") {
+        let kinds: Vec<(&str, Option<u64>)> = replica["groups"]
+            .as_object()
+            .expect("groups")
+            .values()
+            .map(|g| (g["kind"].as_str().unwrap_or_default(), g["window"].as_u64()))
+            .collect();
+        assert!(kinds.contains(&("sliding_window", Some(8))), "{out}");
+        assert!(kinds.contains(&("full_attention", None)), "{out}");
+    }
+    // The long prompt went to r0 only: its index claims the longer prompt's
+    // shared blocks, r1's none, so the router picks r0, and r0 reuses
+    // exactly what its index claimed.
     let full_blocks = out["shared_tokens"].as_u64().expect("tokens") / 4;
     assert!(full_blocks >= 3, "{out}");
-    assert_eq!(out["matched_blocks"]["r0"], json!(full_blocks), "{out}");
-    assert_eq!(out["matched_blocks"]["r1"], json!(0), "{out}");
+    let claimed = out["matched_tokens"]["r0"].as_u64().expect("claim");
+    assert!(claimed >= 8, "{out}");
+    assert_eq!(out["matched_tokens"]["r1"], json!(0), "{out}");
     assert_eq!(out["predicted"], "r0");
-    let hits = &out["prefix_hits"];
-    assert!(
-        hits[1].as_f64() > hits[0].as_f64(),
-        "no prefix-cache hit on the predicted replica: {out}"
-    );
+    assert_eq!(out["predicted_hit"].as_u64(), Some(claimed), "{out}");
+    // Prompts sharing prefixes, unrelated ones between: the index never
+    // claims what the engine then misses, nor misses what it reuses; and
+    // it has to read the sliding-window group to get there (the
+    // full-attention group alone claims more than the engine can reuse).
+    assert_eq!(out["mispredicted"], json!([]), "{out}");
+    assert!(out["claims_of_full_alone"].as_u64() > Some(0), "{out}");
     // Other prompts push the shared prefix out, and the events say so.
     assert_eq!(out["first_block_evicted"], true, "{out}");
     assert_eq!(out["evicted_prefix_seen"], true, "{out}");
     assert!(out["replicas"][0]["removed"].as_u64() > Some(0), "{out}");
+}
+
+/// Two chats with the same words and different images, through the events:
+/// the blocks over each image are keyed on its own identifier, so the
+/// router's index never takes one image's blocks for the other's; the
+/// second chat reuses exactly the blocks before the image, and its new
+/// blocks continue that chain.
+#[test]
+fn kv_events_tell_images_apart() {
+    let port = free_port();
+    let endpoint = format!("tcp://127.0.0.1:{port}");
+    let vision = crate::harness::root().join("tests/fixtures/vision");
+    let server = ServerProc::start(
+        &vision.join("e-style"),
+        &["--block-size", "4", "--kv-events-endpoint", &endpoint],
+        &[],
+    );
+    let spec = format!("{},{endpoint}", server.url());
+    let images = format!(
+        "{},{}",
+        vision.join("images/0.png").display(),
+        vision.join("images/1.png").display()
+    );
+    let args = ["--block-size", "4", "--replica", &spec, "--images", &images];
+    let Some(out) = python_script("kv_events.py", &["zmq", "msgpack"], &args) else {
+        return;
+    };
+    assert_eq!(out["problems"], json!([]), "{out}");
+    let ids = |key: &str| out[key].as_array().cloned().unwrap_or_default();
+    let (first, second) = (ids("first_ids"), ids("second_ids"));
+    assert_eq!(first.len(), 1, "{out}");
+    assert_eq!(second.len(), 1, "{out}");
+    assert_ne!(first, second, "{out}");
+    let before = out["blocks_before_image"].as_u64().expect("blocks");
+    assert!(before >= 2, "{out}");
+    assert_eq!(out["reused"].as_u64(), Some(before * 4), "{out}");
+    assert_eq!(out["second_follows_shared"], true, "{out}");
 }

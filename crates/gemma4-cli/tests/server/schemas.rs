@@ -267,3 +267,97 @@ fn unenforceable_tool_schemas_are_refused_and_neutral_fields_accepted() {
         assert_eq!(r.json()["error"]["param"], param, "{body}");
     }
 }
+
+/// `$defs` where each level offers four alternatives of the one below, with
+/// `beside` added at every level.
+fn chain(depth: usize, beside: Value) -> Value {
+    let mut defs = serde_json::Map::new();
+    defs.insert("d0".into(), json!({"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"]}));
+    for i in 1..=depth {
+        let mut level = beside.as_object().cloned().unwrap_or_default();
+        let option = json!({"$ref": format!("#/$defs/d{}", i - 1)});
+        level.insert("anyOf".into(), Value::Array(vec![option; 4]));
+        defs.insert(format!("d{i}"), Value::Object(level));
+    }
+    json!({"$defs": defs, "type": "object",
+        "properties": {"v": {"$ref": format!("#/$defs/d{depth}")}}, "required": ["v"]})
+}
+
+fn forced(params: &Value) -> Value {
+    json!({"messages": [{"role": "user", "content": "Call the tool."}],
+           "tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
+           "tool_choice": "required", "max_tokens": 60, "temperature": 0})
+}
+
+/// Clients that send the costliest schemas (alternatives of alternatives,
+/// each merged with the keyword beside it) get a 400 naming the budget in
+/// bounded time, while the probes keep answering within a second and the
+/// server's memory stays bounded; the same chain with nothing beside its
+/// alternatives is cheap, and its call holds.
+#[test]
+fn the_worst_schemas_are_refused_in_bounded_time_while_probes_answer() {
+    let server = ServerProc::start(crate::real_vocab::dir(), &[], &[]);
+    let cheap = chain(10, json!({"description": "a level"}));
+    let (calls, _, finish) = whole(&server, &forced(&cheap));
+    assert_eq!(finish, "tool_calls");
+    let args: Value = serde_json::from_str(&calls[0].1).expect("JSON arguments");
+    check(&cheap, &args, "the ten-level chain");
+
+    let before = server.rss_kib();
+    let worst = forced(&chain(10, json!({"type": "object"})));
+    let port = server.port;
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flooders: Vec<_> = (0..6)
+        .map(|_| {
+            let worst = worst.clone();
+            std::thread::spawn(move || {
+                let body = serde_json::to_vec(&worst).expect("body");
+                (0..3)
+                    .map(|_| {
+                        let started = std::time::Instant::now();
+                        let r = crate::harness::request(
+                            port,
+                            "POST",
+                            "/v1/chat/completions",
+                            &[("Content-Type", "application/json")],
+                            Some(&body),
+                        );
+                        (r, started.elapsed())
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    let prober = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut slowest = std::time::Duration::ZERO;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                let started = std::time::Instant::now();
+                let r = crate::harness::request(port, "GET", "/health", &[], None);
+                assert_eq!(r.status, 200, "{}", r.body);
+                slowest = slowest.max(started.elapsed());
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            slowest
+        })
+    };
+    for flooder in flooders {
+        for (r, took) in flooder.join().expect("flooder") {
+            assert_eq!(r.status, 400, "{}", r.body);
+            assert!(r.body.contains("more than 10000 subschemas"), "{}", r.body);
+            assert!(
+                took < std::time::Duration::from_secs(20),
+                "refused after {took:?}"
+            );
+        }
+    }
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let slowest = prober.join().expect("prober");
+    assert!(
+        slowest < std::time::Duration::from_secs(1),
+        "/health took {slowest:?}"
+    );
+    let grown = server.rss_kib().saturating_sub(before);
+    assert!(grown < 512 * 1024, "resident memory grew by {grown} KiB");
+}
