@@ -62,8 +62,6 @@ pub async fn publish(config: KvEventsConfig) -> Result<KvEventSink, String> {
         .map_err(|e| format!("cannot bind --kv-events-endpoint {}: {e}", config.endpoint))?;
     tracing::info!(endpoint = %bound, topic = %config.topic, "publishing KV-cache events");
     let (tx, mut rx) = tokio::sync::mpsc::channel::<(u64, Vec<KvEvent>)>(QUEUE_STEPS);
-    let dropped = AtomicU64::new(0);
-    let sequence = AtomicU64::new(0);
     tokio::spawn(async move {
         while let Some((sequence, events)) = rx.recv().await {
             let payload = payload(unix_seconds(), &events, config.block_size);
@@ -80,15 +78,23 @@ pub async fn publish(config: KvEventsConfig) -> Result<KvEventSink, String> {
             }
         }
     });
-    let sink = KvEventSink(Arc::new(move |events| {
+    Ok(numbered(tx))
+}
+
+/// The engine's side of the queue: each step's batch takes the next number,
+/// then is queued if there is room and dropped if not, so a dropped batch
+/// leaves a gap in the numbers subscribers see.
+fn numbered(tx: tokio::sync::mpsc::Sender<(u64, Vec<KvEvent>)>) -> KvEventSink {
+    let dropped = AtomicU64::new(0);
+    let sequence = AtomicU64::new(0);
+    KvEventSink(Arc::new(move |events| {
         let number = sequence.fetch_add(1, Ordering::Relaxed);
         if tx.try_send((number, events)).is_err() && dropped.fetch_add(1, Ordering::Relaxed) == 0 {
             tracing::warn!(
                 "KV-cache events are published slower than the engine makes them; some are dropped"
             );
         }
-    }));
-    Ok(sink)
+    }))
 }
 
 fn unix_seconds() -> f64 {
@@ -200,6 +206,21 @@ fn write_event(out: &mut ByteBuf, event: &KvEvent, block_size: usize) -> Written
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dropped_batch_leaves_a_gap_in_the_numbers() {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1);
+        let sink = numbered(tx);
+        let removed = |hash| vec![KvEvent::BlockRemoved { group: 0, hash }];
+        // The queue holds one batch: the next two are dropped.
+        for hash in 0..3 {
+            (sink.0)(removed(hash));
+        }
+        assert_eq!(rx.try_recv().ok(), Some((0, removed(0))));
+        (sink.0)(removed(3));
+        assert_eq!(rx.try_recv().ok(), Some((3, removed(3))));
+        assert!(rx.try_recv().is_err());
+    }
 
     #[test]
     fn payloads_are_positional_msgpack_arrays() {
