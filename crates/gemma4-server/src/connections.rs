@@ -101,22 +101,21 @@ pub async fn accept_loop(
         };
         let (slot, probes_only) = match slots.clone().try_acquire_owned() {
             Ok(slot) => (slot, false),
-            Err(_) => {
-                state.metrics.record_refused_connection();
-                match probe_slots.clone().try_acquire_owned() {
-                    Ok(slot) => (slot, true),
-                    Err(_) => {
-                        connections.spawn(refuse(stream));
-                        continue;
-                    }
+            Err(_) => match probe_slots.clone().try_acquire_owned() {
+                Ok(slot) => (slot, true),
+                Err(_) => {
+                    state.metrics.record_refused_connection();
+                    connections.spawn(refuse(stream));
+                    continue;
                 }
-            }
+            },
         };
         let app = app.clone();
         let stop = stop.clone();
         let state = state.clone();
         connections.spawn(async move {
             state.metrics.connection_opened();
+            let probes_only = probes_only.then(|| state.clone());
             serve_connection(stream, app, limits, stop, probes_only).await;
             state.metrics.connection_closed();
             drop(slot);
@@ -139,7 +138,8 @@ async fn serve_connection(
     app: Router,
     limits: ConnectionLimits,
     mut stop: watch::Receiver<bool>,
-    probes_only: bool,
+    // Set on a connection from the probe reserve: it serves only the probes.
+    probes_only: Option<Arc<AppState>>,
 ) {
     let _ = stream.set_nodelay(true);
     let mut builder = http1::Builder::new();
@@ -147,11 +147,16 @@ async fn serve_connection(
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
         // A probe connection serves one request and closes, freeing its place.
-        .keep_alive(!probes_only);
+        .keep_alive(probes_only.is_none());
     let app = TowerToHyperService::new(app);
     let service = service_fn(move |request: Request<Incoming>| {
-        let refused = probes_only && !PROBES.contains(&request.uri().path());
-        let answer = (!refused).then(|| app.call(request));
+        let refused = probes_only
+            .as_ref()
+            .filter(|_| !PROBES.contains(&request.uri().path()));
+        if let Some(state) = refused {
+            state.metrics.record_refused_connection();
+        }
+        let answer = refused.is_none().then(|| app.call(request));
         async move {
             match answer {
                 Some(answer) => answer.await,

@@ -195,6 +195,16 @@ async fn connections_past_the_cap_get_503_and_the_cap_frees_up() {
             "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
         );
         assert!(!later.contains("--max-connections"), "{later}");
+        // Refused: the request off the probes' list and the socket past the
+        // reserve; the probes served on the reserve are not counted.
+        let metrics = exchange(
+            port,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        );
+        assert!(
+            metrics.contains("\ngemma4_refused_connections_total 2\n"),
+            "{metrics}"
+        );
         drop((idle, reserve));
     })
     .await
