@@ -55,12 +55,12 @@ pub fn decode_jpeg_upsampled(
     limits: DecodeLimits,
     upsampling: ChromaUpsampling,
 ) -> Result<RgbImage> {
-    let mut session = Session::new();
+    let mut decompressor = Decompressor::new();
     let decoded = catch_unwind(AssertUnwindSafe(|| {
-        session.decode(bytes, limits, upsampling)
+        decompressor.decode(bytes, limits, upsampling)
     }));
     // The decompressor is destroyed before a foreign panic goes on.
-    drop(session);
+    drop(decompressor);
     let (width, height, pixels) = match decoded {
         Ok(result) => result?,
         Err(payload) => match payload.downcast::<LibjpegError>() {
@@ -77,13 +77,13 @@ struct LibjpegError(String);
 
 /// One decompressor with its error and progress managers, boxed so the
 /// pointers libjpeg keeps to them stay valid.
-struct Session {
+struct Decompressor {
     cinfo: jpeg_decompress_struct,
     err: jpeg_error_mgr,
     progress: jpeg_progress_mgr,
 }
 
-impl Session {
+impl Decompressor {
     fn new() -> Box<Self> {
         // SAFETY: the three are C structs of integers, nullable pointers and
         // optional function pointers, for which all-zero is a valid value;
@@ -91,19 +91,19 @@ impl Session {
         // and neither can fail (the only error `jpeg_CreateDecompress` can
         // raise is a library/header version mismatch, which the crate rules
         // out, and it is caught like any other).
-        let mut session: Box<Self> = Box::new(unsafe { std::mem::zeroed() });
+        let mut decompressor: Box<Self> = Box::new(unsafe { std::mem::zeroed() });
         unsafe {
-            jpeg_std_error(&mut session.err);
+            jpeg_std_error(&mut decompressor.err);
         }
-        session.err.error_exit = Some(raise_error);
-        session.err.emit_message = Some(ignore_message);
-        session.progress.progress_monitor = Some(limit_scans);
-        session.cinfo.common.err = &mut session.err;
+        decompressor.err.error_exit = Some(raise_error);
+        decompressor.err.emit_message = Some(ignore_message);
+        decompressor.progress.progress_monitor = Some(limit_scans);
+        decompressor.cinfo.common.err = &mut decompressor.err;
         unsafe {
-            jpeg_create_decompress(&mut session.cinfo);
+            jpeg_create_decompress(&mut decompressor.cinfo);
         }
-        session.cinfo.common.progress = &mut session.progress;
-        session
+        decompressor.cinfo.common.progress = &mut decompressor.progress;
+        decompressor
     }
 
     /// Header, size check, then the pixels; libjpeg's own errors unwind out
@@ -162,7 +162,7 @@ impl Session {
     }
 }
 
-impl Drop for Session {
+impl Drop for Decompressor {
     fn drop(&mut self) {
         // SAFETY: created in `new`; destroying also releases a decompressor
         // left mid-way by an error.
@@ -178,7 +178,7 @@ unsafe extern "C-unwind" fn raise_error(cinfo: &mut jpeg_common_struct) {
 
 /// The text of the error libjpeg is reporting.
 fn message(cinfo: &mut jpeg_common_struct) -> String {
-    // SAFETY: `err` is the manager `Session::new` installed.
+    // SAFETY: `err` is the manager `Decompressor::new` installed.
     let Some(format) = (unsafe { cinfo.err.as_ref() }).and_then(|err| err.format_message) else {
         return "libjpeg failed".into();
     };
