@@ -60,6 +60,10 @@ pub struct Args {
     /// Most thinking tokens per chat turn when a request gives no thinking_token_budget.
     #[arg(long)]
     thinking_token_budget: Option<usize>,
+    /// Most calls in one turn that `tool_choice: "required"` forces with
+    /// parallel calls on (the model may end the turn after any of them).
+    #[arg(long, default_value_t = 16)]
+    max_tool_calls: usize,
     /// Seconds a request may take from arrival to its last token (0: no limit).
     #[arg(long, default_value_t = 600.0)]
     request_timeout: f64,
@@ -234,9 +238,13 @@ async fn serve(args: Args) -> Result<ExitCode> {
         drain_timeout: seconds("--drain-timeout", args.drain_timeout)?,
         default_max_tokens: args.default_max_tokens.max(1),
         default_thinking_budget: args.thinking_token_budget,
+        max_tool_calls: args.max_tool_calls,
     };
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");
+    }
+    if args.max_tool_calls == 0 {
+        bail!("--max-tool-calls must be at least 1");
     }
     if args.max_num_seqs == 0 {
         bail!("--max-num-seqs must be at least 1");

@@ -27,6 +27,9 @@ pub struct ServerConfig {
     pub default_max_tokens: usize,
     /// Thinking tokens per chat turn when a request gives no `thinking_token_budget`.
     pub default_thinking_budget: Option<usize>,
+    /// Calls at most in one turn forced by `tool_choice: "required"` with
+    /// parallel calls (the model may end the turn after any of them).
+    pub max_tool_calls: usize,
 }
 
 impl Default for ServerConfig {
@@ -43,6 +46,7 @@ impl Default for ServerConfig {
             drain_timeout: Duration::from_secs(30),
             default_max_tokens: 256,
             default_thinking_budget: None,
+            max_tool_calls: 16,
         }
     }
 }

@@ -157,6 +157,7 @@ fn constraint(
     model: &ModelContext,
     sampling: &Sampling,
     chat: Option<&ChatControls>,
+    max_tool_calls: usize,
     tokens: &ProtocolTokens,
     prompt: &[u32],
 ) -> Result<Option<ConstraintFactory>, ApiError> {
@@ -202,7 +203,12 @@ fn constraint(
                 .map(Vec::as_slice)
                 .unwrap_or(&[]);
             (
-                GrammarSpec::Lark(tool_call_grammar(tools, only, parallel, markers)?),
+                GrammarSpec::Lark(tool_call_grammar(
+                    tools,
+                    only,
+                    if parallel { max_tool_calls } else { 1 },
+                    markers,
+                )?),
                 "tool_choice",
             )
         }
@@ -357,7 +363,8 @@ pub fn build_requests(
             prompt_param,
         )?;
         let thinking_budget = thinking_budget(state, chat, &tokens, prompt);
-        let constraint = constraint(model, sampling, chat, &tokens, prompt)?;
+        let max_calls = state.config.max_tool_calls;
+        let constraint = constraint(model, sampling, chat, max_calls, &tokens, prompt)?;
         for j in 0..sampling.n {
             let params = SamplingParams {
                 temperature: sampling.temperature,

@@ -83,12 +83,12 @@ pub const MAX_TRANSLATION_TIME: Duration = Duration::from_secs(2);
 
 /// A Lark grammar for Gemma 4 tool calls whose arguments follow each tool's
 /// `parameters` schema, then `<|tool_response>` after the last call. `only`
-/// restricts it to one named tool; it and `parallel == false` to one call;
-/// otherwise one or more calls.
+/// restricts it to one named tool and one call; otherwise one call up to
+/// `max_calls`, the turn free to end after any of them.
 pub fn tool_call_grammar(
     tools: &[Value],
     only: Option<&str>,
-    parallel: bool,
+    max_calls: usize,
     markers: CallMarkers,
 ) -> Result<String, ApiError> {
     let mut lark = LarkWriter::new(markers.quote);
@@ -132,10 +132,10 @@ pub fn tool_call_grammar(
         calls.join(" | "),
         markers.close
     );
-    let start = if only.is_some() || !parallel {
+    let start = if only.is_some() || max_calls <= 1 {
         format!("start: {call} <[{}]>", markers.end)
     } else {
-        format!("start: ({call})+ <[{}]>", markers.end)
+        format!("start: ({call}){{1,{max_calls}}} <[{}]>", markers.end)
     };
     let mut out = vec![start];
     // A reference whose target failed leaves its slot empty.
@@ -1139,7 +1139,7 @@ mod tests {
     /// random among those the mask allows, read back by the output parser.
     fn forced_calls(tools: &[Value], only: Option<&str>, seed: u64) -> (String, AssistantMessage) {
         let f = fixture();
-        let lark = tool_call_grammar(tools, only, true, f.markers)
+        let lark = tool_call_grammar(tools, only, 16, f.markers)
             .unwrap_or_else(|e| panic!("{}", e.message));
         let matcher = f
             .grammars
@@ -1278,8 +1278,7 @@ mod tests {
                 ]
             }),
         )];
-        let e =
-            tool_call_grammar(&tools, None, true, fixture().markers).expect_err("maxProperties");
+        let e = tool_call_grammar(&tools, None, 16, fixture().markers).expect_err("maxProperties");
         assert!(
             e.message.contains("maxProperties") && e.message.contains("\"plan\""),
             "{}",
@@ -1324,7 +1323,7 @@ mod tests {
             "deep",
             chain(30, 4, json!({"description": "a level"})),
         )];
-        let lark = tool_call_grammar(&tools, None, true, fixture().markers)
+        let lark = tool_call_grammar(&tools, None, 16, fixture().markers)
             .unwrap_or_else(|e| panic!("{}", e.message));
         assert!(lark.len() < 20_000, "{} bytes", lark.len());
         assert!(started.elapsed() < Duration::from_secs(1));
@@ -1340,7 +1339,7 @@ mod tests {
         let started = Instant::now();
         let tools = [tool("deep", chain(12, 4, json!({"type": "object"})))];
         let e =
-            tool_call_grammar(&tools, None, true, fixture().markers).expect_err("over the budget");
+            tool_call_grammar(&tools, None, 16, fixture().markers).expect_err("over the budget");
         assert!(
             e.message
                 .contains(&format!("more than {MAX_SUBSCHEMAS} subschemas")),
@@ -1371,7 +1370,7 @@ mod tests {
                 .map(|i| (format!("p{i:03}"), json!({"type": "boolean"})))
                 .collect();
             let tools = [tool("wide", json!({"type": "object", "properties": props}))];
-            tool_call_grammar(&tools, None, true, fixture().markers)
+            tool_call_grammar(&tools, None, 16, fixture().markers)
                 .unwrap_or_else(|e| panic!("{}", e.message))
                 .len()
         };
@@ -1441,7 +1440,7 @@ mod tests {
         // no call can be made.
         let mut never = tools[1].clone();
         never["function"]["parameters"]["required"] = json!(["c"]);
-        let e = tool_call_grammar(&[never], None, true, fixture().markers).expect_err("no call");
+        let e = tool_call_grammar(&[never], None, 16, fixture().markers).expect_err("no call");
         assert!(e.message.contains("beside"), "{}", e.message);
     }
 
@@ -1452,7 +1451,7 @@ mod tests {
             json!({"type": "object", "properties": {
                 "v": {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}}}),
         )];
-        let e = tool_call_grammar(&tools, None, true, fixture().markers).expect_err("overlap");
+        let e = tool_call_grammar(&tools, None, 16, fixture().markers).expect_err("overlap");
         assert!(
             e.message.contains("`oneOf` options 0 and 1"),
             "{}",
@@ -1472,6 +1471,49 @@ mod tests {
         // `dictsort`: without case, ties in byte order.
         let (text, _) = forced_calls(&tools, None, 0);
         assert!(text.contains("{A:2,a:4,b:1,C:3}"), "{text}");
+    }
+
+    #[test]
+    fn required_calls_stop_at_the_limit() {
+        let f = fixture();
+        let tools = [tool(
+            "ping",
+            json!({"type": "object", "properties": {}, "additionalProperties": false}),
+        )];
+        let lark = tool_call_grammar(&tools, None, 3, f.markers).expect("grammar");
+        let mut constraint = (f
+            .grammars
+            .constraint(
+                f.grammars
+                    .compile(&GrammarSpec::Lark(lark), "tool_choice")
+                    .expect("compiles"),
+                None,
+            )
+            .0)();
+        let allowed = |c: &mut Box<dyn gemma4_engine::TokenConstraint>, id: u32| {
+            let mask = c.allowed().expect("enforcing");
+            mask[id as usize / 32] & (1 << (id % 32)) != 0
+        };
+        // Three calls in a row, each followed by a free choice to end or go on.
+        let call = f.tok.encode("call:ping{}", false).expect("tokens");
+        for n in 1..=3 {
+            assert!(
+                allowed(&mut constraint, f.markers.open),
+                "call {n} may open"
+            );
+            constraint.accept(f.markers.open);
+            for &id in &call {
+                assert!(allowed(&mut constraint, id), "call {n}: token {id}");
+                constraint.accept(id);
+            }
+            assert!(allowed(&mut constraint, f.markers.close));
+            constraint.accept(f.markers.close);
+            assert!(
+                allowed(&mut constraint, f.markers.end),
+                "the turn may end after {n}"
+            );
+        }
+        assert!(!allowed(&mut constraint, f.markers.open), "a fourth call");
     }
 
     #[test]
@@ -1510,7 +1552,7 @@ mod tests {
         ];
         for (schema, word) in cases {
             let tools = [tool("ok", json!({})), tool("t", schema.clone())];
-            let e = tool_call_grammar(&tools, None, true, fixture().markers)
+            let e = tool_call_grammar(&tools, None, 16, fixture().markers)
                 .expect_err(&format!("{schema} is refused"));
             assert_eq!(e.status.as_u16(), 400);
             assert_eq!(e.param.as_deref(), Some("tools[1].function.parameters"));
@@ -1520,7 +1562,7 @@ mod tests {
                 e.message
             );
             // Naming another tool leaves the refused one out.
-            assert!(tool_call_grammar(&tools, Some("ok"), true, fixture().markers).is_ok());
+            assert!(tool_call_grammar(&tools, Some("ok"), 16, fixture().markers).is_ok());
         }
     }
 
