@@ -73,11 +73,24 @@ fn content_value(content: &Value, at: &str) -> Result<Value, ApiError> {
                         media = true;
                         out.push(json!({"type": "input_audio", "input_audio": part.get("input_audio").cloned().unwrap_or(Value::Null)}));
                     }
-                    other => {
+                    // An assistant's refusal fed back: what it said.
+                    Some("refusal") => {
+                        let text = part.get("refusal").and_then(Value::as_str).ok_or_else(|| {
+                            bad(format!("`{at}[{j}].refusal` must be a string"), at)
+                        })?;
+                        out.push(json!({"type": "text", "text": text}));
+                    }
+                    Some(other) => {
                         return Err(bad(
                             format!(
-                                "`{at}[{j}]` is a {other:?} part; this server accepts input_text, input_image and input_audio parts"
+                                "`{at}[{j}]` is a {other:?} part; this server accepts input_text, output_text, refusal, input_image and input_audio parts"
                             ),
+                            at,
+                        ))
+                    }
+                    None => {
+                        return Err(bad(
+                            format!("`{at}[{j}]` needs a \"type\" (\"input_text\", \"input_image\" or \"input_audio\")"),
                             at,
                         ))
                     }
@@ -407,4 +420,37 @@ fn stream_turn(mut turn: Turn) -> Response {
         }
     });
     Sse::new(events).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn content_parts_are_read_or_refused_by_name() {
+        let parts = json!([
+            {"type": "output_text", "text": "I can't"},
+            {"type": "refusal", "refusal": "help with that."}
+        ]);
+        assert_eq!(
+            content_value(&parts, "input[1].content").expect("read"),
+            json!("I can't\nhelp with that.")
+        );
+        for (part, words) in [
+            (json!({"type": "input_file"}), "is a \"input_file\" part"),
+            (json!({"text": "x"}), "needs a \"type\""),
+            (
+                json!({"type": "refusal"}),
+                "`input[0].content[0].refusal` must be a string",
+            ),
+        ] {
+            let e = content_value(&json!([part]), "input[0].content").expect_err("refused");
+            assert!(e.message.contains(words), "{}", e.message);
+            assert!(
+                !e.message.contains("Some(") && !e.message.contains("None"),
+                "{}",
+                e.message
+            );
+        }
+    }
 }
