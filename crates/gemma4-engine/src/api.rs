@@ -151,7 +151,7 @@ pub struct SoftPrompt {
     /// The media items and where they sit: the cached blocks they overlap
     /// are keyed on them, so two prompts with the same placeholders but
     /// different media never share those KV blocks.
-    pub media: Vec<crate::block_hash::MediaSpan>,
+    pub media: std::sync::Arc<[crate::block_hash::MediaSpan]>,
 }
 
 /// A prefill chunk's share of a [`SoftPrompt`], relative to the chunk.

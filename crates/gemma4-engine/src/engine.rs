@@ -644,8 +644,7 @@ impl Worker {
                     events,
                 });
                 let soft = request.soft_prompt.as_deref();
-                let media: std::sync::Arc<[_]> =
-                    soft.map_or_else(|| [].into(), |s| s.media.as_slice().into());
+                let media = soft.map_or_else(|| [].into(), |s| s.media.clone());
                 let whole_spans = match soft {
                     Some(soft) if self.bidirectional_vision => soft.blocks.clone(),
                     _ => Vec::new(),

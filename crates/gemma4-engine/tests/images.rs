@@ -165,11 +165,12 @@ fn media_request(
             embeds: placed.embeds,
             blocks: placed.blocks,
             // The whole prompt is keyed on its media.
-            media: vec![MediaSpan {
+            media: [MediaSpan {
                 identifier: format!("{:016x}", h.finish()),
                 start: 0,
                 end: ids.len(),
-            }],
+            }]
+            .into(),
         })),
     }
 }
@@ -272,14 +273,14 @@ fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
         rows: vec![1, 2],
         embeds: Vec::new(),
         blocks: Vec::new(),
-        media: Vec::new(),
+        media: [].into(),
     }));
     assert!(e_style.submit(r.clone()).is_err());
     r.soft_prompt = Some(Arc::new(SoftPrompt {
         rows: vec![9],
         embeds: vec![0.0; 64],
         blocks: Vec::new(),
-        media: Vec::new(),
+        media: [].into(),
     }));
     assert!(e_style.submit(r).is_err());
     // An image that attends to itself must fit one step.
@@ -295,7 +296,7 @@ fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
             rows: (1..82).collect(),
             embeds: vec![0.0; 81 * 128],
             blocks: vec![(1, 82)],
-            media: Vec::new(),
+            media: [].into(),
         })),
         ..r
     };
@@ -372,11 +373,12 @@ fn video_requests(variant: &str) -> Vec<(GenerationRequest, Vec<u32>)> {
                 rows: placed.rows,
                 embeds: placed.embeds,
                 blocks: placed.blocks,
-                media: vec![MediaSpan {
+                media: [MediaSpan {
                     identifier: format!("case {k}"),
                     start: 0,
                     end: ids.len(),
-                }],
+                }]
+                .into(),
             })
         });
         let request = GenerationRequest {

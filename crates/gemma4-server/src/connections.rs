@@ -115,8 +115,7 @@ pub async fn accept_loop(
         let state = state.clone();
         connections.spawn(async move {
             state.metrics.connection_opened();
-            let probes_only = probes_only.then(|| state.clone());
-            serve_connection(stream, app, limits, stop, probes_only).await;
+            serve_connection(stream, app, limits, stop, &state, probes_only).await;
             state.metrics.connection_closed();
             drop(slot);
         });
@@ -138,8 +137,9 @@ async fn serve_connection(
     app: Router,
     limits: ConnectionLimits,
     mut stop: watch::Receiver<bool>,
-    // Set on a connection from the probe reserve: it serves only the probes.
-    probes_only: Option<Arc<AppState>>,
+    state: &Arc<AppState>,
+    // A connection from the probe reserve serves only the probes.
+    probes_only: bool,
 ) {
     let _ = stream.set_nodelay(true);
     let mut builder = http1::Builder::new();
@@ -147,16 +147,15 @@ async fn serve_connection(
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
         // A probe connection serves one request and closes, freeing its place.
-        .keep_alive(probes_only.is_none());
+        .keep_alive(!probes_only);
     let app = TowerToHyperService::new(app);
+    let state = state.clone();
     let service = service_fn(move |request: Request<Incoming>| {
-        let refused = probes_only
-            .as_ref()
-            .filter(|_| !PROBES.contains(&request.uri().path()));
-        if let Some(state) = refused {
+        let refused = probes_only && !PROBES.contains(&request.uri().path());
+        if refused {
             state.metrics.record_refused_connection();
         }
-        let answer = refused.is_none().then(|| app.call(request));
+        let answer = (!refused).then(|| app.call(request));
         async move {
             match answer {
                 Some(answer) => answer.await,

@@ -317,7 +317,7 @@ impl Media {
             rows,
             embeds,
             blocks,
-            media,
+            media: media.into(),
         };
         (ids, Arc::new(soft))
     }

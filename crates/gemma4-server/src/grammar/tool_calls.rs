@@ -511,12 +511,8 @@ impl LarkWriter {
         depth: usize,
     ) -> Result<String, SchemaError> {
         let types = types_of(obj, at)?;
-        let constants: Option<Vec<Value>> = match (obj.get("const"), obj.get("enum")) {
-            (Some(c), _) => Some(vec![c.clone()]),
-            (None, Some(Value::Array(values))) => Some(values.clone()),
-            (None, Some(_)) => return Err(SchemaError::new(at, "`enum` must be a list")),
-            (None, None) => None,
-        };
+        let constants =
+            listed_values(obj).map_err(|()| SchemaError::new(at, "`enum` must be a list"))?;
         if let Some(values) = constants {
             let check = self.sibling_check(obj, at)?;
             let alts: Vec<String> = values
@@ -927,6 +923,17 @@ impl LarkWriter {
     }
 }
 
+/// The values `const` or `enum` allows, if either is there; `Err` for an
+/// `enum` that is not a list.
+fn listed_values(obj: &Map<String, Value>) -> Result<Option<Vec<Value>>, ()> {
+    match (obj.get("const"), obj.get("enum")) {
+        (Some(c), _) => Ok(Some(vec![c.clone()])),
+        (None, Some(Value::Array(values))) => Ok(Some(values.clone())),
+        (None, Some(_)) => Err(()),
+        (None, None) => Ok(None),
+    }
+}
+
 /// Whether no value can match both schemas, as far as their `type`s, their
 /// `const`/`enum` values, one required property's values or their `allOf`
 /// parts show.
@@ -942,11 +949,7 @@ fn disjoint(a: &Value, b: &Value) -> bool {
         return true;
     }
     let (a, b) = (oa, ob);
-    let values = |o: &Map<String, Value>| match (o.get("const"), o.get("enum")) {
-        (Some(c), _) => Some(vec![c.clone()]),
-        (None, Some(Value::Array(values))) => Some(values.clone()),
-        _ => None,
-    };
+    let values = |o: &Map<String, Value>| listed_values(o).ok().flatten();
     let apart = |x: Option<Vec<Value>>, y: Option<Vec<Value>>| match (x, y) {
         (Some(x), Some(y)) => x.iter().all(|v| !y.contains(v)),
         _ => false,
