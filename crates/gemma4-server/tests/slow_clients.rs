@@ -76,14 +76,17 @@ async fn dribbled_headers_are_cut_off_at_the_header_deadline() {
     let running = start(config()).await;
     let port = running.port;
     let outcome = tokio::task::spawn_blocking(move || {
-        let mut conns: Vec<(TcpStream, Option<Instant>)> =
-            (0..20).map(|_| (connect(port), None)).collect();
+        // Each connection's clock starts before its connect: the server's
+        // deadline runs from its accept, which cannot come earlier.
+        let mut conns: Vec<(Instant, TcpStream, Option<Instant>)> = (0..20)
+            .map(|_| (Instant::now(), connect(port), None))
+            .collect();
         let request = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaa\r\n";
         let started = Instant::now();
         let mut i = 0;
         // One byte per connection every 50 ms: well past the deadline for the whole head.
         while started.elapsed() < Duration::from_secs(3) {
-            for (conn, closed) in conns.iter_mut() {
+            for (_, conn, closed) in conns.iter_mut() {
                 if closed.is_some() {
                     continue;
                 }
@@ -98,7 +101,7 @@ async fn dribbled_headers_are_cut_off_at_the_header_deadline() {
         }
         conns
             .iter()
-            .map(|(_, closed)| closed.map(|t| t - started))
+            .map(|(opened, _, closed)| closed.map(|t| t - *opened))
             .collect::<Vec<_>>()
     })
     .await
