@@ -102,6 +102,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 params,
                 deadline: None,
                 soft_prompt: None,
+                reading: Default::default(),
             })
             .context("cannot start the reply")?;
         let mut reply = String::new();

@@ -88,6 +88,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             },
             deadline: None,
             soft_prompt: None,
+            reading: Default::default(),
         })
         .context("the engine refused the prompt")?;
     let mut stdout = std::io::stdout();

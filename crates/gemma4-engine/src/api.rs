@@ -3,6 +3,8 @@
 
 use std::time::Instant;
 
+use gemma4_text::{ChannelState, OutputEvent, Reading};
+
 /// How to pick each next token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -69,16 +71,15 @@ impl PartialEq for ConstraintFactory {
 }
 
 /// A bound on thinking: once `budget` tokens have been generated inside a
-/// channel opened by `open`, the next token is `close`. A call marker
-/// (`ends`) also ends thinking.
+/// thought channel (as [`ChannelState`] reads the turn from the prompt's
+/// end), the next token closes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ThinkingBudget {
     pub budget: usize,
-    pub open: u32,
+    /// The channel-closing token.
     pub close: u32,
-    pub ends: Vec<u32>,
-    /// The prompt left the model inside an open channel.
-    pub starts_inside: bool,
+    /// Where the turn stands at the prompt's end.
+    pub channel: ChannelState,
 }
 
 impl Default for SamplingParams {
@@ -134,6 +135,8 @@ pub struct GenerationRequest {
     pub deadline: Option<Instant>,
     /// Prompt positions whose embeddings an encoder computed (images).
     pub soft_prompt: Option<std::sync::Arc<SoftPrompt>>,
+    /// How the output is read: plain text, or a chat turn parsed into events.
+    pub reading: Reading,
 }
 
 /// Encoder outputs for some prompt positions: the model reads these rows
@@ -200,6 +203,8 @@ pub struct TokenLogprob {
 pub enum FinishReason {
     /// A stop token or stop string.
     Stop,
+    /// As `Stop`, in a chat turn that completed at least one tool call.
+    ToolCalls,
     /// `max_tokens` or the context length was reached.
     Length,
     /// The caller dropped its stream or cancelled.
@@ -215,6 +220,7 @@ impl FinishReason {
     pub fn as_openai(&self) -> &'static str {
         match self {
             FinishReason::Stop => "stop",
+            FinishReason::ToolCalls => "tool_calls",
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",
             FinishReason::Timeout => "timeout",
@@ -233,6 +239,8 @@ pub struct Usage {
     /// Prompt tokens this request computed in whole blocks, which the prefix
     /// cache then keeps for later requests (0 without prefix caching).
     pub cache_written_prompt_tokens: usize,
+    /// Generated tokens inside thought channels (chat turns).
+    pub reasoning_tokens: usize,
 }
 
 /// What the engine sends back, in order: zero or more `Token`s, then one `Finished`.
@@ -244,13 +252,26 @@ pub enum EngineEvent {
         id: u32,
         text: String,
         logprob: Option<TokenLogprob>,
+        /// What the text means in a chat turn (empty for plain text).
+        events: Vec<OutputEvent>,
     },
     Finished {
         reason: FinishReason,
         /// Text held back at the end (a partial stop-string match that did not complete).
         text: String,
+        /// The chat turn's last events.
+        events: Vec<OutputEvent>,
         usage: Usage,
     },
+}
+
+impl EngineEvent {
+    /// The chat turn's events this event carries.
+    pub fn turn_events(&self) -> &[OutputEvent] {
+        match self {
+            EngineEvent::Token { events, .. } | EngineEvent::Finished { events, .. } => events,
+        }
+    }
 }
 
 /// Why a request was not accepted.

@@ -599,8 +599,7 @@ impl Worker {
             let usage = Usage {
                 prompt_tokens: live.prompt_len,
                 completion_tokens: live.generated,
-                cached_prompt_tokens: 0,
-                cache_written_prompt_tokens: 0,
+                ..Usage::default()
             };
             let finished = OutputMsg::Finished {
                 id,
@@ -611,6 +610,7 @@ impl Worker {
                 let _ = live.events.send(EngineEvent::Finished {
                     reason: FinishReason::Error(reason.clone()),
                     text: String::new(),
+                    events: Vec::new(),
                     usage,
                 });
             }
@@ -640,7 +640,9 @@ impl Worker {
                 );
                 let _ = self.output.send(OutputMsg::Start {
                     id,
-                    params: params.clone(),
+                    prompt: request.prompt_ids.clone(),
+                    stop_strings: params.stop_strings.clone(),
+                    reading: request.reading.clone(),
                     events,
                 });
                 let soft = request.soft_prompt.as_deref();
@@ -712,6 +714,7 @@ impl Worker {
                 completion_tokens: l.generated,
                 cached_prompt_tokens: cached.min(l.prompt_len),
                 cache_written_prompt_tokens: self.cache_written(l.prompt_len, cached),
+                ..Usage::default()
             };
             let _ = self.output.send(OutputMsg::Finished { id, reason, usage });
         }

@@ -1,7 +1,8 @@
 //! The output processor: a thread of its own that turns the engine's
-//! sampled token ids into what callers receive: text (incremental
-//! detokenization, stop strings), log-prob texts, and the final event. The
-//! thread that runs the model never decodes text.
+//! sampled token ids into what callers receive: text (each id detokenized
+//! once, stop strings), a chat turn's events (reasoning, tool calls,
+//! answer), log-prob texts, and the final event. The thread that runs the
+//! model never decodes text.
 //!
 //! A stop string is found here, after the model thread has moved on: the
 //! processor sends the request's end back ([`StopNotice`]), ignores any
@@ -12,18 +13,19 @@ use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{mpsc, Arc};
 
-use gemma4_text::Tokenizer;
+use gemma4_text::{OutputStep, ProtocolTokens, Reading, RequestOutput, Tokenizer};
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::api::{EngineEvent, FinishReason, SamplingParams, TokenLogprob, Usage};
-use crate::output::OutputState;
+use crate::api::{EngineEvent, FinishReason, TokenLogprob, Usage};
 use crate::runner::panic_message;
 
 /// What the engine tells the processor, in the order it happens.
 pub(crate) enum OutputMsg {
     Start {
         id: u64,
-        params: SamplingParams,
+        prompt: Vec<u32>,
+        stop_strings: Vec<String>,
+        reading: Reading,
         events: UnboundedSender<EngineEvent>,
     },
     Token {
@@ -44,7 +46,7 @@ pub(crate) enum OutputMsg {
 pub(crate) type StopNotice = (u64, FinishReason);
 
 struct Entry {
-    output: OutputState,
+    output: RequestOutput,
     events: UnboundedSender<EngineEvent>,
     /// Tokens taken into the output.
     accepted: usize,
@@ -62,6 +64,7 @@ pub(crate) fn spawn(
         .name("gemma4-output".into())
         .spawn(move || {
             let mut p = Processor {
+                protocol: ProtocolTokens::new(&tokenizer),
                 tokenizer,
                 stops,
                 entries: HashMap::new(),
@@ -76,6 +79,7 @@ pub(crate) fn spawn(
 
 struct Processor {
     tokenizer: Arc<Tokenizer>,
+    protocol: ProtocolTokens,
     stops: mpsc::Sender<StopNotice>,
     entries: HashMap<u64, Entry>,
     /// Each token's own text, decoded the first time a log-prob needs it.
@@ -85,8 +89,20 @@ struct Processor {
 impl Processor {
     fn handle(&mut self, msg: OutputMsg) {
         match msg {
-            OutputMsg::Start { id, params, events } => {
-                let output = OutputState::new(self.tokenizer.clone(), &params);
+            OutputMsg::Start {
+                id,
+                prompt,
+                stop_strings,
+                reading,
+                events,
+            } => {
+                let output = RequestOutput::new(
+                    self.tokenizer.clone(),
+                    self.protocol.clone(),
+                    &prompt,
+                    &stop_strings,
+                    &reading,
+                );
                 self.entries.insert(
                     id,
                     Entry {
@@ -102,25 +118,37 @@ impl Processor {
                 token,
                 logprobs,
             } => self.token(id, token, logprobs),
-            OutputMsg::Finished { id, reason, usage } => {
-                let Some(mut e) = self.entries.remove(&id) else {
-                    return;
-                };
-                let text = match e.ended {
-                    Some(_) => String::new(),
-                    None => panic::catch_unwind(AssertUnwindSafe(|| e.output.flush()))
-                        .unwrap_or_default(),
-                };
-                let _ = e.events.send(EngineEvent::Finished {
-                    reason: e.ended.take().unwrap_or(reason),
-                    text,
-                    usage: Usage {
-                        completion_tokens: e.accepted,
-                        ..usage
-                    },
-                });
-            }
+            OutputMsg::Finished { id, reason, usage } => self.finished(id, reason, usage),
         }
+    }
+
+    fn finished(&mut self, id: u64, reason: FinishReason, usage: Usage) {
+        let Some(mut e) = self.entries.remove(&id) else {
+            return;
+        };
+        let last = match e.ended {
+            Some(_) => Ok(OutputStep::default()),
+            None => run_guarded(id, || e.output.finish()),
+        };
+        let (step, reason) = match (last, e.ended.take()) {
+            (Ok(step), Some(ended)) => (step, ended),
+            (Ok(step), None) => (step, reason),
+            (Err(failed), _) => (OutputStep::default(), failed),
+        };
+        let reason = match reason {
+            FinishReason::Stop if e.output.completed_calls() > 0 => FinishReason::ToolCalls,
+            other => other,
+        };
+        let _ = e.events.send(EngineEvent::Finished {
+            reason,
+            text: step.text,
+            events: step.events,
+            usage: Usage {
+                completion_tokens: e.accepted,
+                reasoning_tokens: e.output.reasoning_tokens(),
+                ..usage
+            },
+        });
     }
 
     fn token(&mut self, id: u64, token: u32, logprobs: Option<(f32, Vec<(u32, f32)>)>) {
@@ -141,27 +169,37 @@ impl Processor {
                 .map(|(t, l)| (t, token_text(texts, tokenizer, t), l))
                 .collect(),
         });
-        // One request's detokenizing: a panic there ends that request only.
-        let ended = match panic::catch_unwind(AssertUnwindSafe(|| e.output.push(token))) {
-            Ok((text, stopped)) => {
+        let ended = match run_guarded(id, || e.output.push(token)) {
+            Ok(step) => {
                 let _ = e.events.send(EngineEvent::Token {
                     id: token,
-                    text,
+                    text: step.text,
                     logprob,
+                    events: step.events,
                 });
-                stopped.then_some(FinishReason::Stop)
+                step.stopped.then_some(FinishReason::Stop)
             }
-            Err(payload) => {
-                let msg = panic_message(payload.as_ref());
-                tracing::error!(request = id, "detokenizing panicked: {msg}");
-                Some(FinishReason::Error(format!("detokenizing failed: {msg}")))
-            }
+            Err(failed) => Some(failed),
         };
         if let Some(reason) = ended {
             e.ended = Some(reason.clone());
             let _ = self.stops.send((id, reason));
         }
     }
+}
+
+/// One request's detokenizing: an error or a panic there ends that request only.
+fn run_guarded(
+    id: u64,
+    f: impl FnOnce() -> gemma4_text::Result<OutputStep>,
+) -> Result<OutputStep, FinishReason> {
+    let msg = match panic::catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(step)) => return Ok(step),
+        Ok(Err(e)) => e.to_string(),
+        Err(payload) => format!("it panicked: {}", panic_message(payload.as_ref())),
+    };
+    tracing::error!(request = id, "detokenizing failed: {msg}");
+    Err(FinishReason::Error(format!("detokenizing failed: {msg}")))
 }
 
 /// A token's text on its own (for log-probs), decoded once per engine.

@@ -5,6 +5,7 @@
 //! The logits arrive already soft-capped by the model, so every
 //! probability computed here is of the capped distribution.
 
+use gemma4_text::{ChannelState, Marker};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -18,8 +19,9 @@ pub struct Sampler {
     prompt_tokens: Vec<u32>,
     /// `(token, count)` of generated tokens.
     output_counts: std::collections::HashMap<u32, u32>,
-    /// Tokens generated in the open thought channel, if one is open.
-    thinking: Option<usize>,
+    /// With a thinking budget: where the turn stands, and the tokens
+    /// generated in the open thought channel.
+    thinking: Option<(ChannelState, usize)>,
     constraint: Option<Box<dyn TokenConstraint>>,
 }
 
@@ -43,7 +45,7 @@ impl Sampler {
         let thinking = params
             .thinking_budget
             .as_ref()
-            .and_then(|b| b.starts_inside.then_some(0));
+            .map(|b| (b.channel.clone(), 0));
         let constraint = params.constraint.as_ref().map(|make| (make.0)());
         Self {
             params,
@@ -104,19 +106,19 @@ impl Sampler {
     /// The channel's closing token once the thinking budget is spent.
     fn forced_token(&self) -> Option<u32> {
         let budget = self.params.thinking_budget.as_ref()?;
-        (self.thinking? >= budget.budget).then_some(budget.close)
+        let (channel, spent) = self.thinking.as_ref()?;
+        (channel.in_thought() && *spent >= budget.budget).then_some(budget.close)
     }
 
     fn track_thinking(&mut self, token: u32) {
-        let Some(budget) = &self.params.thinking_budget else {
+        let Some((channel, spent)) = self.thinking.as_mut() else {
             return;
         };
-        self.thinking = if token == budget.open {
-            Some(0)
-        } else if token == budget.close || budget.ends.contains(&token) {
-            None
+        let marker = channel.accept(token);
+        *spent = if channel.in_thought() && marker != Some(Marker::ChannelOpen) {
+            *spent + 1
         } else {
-            self.thinking.map(|n| n + 1)
+            0
         };
     }
 
@@ -281,6 +283,7 @@ fn log_softmax_top(x: &[f32], k: usize) -> (f32, Vec<(u32, f32)>) {
 mod tests {
     use super::*;
     use crate::api::ThinkingBudget;
+    use gemma4_text::ProtocolTokens;
 
     fn params() -> SamplingParams {
         SamplingParams {
@@ -478,12 +481,12 @@ mod tests {
 
     #[test]
     fn thinking_budget_forces_the_channel_closed() {
+        let tokens =
+            ProtocolTokens::from_ids([(0, Marker::ChannelOpen), (1, Marker::ChannelClose)]);
         let budget = ThinkingBudget {
             budget: 3,
-            open: 0,
             close: 1,
-            ends: vec![],
-            starts_inside: false,
+            channel: ChannelState::after_prompt(tokens.clone(), &[]),
         };
         let mut s = Sampler::new(
             SamplingParams {
@@ -501,7 +504,7 @@ mod tests {
         let mut s = Sampler::new(
             SamplingParams {
                 thinking_budget: Some(ThinkingBudget {
-                    starts_inside: true,
+                    channel: ChannelState::after_prompt(tokens, &[0]),
                     ..budget
                 }),
                 ..Default::default()

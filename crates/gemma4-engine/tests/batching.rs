@@ -60,6 +60,7 @@ fn request(ids: &[u32]) -> GenerationRequest {
         },
         deadline: None,
         soft_prompt: None,
+        reading: Default::default(),
     }
 }
 
@@ -210,6 +211,7 @@ fn sliding_layers_hold_only_their_window() {
             },
             deadline: None,
             soft_prompt: None,
+            reading: Default::default(),
         })
         .expect("submit");
     let mut n = 0;
@@ -282,6 +284,7 @@ fn sampled(engine: &EngineHandle, ids: &[u32], seed: u64) -> Vec<u32> {
             params,
             deadline: None,
             soft_prompt: None,
+            reading: Default::default(),
         })
         .expect("submit")
         .blocking_finish()
@@ -364,6 +367,7 @@ fn stop_strings_cut_the_text() {
             params,
             deadline: None,
             soft_prompt: None,
+            reading: Default::default(),
         })
         .expect("submit");
     let (mut text, mut tokens) = (String::new(), 0);
@@ -377,6 +381,7 @@ fn stop_strings_cut_the_text() {
                 text: t,
                 reason,
                 usage,
+                ..
             } => {
                 text.push_str(&t);
                 assert_eq!(reason, FinishReason::Stop);
@@ -417,6 +422,7 @@ fn timeouts_and_cancellation_free_blocks() {
             params: params.clone(),
             deadline,
             soft_prompt: None,
+            reading: Default::default(),
         })
         .expect("submit");
     let mut reason = None;
@@ -435,6 +441,7 @@ fn timeouts_and_cancellation_free_blocks() {
             params,
             deadline: None,
             soft_prompt: None,
+            reading: Default::default(),
         })
         .expect("submit");
     for _ in 0..3 {

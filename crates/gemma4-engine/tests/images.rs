@@ -160,6 +160,7 @@ fn media_request(
             ..Default::default()
         },
         deadline: None,
+        reading: Default::default(),
         soft_prompt: Some(Arc::new(SoftPrompt {
             rows: placed.rows,
             embeds: placed.embeds,
@@ -292,6 +293,7 @@ fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
     let r = request(&[2, 7], &[], &[], 500);
     let r = GenerationRequest {
         prompt_ids: ids,
+        reading: Default::default(),
         soft_prompt: Some(Arc::new(SoftPrompt {
             rows: (1..82).collect(),
             embeds: vec![0.0; 81 * 128],
@@ -389,6 +391,7 @@ fn video_requests(variant: &str) -> Vec<(GenerationRequest, Vec<u32>)> {
             },
             deadline: None,
             soft_prompt,
+            reading: Default::default(),
         };
         out.push((request, ints(&chat["greedy"])));
     }
@@ -402,6 +405,7 @@ fn video_requests(variant: &str) -> Vec<(GenerationRequest, Vec<u32>)> {
             },
             deadline: None,
             soft_prompt: None,
+            reading: Default::default(),
         },
         ints(&plain["greedy"]),
     ));

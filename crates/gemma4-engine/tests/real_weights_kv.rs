@@ -63,6 +63,7 @@ fn leading_tokens(path: &Path, dtype: KvDtype) -> Vec<(usize, usize)> {
                     },
                     deadline: None,
                     soft_prompt: None,
+                    reading: Default::default(),
                 })
                 .expect("submit")
                 .blocking_finish()

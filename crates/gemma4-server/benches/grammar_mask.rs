@@ -89,6 +89,7 @@ fn main() {
                                 params,
                                 deadline: None,
                                 soft_prompt: None,
+                                reading: Default::default(),
                             })
                             .expect("submit");
                         let mut n = 0;

@@ -8,14 +8,12 @@ use std::time::Instant;
 
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use gemma4_engine::{
-    check_stop_strings, ConstraintFactory, EngineEvent, FinishReason, GenerationRequest,
+    check_stop_strings, ConstraintFactory, EngineEvent, FinishReason, GenerationRequest, Reading,
     RequestStream, SamplingParams, SoftPrompt, ThinkingBudget, TokenConstraint, TokenLogprob,
     Usage,
 };
 
-use gemma4_text::{
-    AssistantMessage, Marker, OutputEvent, OutputProcessor, ProtocolTokens, TurnEnd,
-};
+use gemma4_text::{AssistantMessage, ChannelState, Marker, ProtocolTokens};
 
 use crate::admission::{check_choice_count, max_tokens_for, submit_error};
 use crate::error::ApiError;
@@ -217,18 +215,10 @@ fn constraint(
     };
     let grammars = model.grammars()?;
     let matcher = grammars.compile(&spec.0, spec.1)?;
-    let gate = match (
-        chat,
-        tokens.id(Marker::ChannelOpen),
-        tokens.id(Marker::ChannelClose),
-    ) {
-        (Some(c), Some(open), Some(close)) => {
-            let inside = tokens.prompt_state(prompt).is_some();
-            (c.thinking || inside).then_some(ThinkingGate {
-                open,
-                close,
-                inside,
-            })
+    let gate = match (chat, tokens.id(Marker::ChannelOpen)) {
+        (Some(c), Some(_)) => {
+            let channel = ChannelState::after_prompt(tokens.clone(), prompt);
+            (c.thinking || channel.in_thought()).then_some(ThinkingGate { channel })
         }
         _ => None,
     };
@@ -303,12 +293,11 @@ fn thinking_budget(
     let budget = chat?
         .thinking_token_budget
         .or(state.config.default_thinking_budget)?;
+    tokens.id(Marker::ChannelOpen)?;
     Some(ThinkingBudget {
         budget,
-        open: tokens.id(Marker::ChannelOpen)?,
         close: tokens.id(Marker::ChannelClose)?,
-        ends: tokens.id(Marker::ToolCallOpen).into_iter().collect(),
-        starts_inside: tokens.prompt_state(prompt).is_some(),
+        channel: ChannelState::after_prompt(tokens.clone(), prompt),
     })
 }
 
@@ -388,25 +377,30 @@ pub fn build_requests(
                 params,
                 deadline,
                 soft_prompt: None,
+                // A chat turn's calls get ids of their own.
+                reading: match chat {
+                    Some(_) => Reading::Chat {
+                        call_id_prefix: format!("{}_", state.response_id("call")),
+                    },
+                    None => Reading::Text,
+                },
             });
         }
     }
     Ok(requests)
 }
 
-/// An engine event tagged with its choice index, and what it means as a
-/// chat message (empty unless the generation reads the chat protocol).
+/// An engine event tagged with its choice index.
 pub struct ChoiceEvent {
     pub index: usize,
     pub event: EngineEvent,
-    pub parsed: Vec<OutputEvent>,
 }
 
 /// The merged event streams of a request's choices.
 pub struct Generation {
     streams: SelectAll<BoxStream<'static, ChoiceEvent>>,
-    /// One per choice when the output is read as a chat turn.
-    processors: Vec<OutputProcessor>,
+    /// Reasoning tokens of the choices that have finished.
+    reasoning_tokens: usize,
     /// Prompt tokens, counted once per prompt.
     pub prompt_tokens: usize,
     /// The chat prompt's media items and their soft tokens.
@@ -459,6 +453,7 @@ impl Choice {
                     "the engine stopped before finishing the request".into(),
                 ),
                 text: String::new(),
+                events: Vec::new(),
                 usage: Usage::default(),
             });
         let now = Instant::now();
@@ -493,20 +488,10 @@ impl Choice {
             ChoiceEvent {
                 index: self.index,
                 event,
-                parsed: Vec::new(),
             },
             self,
         ))
     }
-}
-
-/// How a generation's output is read.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Reading {
-    /// Plain text (completions, `/generate`).
-    Text,
-    /// A chat turn: reasoning, tool calls and answer.
-    Chat,
 }
 
 impl Generation {
@@ -517,22 +502,8 @@ impl Generation {
         requests: Vec<GenerationRequest>,
         prompts: &[Vec<u32>],
         arrival: Instant,
-        reading: Reading,
     ) -> Result<Self, ApiError> {
         let choices = requests.len();
-        let processors = match reading {
-            Reading::Text => Vec::new(),
-            Reading::Chat => requests
-                .iter()
-                .map(|r| {
-                    OutputProcessor::new(
-                        model.engine.tokenizer().clone(),
-                        &r.prompt_ids,
-                        format!("{}_", state.response_id("call")),
-                    )
-                })
-                .collect(),
-        };
         let mut streams = SelectAll::new();
         for (index, request) in requests.into_iter().enumerate() {
             let prompt_tokens = request.prompt_ids.len();
@@ -551,7 +522,7 @@ impl Generation {
         }
         Ok(Self {
             streams,
-            processors,
+            reasoning_tokens: 0,
             prompt_tokens: prompts.iter().map(Vec::len).sum(),
             prompt_media: Vec::new(),
             choices,
@@ -560,40 +531,16 @@ impl Generation {
 
     /// The next event of any choice; `None` once all have finished.
     pub async fn next(&mut self) -> Option<ChoiceEvent> {
-        let mut next = self.streams.next().await?;
-        if let Some(processor) = self.processors.get_mut(next.index) {
-            let parsed = match &next.event {
-                EngineEvent::Token { id, text, .. } => processor.push(*id, text),
-                EngineEvent::Finished { text, .. } => processor.finish(text),
-            };
-            next.parsed = parsed.unwrap_or_else(|e| {
-                tracing::warn!("cannot decode generated tokens: {e}");
-                Vec::new()
-            });
+        let next = self.streams.next().await?;
+        if let EngineEvent::Finished { usage, .. } = &next.event {
+            self.reasoning_tokens += usage.reasoning_tokens;
         }
         Some(next)
     }
 
-    /// The `finish_reason` of a choice that ended normally (`tool_calls` after
-    /// a completed call in a chat turn).
-    pub fn finish_reason(&self, index: usize, reason: &FinishReason) -> &'static str {
-        let end = match reason {
-            FinishReason::Stop => TurnEnd::Stop,
-            FinishReason::Length => TurnEnd::Length,
-            other => return other.as_openai(),
-        };
-        match self.processors.get(index) {
-            Some(p) => p.finish_reason(end),
-            None => reason.as_openai(),
-        }
-    }
-
-    /// Reasoning tokens of all choices (chat turns).
+    /// Reasoning tokens of all choices (chat turns) that have finished.
     pub fn reasoning_tokens(&self) -> usize {
-        self.processors
-            .iter()
-            .map(OutputProcessor::reasoning_tokens)
-            .sum()
+        self.reasoning_tokens
     }
 
     /// Cancels every choice still running.
@@ -605,7 +552,7 @@ impl Generation {
 /// The error a client sees for a request that ended abnormally.
 pub fn finish_error(reason: &FinishReason, state: &AppState) -> Option<ApiError> {
     match reason {
-        FinishReason::Stop | FinishReason::Length => None,
+        FinishReason::Stop | FinishReason::ToolCalls | FinishReason::Length => None,
         FinishReason::Timeout => {
             let limit = state
                 .config
@@ -635,6 +582,8 @@ pub struct ChoiceOutput {
     pub logprobs: Vec<TokenLogprob>,
     /// Character offset in `text` where each token's text starts.
     pub offsets: Vec<usize>,
+    /// Characters in `text`.
+    chars: usize,
     pub finish_reason: &'static str,
     pub completion_tokens: usize,
 }
@@ -651,37 +600,36 @@ pub async fn collect(mut generation: Generation, state: &AppState) -> Result<Col
     let mut out: Vec<ChoiceOutput> = (0..generation.choices)
         .map(|_| ChoiceOutput::default())
         .collect();
-    while let Some(ChoiceEvent {
-        index,
-        event,
-        parsed,
-    }) = generation.next().await
-    {
+    while let Some(ChoiceEvent { index, event }) = generation.next().await {
         let Some(choice) = out.get_mut(index) else {
             continue;
         };
-        for e in &parsed {
+        for e in event.turn_events() {
             choice.message.apply(e);
         }
         match event {
-            EngineEvent::Token { id, text, logprob } => {
+            EngineEvent::Token {
+                id, text, logprob, ..
+            } => {
                 choice.token_ids.push(id);
                 if let Some(lp) = logprob {
-                    choice.offsets.push(choice.text.chars().count());
+                    choice.offsets.push(choice.chars);
                     choice.logprobs.push(lp);
                 }
+                choice.chars += text.chars().count();
                 choice.text.push_str(&text);
             }
             EngineEvent::Finished {
                 reason,
                 text,
                 usage,
+                ..
             } => {
                 if let Some(err) = finish_error(&reason, state) {
                     return Err(err);
                 }
                 choice.text.push_str(&text);
-                choice.finish_reason = generation.finish_reason(index, &reason);
+                choice.finish_reason = reason.as_openai();
                 choice.completion_tokens = usage.completion_tokens;
             }
         }

@@ -30,7 +30,7 @@ use crate::drain::ActiveGuard;
 use crate::error::ApiError;
 use crate::generation::{
     blocking, build_requests, chat_prompt, collect, text_prompt, ChatControls, Collected,
-    Generation, Reading,
+    Generation,
 };
 use crate::openai::request::{Sampling, Streaming, ToolChoice};
 use crate::openai::response::MediaTokensJson;
@@ -373,8 +373,7 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
         })
         .await?
     };
-    let generation =
-        Generation::submit(&state, &model, requests, &prompts, arrival, Reading::Text)?;
+    let generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
     let prompt_tokens = generation.prompt_tokens;
     let mut collected = collect(generation, &state).await?;
     drop(guard);
@@ -471,12 +470,7 @@ async fn submit_openai(
     for (i, r) in requests.iter_mut().enumerate() {
         r.soft_prompt = job.soft_prompts[i / job.sampling.n.max(1)].clone();
     }
-    let reading = match format {
-        Format::Chat => Reading::Chat,
-        Format::Completion => Reading::Text,
-    };
-    let generation =
-        Generation::submit(state, model, requests, &job.prompts, job.arrival, reading)?;
+    let generation = Generation::submit(state, model, requests, &job.prompts, job.arrival)?;
     let id = state.response_id(match format {
         Format::Chat => "chatcmpl",
         Format::Completion => "cmpl",

@@ -231,10 +231,15 @@ impl Streamer {
             match self.generation.next().await {
                 Some(ChoiceEvent {
                     index,
-                    event: EngineEvent::Token { text, logprob, .. },
-                    parsed,
+                    event:
+                        EngineEvent::Token {
+                            text,
+                            logprob,
+                            events,
+                            ..
+                        },
                 }) => {
-                    self.token(index, text, parsed, logprob);
+                    self.token(index, text, events, logprob);
                 }
                 Some(ChoiceEvent {
                     index,
@@ -242,9 +247,9 @@ impl Streamer {
                         EngineEvent::Finished {
                             reason,
                             text,
+                            events,
                             usage,
                         },
-                    parsed,
                 }) => {
                     self.completion_tokens += usage.completion_tokens;
                     if let Some(err) = finish_error(&reason, &self.state) {
@@ -253,8 +258,7 @@ impl Streamer {
                         self.pending.push_back(data(&err.body()));
                         self.done();
                     } else {
-                        let reason = self.generation.finish_reason(index, &reason);
-                        self.finish(index, text, parsed, reason);
+                        self.finish(index, text, events, reason.as_openai());
                     }
                 }
                 None => {

@@ -8,8 +8,10 @@
 //!   output is byte-identical to Hugging Face transformers' `apply_chat_template`.
 //! * [`IncrementalDecoder`] turns generated ids into text one id at a time without
 //!   splitting characters, keeping Gemma 4's tool-call and thinking markers visible.
-//! * [`OutputProcessor`] reads a Gemma 4 model turn from its ids: answer,
-//!   reasoning and tool calls (with arguments as JSON), as typed events.
+//! * [`RequestOutput`] is one request's output: each id detokenized once, stop
+//!   strings applied ([`TextOutput`]), and a Gemma 4 chat turn read by the
+//!   [`TurnParser`] into typed events: answer, reasoning and tool calls (with
+//!   arguments as JSON). [`ChannelState`] says where a turn stands, id by id.
 //! * [`GgufMetadata`] reads the metadata section of GGUF files.
 //!
 //! Templates run in MiniJinja with Python semantics layered on top (Python's
@@ -22,6 +24,7 @@ mod detok;
 mod error;
 mod gguf;
 mod gguf_tokenizer;
+mod output;
 mod protocol;
 mod pyfmt;
 mod special;
@@ -32,9 +35,10 @@ pub use chat_template::ChatTemplate;
 pub use detok::IncrementalDecoder;
 pub use error::{Result, TextError};
 pub use gguf::{GgufMetadata, GgufValue};
+pub use output::{OutputStep, Piece, Reading, Released, RequestOutput, TextOutput};
 pub use protocol::{
-    ArgumentWriter, AssistantMessage, Marker, OutputEvent, OutputProcessor, ProtocolTokens,
-    ToolCall, TurnEnd,
+    ArgumentWriter, AssistantMessage, Channel, ChannelState, Marker, OutputEvent, ProtocolTokens,
+    ToolCall, TurnParser,
 };
 pub use special::{MARKUP_TOKENS, STOP_TOKENS};
 pub use tokenizer::{gguf_add_bos_token, gguf_chat_template, Tokenizer};

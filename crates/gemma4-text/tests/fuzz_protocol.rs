@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use gemma4_text::{AssistantMessage, IncrementalDecoder, OutputProcessor, Tokenizer};
+use gemma4_text::{AssistantMessage, ProtocolTokens, TextOutput, Tokenizer, TurnParser};
 use proptest::prelude::*;
 
 fn tokenizer() -> Arc<Tokenizer> {
@@ -41,30 +41,23 @@ fn hostile_turn() -> impl Strategy<Value = String> {
 }
 
 fn parse(tok: &Arc<Tokenizer>, ids: &[u32], whole: bool) -> Result<AssistantMessage, String> {
-    let mut decoder = IncrementalDecoder::new(tok.clone());
-    let mut p = OutputProcessor::new(tok.clone(), &[], "call_".into());
+    let protocol = ProtocolTokens::new(tok);
+    let mut output = TextOutput::new(tok.clone(), protocol.clone(), &[]);
+    let mut parser = TurnParser::new(&protocol, &[], "call_".into());
     let mut events = Vec::new();
-    let mut held = String::new();
+    let mut held = Vec::new();
     for &id in ids {
-        let text = decoder
-            .push(id)
-            .map_err(|e| e.to_string())?
-            .unwrap_or_default();
+        let pieces = output.push(id).map_err(|e| e.to_string())?.pieces;
         if whole {
-            // The engine holds every piece of text back until the end.
-            held.push_str(&text);
-            events.extend(p.push(id, "").map_err(|e| e.to_string())?);
+            // Every piece held back until the end.
+            held.extend(pieces);
         } else {
-            events.extend(p.push(id, &text).map_err(|e| e.to_string())?);
+            pieces.iter().for_each(|p| parser.push(p, &mut events));
         }
     }
-    held.push_str(
-        &decoder
-            .finish()
-            .map_err(|e| e.to_string())?
-            .unwrap_or_default(),
-    );
-    events.extend(p.finish(&held).map_err(|e| e.to_string())?);
+    held.extend(output.finish().map_err(|e| e.to_string())?.pieces);
+    held.iter().for_each(|p| parser.push(p, &mut events));
+    parser.finish(&mut events);
     Ok(AssistantMessage::from_events(&events))
 }
 

@@ -2,19 +2,19 @@
 //!
 //! Each case is a model turn as text (markers spelled out) and the message it
 //! must give. The text is tokenized with a Gemma 4 vocabulary (markers become
-//! their special tokens), then fed to [`OutputProcessor`] three ways: all at
-//! once, one token at a time with the engine releasing each token's text, and
-//! for every byte boundary of the text, with the engine holding back
-//! everything past that boundary until the end (as it does while a stop string
-//! may be matching). Every way must give the expected message.
+//! their special tokens), detokenized by a request's [`TextOutput`] into
+//! released pieces, then fed to the [`TurnParser`] three ways: all at once,
+//! as released id by id, and for every character boundary of the text, with
+//! everything past that boundary held back until the end (as a stop string
+//! that may be matching holds it). Every way must give the expected message.
 
 mod common;
 
 use std::sync::Arc;
 
 use gemma4_text::{
-    AssistantMessage, IncrementalDecoder, OutputEvent, OutputProcessor, Tokenizer, ToolCall,
-    TurnEnd,
+    AssistantMessage, ChannelState, OutputEvent, Piece, ProtocolTokens, Reading, RequestOutput,
+    TextOutput, Tokenizer, ToolCall, TurnParser,
 };
 use serde_json::{json, Value};
 
@@ -24,75 +24,83 @@ fn tokenizer() -> Arc<Tokenizer> {
     Arc::new(Tokenizer::from_dir(&dir).expect("the e-style fixture tokenizer loads"))
 }
 
-/// A turn's ids and the text the engine releases with each id (what its
-/// incremental decoder gives), plus what it releases at the end.
-fn engine_view(tok: &Arc<Tokenizer>, text: &str) -> (Vec<u32>, Vec<String>, String) {
+/// A turn's ids and the pieces its output releases with each id, plus those
+/// released at the end.
+fn engine_view(tok: &Arc<Tokenizer>, text: &str) -> (Vec<u32>, Vec<Vec<Piece>>, Vec<Piece>) {
     let ids = tok.encode(text, false).expect("encodes");
-    let mut decoder = IncrementalDecoder::new(tok.clone());
+    let mut output = TextOutput::new(tok.clone(), ProtocolTokens::new(tok), &[]);
     let released = ids
         .iter()
-        .map(|&id| decoder.push(id).expect("decodes").unwrap_or_default())
+        .map(|&id| output.push(id).expect("decodes").pieces)
         .collect();
-    let rest = decoder.finish().expect("decodes").unwrap_or_default();
+    let rest = output.finish().expect("decodes").pieces;
     (ids, released, rest)
 }
 
 fn run(
     tok: &Arc<Tokenizer>,
     prompt: &[u32],
-    ids: &[u32],
-    released: &[String],
-    rest: &str,
+    released: &[Vec<Piece>],
+    rest: &[Piece],
 ) -> (AssistantMessage, Vec<OutputEvent>) {
-    let mut p = OutputProcessor::new(tok.clone(), prompt, "call_".into());
+    let mut p = TurnParser::new(&ProtocolTokens::new(tok), prompt, "call_".into());
     let mut events = Vec::new();
-    for (&id, text) in ids.iter().zip(released) {
-        events.extend(p.push(id, text).expect("push"));
+    for piece in released.iter().flatten().chain(rest) {
+        p.push(piece, &mut events);
     }
-    events.extend(p.finish(rest).expect("finish"));
+    p.finish(&mut events);
     (AssistantMessage::from_events(&events), events)
+}
+
+fn spelling(piece: &Piece) -> &str {
+    match piece {
+        Piece::Text(t) => t,
+        Piece::Marker(m) => m.as_str(),
+    }
+}
+
+/// `pieces` with everything from byte `cut` of their text on held back:
+/// (released, held). A cut inside a marker holds the whole marker.
+fn hold_from(pieces: &[Piece], cut: usize) -> (Vec<Piece>, Vec<Piece>) {
+    let (mut released, mut held) = (Vec::new(), Vec::new());
+    let mut pos = 0;
+    for piece in pieces {
+        let len = spelling(piece).len();
+        match piece {
+            Piece::Text(t) if pos < cut && cut < pos + len => {
+                released.push(Piece::Text(t[..cut - pos].to_owned()));
+                held.push(Piece::Text(t[cut - pos..].to_owned()));
+            }
+            _ if pos + len <= cut => released.push(piece.clone()),
+            _ => held.push(piece.clone()),
+        }
+        pos += len;
+    }
+    (released, held)
 }
 
 /// Checks one case every way; returns the message.
 fn check(text: &str, prompt: &[u32], expected: &AssistantMessage) {
     let tok = tokenizer();
-    let (ids, released, rest) = engine_view(&tok, text);
-    let full: String = released
-        .iter()
-        .map(String::as_str)
-        .chain([rest.as_str()])
-        .collect();
+    let (_, released, rest) = engine_view(&tok, text);
+    let all: Vec<Piece> = released.iter().flatten().chain(&rest).cloned().collect();
+    let full: String = all.iter().map(spelling).collect();
     assert_eq!(full, text, "the fixture vocabulary round-trips the case");
 
     // All at once: nothing released until the end.
-    let none = vec![String::new(); ids.len()];
-    let (whole, _) = run(&tok, prompt, &ids, &none, &full);
+    let (whole, _) = run(&tok, prompt, &[], &all);
     assert_eq!(&whole, expected, "whole parse of {text:?}");
 
-    // Token by token.
-    let (streamed, events) = run(&tok, prompt, &ids, &released, &rest);
+    // Id by id.
+    let (streamed, events) = run(&tok, prompt, &released, &rest);
     assert_eq!(&streamed, expected, "token stream of {text:?}");
     check_event_order(&events);
 
-    // Held back at every byte boundary.
-    let mut bounds = vec![0];
-    let mut pos = 0;
-    for r in &released {
-        pos += r.len();
-        bounds.push(pos);
-    }
+    // Held back at every character boundary.
     for cut in (0..=full.len()).filter(|&c| full.is_char_boundary(c)) {
-        let mut sent = 0;
-        let held: Vec<String> = bounds[1..]
-            .iter()
-            .map(|&b| {
-                let upto = b.min(cut).max(sent);
-                let piece = full[sent..upto].to_owned();
-                sent = upto;
-                piece
-            })
-            .collect();
-        let (split, _) = run(&tok, prompt, &ids, &held, &full[sent..]);
+        let (first, held) = hold_from(&all, cut);
+        let pieces: Vec<Vec<Piece>> = first.into_iter().map(|p| vec![p]).collect();
+        let (split, _) = run(&tok, prompt, &pieces, &held);
         assert_eq!(&split, expected, "{text:?} held back at byte {cut}");
     }
 }
@@ -321,6 +329,27 @@ fn stray_markup_never_reaches_content() {
     );
 }
 
+/// A chat turn's events and output, read by a request's [`RequestOutput`].
+fn chat_output(tok: &Arc<Tokenizer>, stops: &[String]) -> RequestOutput {
+    let reading = Reading::Chat {
+        call_id_prefix: "call_".into(),
+    };
+    RequestOutput::new(tok.clone(), ProtocolTokens::new(tok), &[], stops, &reading)
+}
+
+fn read_all(output: &mut RequestOutput, ids: &[u32]) -> Vec<OutputEvent> {
+    let mut events = Vec::new();
+    for &id in ids {
+        let step = output.push(id).expect("push");
+        events.extend(step.events);
+        if step.stopped {
+            break;
+        }
+    }
+    events.extend(output.finish().expect("finish").events);
+    events
+}
+
 #[test]
 fn marker_lookalike_text_is_text() {
     // Characters that spell a marker without being its token stay content.
@@ -329,16 +358,7 @@ fn marker_lookalike_text_is_text() {
         .chars()
         .flat_map(|c| tok.encode(&c.to_string(), false).expect("encodes"))
         .collect();
-    let mut p = OutputProcessor::new(tok.clone(), &[], "call_".into());
-    let mut events = Vec::new();
-    let mut decoder = IncrementalDecoder::new(tok.clone());
-    for &id in &ids {
-        let text = decoder.push(id).expect("decodes").unwrap_or_default();
-        events.extend(p.push(id, &text).expect("push"));
-    }
-    // What the decoder still holds comes out at the end, as the engine flushes it.
-    let rest = decoder.finish().expect("decodes").unwrap_or_default();
-    events.extend(p.finish(&rest).expect("finish"));
+    let events = read_all(&mut chat_output(&tok, &[]), &ids);
     assert_eq!(
         AssistantMessage::from_events(&events),
         message("<|tool_call>", "", &[])
@@ -346,53 +366,80 @@ fn marker_lookalike_text_is_text() {
 }
 
 #[test]
-fn finish_reason_is_tool_calls_after_a_complete_call() {
+fn completed_calls_are_counted() {
     let tok = tokenizer();
-    let reason = |text: &str, end: TurnEnd| {
-        let (ids, released, rest) = engine_view(&tok, text);
-        let mut p = OutputProcessor::new(tok.clone(), &[], "c".into());
-        for (&id, t) in ids.iter().zip(&released) {
-            p.push(id, t).expect("push");
-        }
-        p.finish(&rest).expect("finish");
-        p.finish_reason(end)
+    let calls = |text: &str| {
+        let ids = tok.encode(text, false).expect("encodes");
+        let mut output = chat_output(&tok, &[]);
+        read_all(&mut output, &ids);
+        output.completed_calls()
     };
-    let call = "<|tool_call>call:f{}<tool_call|>";
-    assert_eq!(reason(call, TurnEnd::Stop), "tool_calls");
-    assert_eq!(reason(call, TurnEnd::Length), "length");
-    assert_eq!(reason("<|tool_call>call:f{a:1", TurnEnd::Stop), "stop");
-    assert_eq!(reason("x", TurnEnd::Stop), "stop");
+    assert_eq!(calls("<|tool_call>call:f{}<tool_call|>"), 1);
+    assert_eq!(
+        calls("<|tool_call>call:f{}<tool_call|><|tool_call>call:g{}<tool_call|>"),
+        2
+    );
+    assert_eq!(calls("<|tool_call>call:f{a:1"), 0);
+    assert_eq!(calls("x"), 0);
 }
 
 #[test]
 fn stop_string_cut_is_respected() {
-    // The engine matched a stop string at "STOP" and released only the text before it.
+    // A stop string matched at "STOP": the turn is cut before it.
     let tok = tokenizer();
-    let (ids, _, _) = engine_view(&tok, "<|channel>thought\nhmm<channel|>yes STOP no");
-    let none = vec![String::new(); ids.len()];
-    let (m, _) = run(
-        &tok,
-        &[],
-        &ids,
-        &none,
-        "<|channel>thought\nhmm<channel|>yes ",
+    let ids = tok
+        .encode("<|channel>thought\nhmm<channel|>yes STOP no", false)
+        .expect("encodes");
+    let mut output = chat_output(&tok, &["STOP".into()]);
+    let events = read_all(&mut output, &ids);
+    assert_eq!(
+        AssistantMessage::from_events(&events),
+        message("yes ", "hmm", &[])
     );
-    assert_eq!(m, message("yes ", "hmm", &[]));
+}
+
+#[test]
+fn a_stop_string_never_releases_half_a_marker() {
+    // A stop string that starts inside a marker's spelling cuts the text
+    // before the marker: its token is released whole, or not at all.
+    let tok = tokenizer();
+    let ids = tok
+        .encode("ab<|tool_call>call:f{}<tool_call|>", false)
+        .expect("encodes");
+    let mut output = TextOutput::new(
+        tok.clone(),
+        ProtocolTokens::new(&tok),
+        &["tool_call>call".into()],
+    );
+    let first = output.push(ids[0]).expect("push");
+    let mut texts = vec![first.text];
+    let mut stopped = false;
+    for &id in &ids[1..] {
+        let step = output.push(id).expect("push");
+        texts.push(step.text);
+        stopped |= step.stopped;
+    }
+    assert!(stopped, "the stop string spans the marker's spelling");
+    assert_eq!(texts.concat(), "ab");
 }
 
 #[test]
 fn reasoning_tokens_are_counted() {
     let tok = tokenizer();
-    let (ids, released, _) = engine_view(&tok, "<|channel>thought\nabc<channel|>d");
-    let mut p = OutputProcessor::new(tok.clone(), &[], "c".into());
+    let ids = tok
+        .encode("<|channel>thought\nabc<channel|>d", false)
+        .expect("encodes");
+    let mut output = chat_output(&tok, &[]);
+    let mut channel = ChannelState::after_prompt(ProtocolTokens::new(&tok), &[]);
     let mut thinking = Vec::new();
-    for (&id, text) in ids.iter().zip(&released) {
-        p.push(id, text).expect("push");
-        thinking.push(p.is_thinking());
+    for &id in &ids {
+        output.push(id).expect("push");
+        channel.accept(id);
+        thinking.push(channel.in_thought());
     }
     // Every id after `<|channel>` and before `<channel|>` is a reasoning token.
     let tail = tok.encode("d", false).expect("encodes").len();
     let inside = ids.len() - 2 - tail;
-    assert_eq!(p.reasoning_tokens(), inside);
+    assert_eq!(output.reasoning_tokens(), inside);
     assert!(thinking[0] && !thinking[ids.len() - 1]);
 }

@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex};
 
 use gemma4_engine::{ConstraintFactory, TokenConstraint};
-use gemma4_text::Tokenizer;
+use gemma4_text::{ChannelState, Marker, Tokenizer};
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory};
@@ -107,8 +107,7 @@ impl Grammars {
     }
 
     /// A constraint factory: each sequence gets its own copy of the compiled
-    /// grammar. `thinking` gives the channel markers when the turn may think
-    /// first, and whether the prompt already opened the channel.
+    /// grammar. `thinking` is given when the turn may think first.
     pub fn constraint(
         &self,
         matcher: Matcher,
@@ -121,10 +120,10 @@ impl Grammars {
                 .lock()
                 .map(|m| m.deep_clone())
                 .unwrap_or_else(|p| p.into_inner().deep_clone());
-            let gate = match thinking {
+            let gate = match thinking.clone() {
                 None => Gate::Enforcing,
-                Some(t) if t.inside => Gate::Thinking(t),
-                Some(t) => Gate::MayThink(t),
+                Some(t) if t.channel.in_thought() => Gate::Thinking(t.channel),
+                Some(t) => Gate::MayThink(t.channel),
             };
             Box::new(GrammarConstraint {
                 matcher,
@@ -191,21 +190,19 @@ fn bound_integers(schema: &mut Value) {
     }
 }
 
-/// The thought-channel markers of a turn that may think before the answer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A turn that may think before the answer: where it stands at the
+/// prompt's end (the prompt may have opened the channel already).
+#[derive(Debug, Clone)]
 pub struct ThinkingGate {
-    pub open: u32,
-    pub close: u32,
-    /// The prompt ends inside an open channel.
-    pub inside: bool,
+    pub channel: ChannelState,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 enum Gate {
     /// The turn may open a thought channel or start the answer.
-    MayThink(ThinkingGate),
-    /// Inside the channel: free text until it closes.
-    Thinking(ThinkingGate),
+    MayThink(ChannelState),
+    /// Inside the channel: free text until the turn leaves it.
+    Thinking(ChannelState),
     Enforcing,
 }
 
@@ -240,8 +237,10 @@ impl TokenConstraint for GrammarConstraint {
             self.mask.clear();
             set_bit(&mut self.mask, self.eos);
         }
-        if let Gate::MayThink(t) = self.gate {
-            set_bit(&mut self.mask, t.open);
+        if let Gate::MayThink(channel) = &self.gate {
+            if let Some(open) = channel.tokens().id(Marker::ChannelOpen) {
+                set_bit(&mut self.mask, open);
+            }
         }
         self.ready = true;
     }
@@ -256,20 +255,23 @@ impl TokenConstraint for GrammarConstraint {
 
     fn accept(&mut self, token: u32) {
         self.ready = false;
-        match self.gate {
-            Gate::MayThink(t) if token == t.open => self.gate = Gate::Thinking(t),
-            Gate::Thinking(t) => {
-                if token == t.close {
-                    self.gate = Gate::Enforcing;
+        let gate = std::mem::replace(&mut self.gate, Gate::Enforcing);
+        let consumed = match gate {
+            Gate::MayThink(mut channel) | Gate::Thinking(mut channel) => {
+                let marker = channel.accept(token);
+                if channel.in_thought() {
+                    self.gate = Gate::Thinking(channel);
+                    return;
                 }
+                // The channel's own close is not part of the answer; any other
+                // token that leaves (or never opens) the thought starts it.
+                marker != Some(Marker::ChannelClose)
             }
-            Gate::MayThink(_) | Gate::Enforcing => {
-                self.gate = Gate::Enforcing;
-                if !self.matcher.is_stopped() {
-                    if let Err(e) = self.matcher.consume_token(token) {
-                        tracing::warn!("the grammar refused a masked token {token}: {e}");
-                    }
-                }
+            Gate::Enforcing => true,
+        };
+        if consumed && !self.matcher.is_stopped() {
+            if let Err(e) = self.matcher.consume_token(token) {
+                tracing::warn!("the grammar refused a masked token {token}: {e}");
             }
         }
     }

@@ -1098,7 +1098,7 @@ fn search_regex(pattern: &str) -> Result<(String, bool), String> {
 mod tests {
     use std::sync::{Arc, OnceLock};
 
-    use gemma4_text::{AssistantMessage, OutputProcessor, Tokenizer};
+    use gemma4_text::{AssistantMessage, ProtocolTokens, Reading, RequestOutput, Tokenizer};
     use proptest::prelude::*;
     use proptest::test_runner::RngSeed;
     use serde_json::json;
@@ -1177,12 +1177,16 @@ mod tests {
         }
         let text = f.tok.decode(&ids, false).expect("decodes");
         assert!(ended, "the calls never ended: {text}");
-        let mut parser = OutputProcessor::new(f.tok.clone(), &[], "c".into());
+        let reading = Reading::Chat {
+            call_id_prefix: "c".into(),
+        };
+        let protocol = ProtocolTokens::new(&f.tok);
+        let mut output = RequestOutput::new(f.tok.clone(), protocol, &[], &[], &reading);
         let mut events = Vec::new();
         for &i in &ids {
-            events.extend(parser.push(i, "").expect("push"));
+            events.extend(output.push(i).expect("push").events);
         }
-        events.extend(parser.finish(&text).expect("finish"));
+        events.extend(output.finish().expect("finish").events);
         (text, AssistantMessage::from_events(&events))
     }
 

@@ -351,13 +351,13 @@ impl Turn {
             return Some(events);
         };
         let mut events = Vec::new();
-        for e in &next.parsed {
+        for e in next.event.turn_events() {
             events.extend(self.assembler.apply(e));
         }
         if let EngineEvent::Finished { reason, usage, .. } = &next.event {
             self.engine_usage = *usage;
             self.ended = true;
-            let ending = self.ending(next.index, reason);
+            let ending = self.ending(reason);
             events.extend(self.assembler.finish(&ending, self.usage()));
             if let Ending::Failed(e) = ending {
                 tracing::info!("response ended early: {}", e.message);
@@ -367,13 +367,13 @@ impl Turn {
         Some(events)
     }
 
-    fn ending(&mut self, index: usize, reason: &FinishReason) -> Ending {
+    fn ending(&mut self, reason: &FinishReason) -> Ending {
         if let Some(e) = finish_error(reason, &self.state) {
             self.generation.cancel();
             return Ending::Failed(e);
         }
-        match self.generation.finish_reason(index, reason) {
-            "length" => Ending::Incomplete,
+        match reason {
+            FinishReason::Length => Ending::Incomplete,
             _ => Ending::Completed,
         }
     }
@@ -384,7 +384,7 @@ impl Turn {
             cached: self.engine_usage.cached_prompt_tokens,
             cache_written: self.engine_usage.cache_written_prompt_tokens,
             output: self.engine_usage.completion_tokens,
-            reasoning: self.generation.reasoning_tokens(),
+            reasoning: self.engine_usage.reasoning_tokens,
             media: PromptTokensDetails::of(&self.generation.prompt_media),
         }
     }

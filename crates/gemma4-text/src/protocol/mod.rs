@@ -1,30 +1,30 @@
-//! Gemma 4's output protocol: generated token ids in, typed events out.
+//! Gemma 4's output protocol: a turn's released output in, typed events out.
 //!
 //! A model turn mixes three kinds of text, told apart by special tokens:
 //! reasoning (`<|channel>thought\n…<channel|>`), tool calls
 //! (`<|tool_call>call:NAME{…}<tool_call|>`, strings inside between `<|"|>`) and
-//! the answer (everything else). [`OutputProcessor`] reads one request's ids and
-//! yields [`OutputEvent`]s: content and reasoning deltas, and for each tool call
-//! a start (id and name, once), argument deltas (JSON text) and an end. The
-//! markers are recognised by token id, never by searching text, so a string
-//! that merely looks like a marker stays text. [`AssistantMessage`] folds the
-//! events into a whole message; a stream that sends every event as it comes
-//! therefore shows exactly what the collected response holds.
+//! the answer (everything else). [`TurnParser`] reads one request's released
+//! output and yields [`OutputEvent`]s: content and reasoning deltas, and for
+//! each tool call a start (id and name, once), argument deltas (JSON text) and
+//! an end. The markers are recognised by token id (the request's
+//! [`TextOutput`](crate::TextOutput) hands them over as [`Piece::Marker`]), never
+//! by searching text, so a string that merely looks like a marker stays text.
+//! [`AssistantMessage`] folds the events into a whole message; a stream that
+//! sends every event as it comes therefore shows exactly what the collected
+//! response holds. [`ChannelState`] is the same reading, id by id, for those
+//! who only need to know where the turn stands.
 //!
-//! Generation may end early through a stop string that the engine matched on
-//! text; the engine then releases less text than the ids decode to. The
-//! processor is told how much text was released with each id and only
-//! interprets that much, so a stop string cuts the answer here too.
+//! The parser only sees released text: a stop string that cut the output
+//! cuts the parsed turn at the same place.
 
 mod arguments;
+mod channel;
 
-use std::sync::Arc;
-
-use crate::detok::IncrementalDecoder;
-use crate::error::Result;
+use crate::output::Piece;
 use crate::tokenizer::Tokenizer;
 
 pub use arguments::ArgumentWriter;
+pub use channel::{Channel, ChannelState};
 
 /// The spelling of each protocol marker.
 const TOOL_CALL_OPEN: &str = "<|tool_call>";
@@ -104,6 +104,14 @@ impl ProtocolTokens {
         }
     }
 
+    /// A vocabulary whose markers sit at the given ids (one built by hand).
+    pub fn from_ids(markers: impl IntoIterator<Item = (u32, Marker)>) -> Self {
+        Self {
+            markers: markers.into_iter().collect(),
+            turn_open: None,
+        }
+    }
+
     /// The marker an id stands for.
     pub fn marker(&self, id: u32) -> Option<Marker> {
         self.markers
@@ -163,15 +171,6 @@ pub enum OutputEvent {
     ToolCallArguments { index: usize, delta: String },
     /// A call is complete (its arguments are a whole JSON object).
     ToolCallEnd { index: usize },
-}
-
-/// How the turn ended, as OpenAI's `finish_reason` names it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TurnEnd {
-    /// The model stopped (stop token or stop string).
-    Stop,
-    /// Out of tokens.
-    Length,
 }
 
 /// A tool call of a collected message.
@@ -247,119 +246,74 @@ enum Mode {
     ToolResponse,
 }
 
-/// A decoded stretch of output: text, or a marker.
-#[derive(Debug)]
-enum Piece {
-    Text(String),
-    Marker(Marker),
+impl Mode {
+    fn channel(&self) -> Channel {
+        match self {
+            Mode::Content => Channel::Answer,
+            Mode::Reasoning { .. } => Channel::Thought,
+            Mode::CallHeader { .. } | Mode::CallArguments { .. } => Channel::ToolCall,
+            Mode::ToolResponse => Channel::ToolResponse,
+        }
+    }
+
+    /// The mode that opens `channel`.
+    fn entering(channel: Channel) -> Mode {
+        match channel {
+            Channel::Answer => Mode::Content,
+            Channel::Thought => Mode::Reasoning {
+                label: Some(String::new()),
+            },
+            Channel::ToolCall => Mode::CallHeader {
+                header: String::new(),
+            },
+            Channel::ToolResponse => Mode::ToolResponse,
+        }
+    }
 }
 
-/// Reads one request's generated ids and yields its [`OutputEvent`]s.
+/// Reads one chat turn's released output ([`Piece`]s: text and markers, in
+/// order) and yields its [`OutputEvent`]s.
 #[derive(Debug)]
-pub struct OutputProcessor {
-    tokens: ProtocolTokens,
-    tokenizer: Arc<Tokenizer>,
-    /// Decodes the text since the last marker.
-    decoder: IncrementalDecoder<Arc<Tokenizer>>,
-    /// Decoded but not yet interpreted (waiting for the engine to release it).
-    pieces: std::collections::VecDeque<Piece>,
-    /// Bytes the engine has released and the processor has not yet interpreted.
-    released: usize,
+pub struct TurnParser {
     mode: Mode,
     call_id_prefix: String,
     calls: usize,
     completed_calls: usize,
-    reasoning_tokens: usize,
-    /// Token-level view of whether the model is thinking (for counting and budgets).
-    thinking_now: bool,
 }
 
-impl OutputProcessor {
-    /// A processor for a completion of `prompt`; tool-call ids are
+impl TurnParser {
+    /// A parser for a completion of `prompt`; tool-call ids are
     /// `{call_id_prefix}{n}` for the turn's n-th call.
-    pub fn new(tokenizer: Arc<Tokenizer>, prompt: &[u32], call_id_prefix: String) -> Self {
-        let tokens = ProtocolTokens::new(&tokenizer);
-        let (mode, thinking_now) = match tokens.prompt_state(prompt) {
-            Some(label_pending) => (
-                Mode::Reasoning {
-                    label: label_pending.then(String::new),
-                },
-                true,
-            ),
-            None => (Mode::Content, false),
+    pub fn new(tokens: &ProtocolTokens, prompt: &[u32], call_id_prefix: String) -> Self {
+        let mode = match tokens.prompt_state(prompt) {
+            Some(label_pending) => Mode::Reasoning {
+                label: label_pending.then(String::new),
+            },
+            None => Mode::Content,
         };
         Self {
-            decoder: IncrementalDecoder::new(tokenizer.clone()),
-            tokenizer,
-            tokens,
-            pieces: Default::default(),
-            released: 0,
             mode,
             call_id_prefix,
             calls: 0,
             completed_calls: 0,
-            reasoning_tokens: 0,
-            thinking_now,
         }
     }
 
-    /// Tokens generated inside thought channels so far.
-    pub fn reasoning_tokens(&self) -> usize {
-        self.reasoning_tokens
+    /// Tool calls completed so far.
+    pub fn completed_calls(&self) -> usize {
+        self.completed_calls
     }
 
-    /// OpenAI's `finish_reason`: `tool_calls` when the model stopped after
-    /// completing at least one call.
-    pub fn finish_reason(&self, end: TurnEnd) -> &'static str {
-        match end {
-            TurnEnd::Length => "length",
-            TurnEnd::Stop if self.completed_calls > 0 => "tool_calls",
-            TurnEnd::Stop => "stop",
+    /// Reads one released piece, adding the events that are now certain.
+    pub fn push(&mut self, piece: &Piece, events: &mut Vec<OutputEvent>) {
+        match piece {
+            Piece::Text(text) => self.text(text, events),
+            Piece::Marker(marker) => self.marker(*marker, events),
         }
     }
 
-    /// Whether the last id left the model inside a thought channel.
-    pub fn is_thinking(&self) -> bool {
-        self.thinking_now
-    }
-
-    /// Adds one generated id and the text the engine released with it
-    /// (the engine's text is the ids' text, possibly held back or cut by a stop
-    /// string); returns the events that are now certain.
-    pub fn push(&mut self, id: u32, released_text: &str) -> Result<Vec<OutputEvent>> {
-        match self.tokens.marker(id) {
-            Some(marker) => {
-                self.end_text_piece()?;
-                self.pieces.push_back(Piece::Marker(marker));
-                self.thinking_now = match marker {
-                    Marker::ChannelOpen => true,
-                    Marker::ChannelClose | Marker::ToolCallOpen => false,
-                    _ => self.thinking_now,
-                };
-            }
-            None => {
-                if self.thinking_now {
-                    self.reasoning_tokens += 1;
-                }
-                if let Some(text) = self.decoder.push(id)? {
-                    self.push_text(text);
-                }
-            }
-        }
-        self.released += released_text.len();
-        let mut events = Vec::new();
-        self.interpret(&mut events);
-        Ok(events)
-    }
-
-    /// The request ended; `released_text` is the last text the engine released.
-    /// Returns the remaining events.
-    pub fn finish(&mut self, released_text: &str) -> Result<Vec<OutputEvent>> {
-        self.end_text_piece()?;
-        self.released += released_text.len();
-        let mut events = Vec::new();
-        self.interpret(&mut events);
-        self.pieces.clear();
+    /// The output ended: adds the remaining events. Calling it again adds none.
+    pub fn finish(&mut self, events: &mut Vec<OutputEvent>) {
         match std::mem::replace(&mut self.mode, Mode::Content) {
             Mode::Reasoning { label: Some(label) } if !label.is_empty() => {
                 events.push(OutputEvent::Reasoning(label))
@@ -367,56 +321,6 @@ impl OutputProcessor {
             // A call cut off mid-arguments keeps what was streamed (finish_reason
             // says `length`); a call whose name never finished is dropped.
             _ => {}
-        }
-        Ok(events)
-    }
-
-    fn push_text(&mut self, text: String) {
-        match self.pieces.back_mut() {
-            Some(Piece::Text(t)) => t.push_str(&text),
-            _ => self.pieces.push_back(Piece::Text(text)),
-        }
-    }
-
-    /// Flushes the decoder before a marker, so text and markers stay in order.
-    fn end_text_piece(&mut self) -> Result<()> {
-        if let Some(text) = self.decoder.finish()? {
-            self.push_text(text);
-        }
-        self.decoder = IncrementalDecoder::new(self.tokenizer.clone());
-        Ok(())
-    }
-
-    /// Interprets decoded pieces as far as the engine has released their text.
-    fn interpret(&mut self, events: &mut Vec<OutputEvent>) {
-        while let Some(piece) = self.pieces.front_mut() {
-            match piece {
-                Piece::Marker(marker) => {
-                    let len = marker.as_str().len();
-                    if self.released < len {
-                        return;
-                    }
-                    self.released -= len;
-                    let marker = *marker;
-                    self.pieces.pop_front();
-                    self.marker(marker, events);
-                }
-                Piece::Text(text) => {
-                    let mut take = self.released.min(text.len());
-                    while !text.is_char_boundary(take) {
-                        take -= 1;
-                    }
-                    if take == 0 {
-                        return;
-                    }
-                    let chunk: String = text.drain(..take).collect();
-                    self.released -= take;
-                    if text.is_empty() {
-                        self.pieces.pop_front();
-                    }
-                    self.text(&chunk, events);
-                }
-            }
         }
     }
 
@@ -456,53 +360,28 @@ impl OutputProcessor {
         }
     }
 
+    /// A marker moves the turn as [`Channel::after`] says; an opening marker
+    /// always starts its stretch afresh.
     fn marker(&mut self, marker: Marker, events: &mut Vec<OutputEvent>) {
-        match marker {
-            Marker::StringDelimiter => {
-                // Outside arguments a delimiter has no meaning; it is not text either.
-                if let Mode::CallArguments { index, .. } = &self.mode {
-                    let index = *index;
-                    self.arguments(index, |w, out| w.delimiter(out), events);
-                }
+        if marker == Marker::StringDelimiter {
+            // Outside arguments a delimiter has no meaning; it is not text either.
+            if let Mode::CallArguments { index, .. } = &self.mode {
+                let index = *index;
+                self.arguments(index, |w, out| w.delimiter(out), events);
             }
-            Marker::ToolCallOpen => {
-                self.end_mode(events);
-                self.mode = Mode::CallHeader {
-                    header: String::new(),
-                };
-            }
-            Marker::ToolCallClose => {
-                if matches!(
-                    self.mode,
-                    Mode::CallHeader { .. } | Mode::CallArguments { .. }
-                ) {
-                    self.end_mode(events);
-                    self.mode = Mode::Content;
-                }
-            }
-            Marker::ChannelOpen => {
-                self.end_mode(events);
-                self.mode = Mode::Reasoning {
-                    label: Some(String::new()),
-                };
-            }
-            Marker::ChannelClose => {
-                if matches!(self.mode, Mode::Reasoning { .. }) {
-                    self.end_mode(events);
-                    self.mode = Mode::Content;
-                }
-            }
-            Marker::ToolResponseOpen => {
-                self.end_mode(events);
-                self.mode = Mode::ToolResponse;
-            }
-            Marker::ToolResponseClose => {
-                if matches!(self.mode, Mode::ToolResponse) {
-                    self.mode = Mode::Content;
-                }
-            }
-            Marker::DeclarationOpen | Marker::DeclarationClose => {}
+            return;
         }
+        let now = self.mode.channel();
+        let next = now.after(marker);
+        let opens = matches!(
+            marker,
+            Marker::ChannelOpen | Marker::ToolCallOpen | Marker::ToolResponseOpen
+        );
+        if next == now && !opens {
+            return;
+        }
+        self.end_mode(events);
+        self.mode = Mode::entering(next);
     }
 
     /// Closes the current stretch: a pending label becomes reasoning, an open
