@@ -9,15 +9,15 @@ use std::time::Instant;
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use gemma4_engine::{
     check_stop_strings, ConstraintFactory, EngineEvent, FinishReason, GenerationRequest, Reading,
-    RequestStream, SamplingParams, SoftPrompt, ThinkingBudget, TokenConstraint, TokenLogprob,
-    Usage,
+    RequestStream, SamplingParams, SoftPrompt, ThinkingBudget, TokenConstraint, Usage,
 };
 
-use gemma4_text::{AssistantMessage, ChannelState, Marker, ProtocolTokens};
+use gemma4_text::{ChannelState, Marker, ProtocolTokens};
 
 use crate::admission::{check_choice_count, max_tokens_for, submit_error};
 use crate::error::ApiError;
 use crate::grammar::{tool_call_grammar, CallMarkers, GrammarSpec, ThinkingGate};
+use crate::openai::fold::ReplyFold;
 use crate::openai::request::{MediaKind, ToolChoice};
 use crate::openai::response::MediaTokensJson;
 use crate::openai::{ChatRequest, Prompt, Sampling};
@@ -572,70 +572,19 @@ pub fn finish_error(reason: &FinishReason, state: &AppState) -> Option<ApiError>
     }
 }
 
-/// Everything one choice produced.
-#[derive(Debug, Default)]
-pub struct ChoiceOutput {
-    pub text: String,
-    /// The turn as a chat message (chat generations).
-    pub message: AssistantMessage,
-    pub token_ids: Vec<u32>,
-    pub logprobs: Vec<TokenLogprob>,
-    /// Character offset in `text` where each token's text starts.
-    pub offsets: Vec<usize>,
-    /// Characters in `text`.
-    chars: usize,
-    pub finish_reason: &'static str,
-    pub completion_tokens: usize,
-}
-
-/// Everything a request produced.
-#[derive(Debug, Default)]
-pub struct Collected {
-    pub choices: Vec<ChoiceOutput>,
-    pub reasoning_tokens: usize,
-}
-
-/// Waits for every choice; the first abnormal end is the request's error.
-pub async fn collect(mut generation: Generation, state: &AppState) -> Result<Collected, ApiError> {
-    let mut out: Vec<ChoiceOutput> = (0..generation.choices)
-        .map(|_| ChoiceOutput::default())
-        .collect();
+/// Folds every choice's events to the end; the first abnormal end is the request's error.
+pub async fn fold_to_end(
+    generation: &mut Generation,
+    mut fold: ReplyFold,
+    state: &AppState,
+) -> Result<ReplyFold, ApiError> {
     while let Some(ChoiceEvent { index, event }) = generation.next().await {
-        let Some(choice) = out.get_mut(index) else {
-            continue;
-        };
-        for e in event.turn_events() {
-            choice.message.apply(e);
-        }
-        match event {
-            EngineEvent::Token {
-                id, text, logprob, ..
-            } => {
-                choice.token_ids.push(id);
-                if let Some(lp) = logprob {
-                    choice.offsets.push(choice.chars);
-                    choice.logprobs.push(lp);
-                }
-                choice.chars += text.chars().count();
-                choice.text.push_str(&text);
-            }
-            EngineEvent::Finished {
-                reason,
-                text,
-                usage,
-                ..
-            } => {
-                if let Some(err) = finish_error(&reason, state) {
-                    return Err(err);
-                }
-                choice.text.push_str(&text);
-                choice.finish_reason = reason.as_openai();
-                choice.completion_tokens = usage.completion_tokens;
+        if let EngineEvent::Finished { reason, .. } = &event {
+            if let Some(err) = finish_error(reason, state) {
+                return Err(err);
             }
         }
+        fold.apply(index, event);
     }
-    Ok(Collected {
-        choices: out,
-        reasoning_tokens: generation.reasoning_tokens(),
-    })
+    Ok(fold)
 }

@@ -29,21 +29,19 @@ use crate::auth;
 use crate::drain::ActiveGuard;
 use crate::error::ApiError;
 use crate::generation::{
-    blocking, build_requests, chat_prompt, collect, text_prompt, ChatControls, Collected,
-    Generation,
+    blocking, build_requests, chat_prompt, fold_to_end, text_prompt, ChatControls, Generation,
 };
+use crate::openai::fold::{Format, ReplyFold};
 use crate::openai::request::{Sampling, Streaming, ToolChoice};
-use crate::openai::response::MediaTokensJson;
 use crate::openai::response::{
-    ChatChoice, ChatCompletion, ChatLogprobs, ChatMessage, ChatTokenLogprob, CompletionLogprobs,
-    GenerateResponse, ModelCard, ModelList, TextChoice, TextCompletion, UsageJson,
+    ChatCompletion, GenerateResponse, ModelCard, ModelList, TextCompletion, UsageJson,
     SYSTEM_FINGERPRINT,
 };
 use crate::openai::{ChatRequest, CompletionRequest, GenerateRequest};
 use crate::responses;
 use crate::server::AppState;
 use crate::server::ModelContext;
-use crate::sse::{self, Format, StreamMeta};
+use crate::sse::{self, StreamMeta};
 use crate::tokenize;
 
 const ROUTES: [&str; 10] = [
@@ -193,49 +191,30 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
     let bytes = state.read_body(body).await?;
     let (model, guard) = state.admit()?;
     let req = ChatRequest::parse(&bytes)?;
-    let logprobs = req.logprobs;
     let submitted = submit_chat(&state, &model, req, arrival).await?;
     let Whole {
         id,
         served,
-        prompt_tokens,
-        prompt_media,
-        collected,
+        mut generation,
+        fold,
         guard,
-    } = match answer(&state, submitted, guard, Format::Chat).await? {
+    } = match answer(&state, submitted, guard).await? {
         Ran::Streamed(response) => return Ok(response),
         Ran::Collected(whole) => whole,
     };
-    let completion_tokens = collected.choices.iter().map(|o| o.completion_tokens).sum();
-    let choices = collected
-        .choices
-        .into_iter()
-        .enumerate()
-        .map(|(index, o)| ChatChoice {
-            index,
-            logprobs: logprobs.map(|_| ChatLogprobs {
-                content: o
-                    .logprobs
-                    .iter()
-                    .map(ChatTokenLogprob::from_engine)
-                    .collect(),
-                refusal: None,
-            }),
-            message: ChatMessage::from_turn(o.message),
-            finish_reason: o.finish_reason,
-        })
-        .collect();
+    let fold = fold_to_end(&mut generation, fold, &state).await?;
     drop(guard);
+    let usage = UsageJson::new(generation.prompt_tokens, fold.completion_tokens())
+        .with_media(&generation.prompt_media)
+        .with_reasoning(generation.reasoning_tokens());
     Ok(Json(ChatCompletion {
         id,
         object: "chat.completion",
         created: unix_now(),
         model: served,
         system_fingerprint: SYSTEM_FINGERPRINT,
-        choices,
-        usage: UsageJson::new(prompt_tokens, completion_tokens)
-            .with_media(&prompt_media)
-            .with_reasoning(collected.reasoning_tokens),
+        choices: fold.chat_choices(),
+        usage,
     })
     .into_response())
 }
@@ -312,41 +291,24 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
     let Whole {
         id,
         served,
-        prompt_tokens,
-        collected,
+        mut generation,
+        fold,
         guard,
-        ..
-    } = match answer(&state, submitted, guard, Format::Completion).await? {
+    } = match answer(&state, submitted, guard).await? {
         Ran::Streamed(response) => return Ok(response),
         Ran::Collected(whole) => whole,
     };
-    let completion_tokens = collected.choices.iter().map(|o| o.completion_tokens).sum();
-    let choices = collected
-        .choices
-        .into_iter()
-        .enumerate()
-        .map(|(index, o)| TextChoice {
-            index,
-            logprobs: logprobs.map(|_| {
-                let mut l = CompletionLogprobs::default();
-                for (lp, &offset) in o.logprobs.iter().zip(&o.offsets) {
-                    l.push(lp, offset);
-                }
-                l
-            }),
-            text: o.text,
-            finish_reason: Some(o.finish_reason),
-        })
-        .collect();
+    let fold = fold_to_end(&mut generation, fold, &state).await?;
     drop(guard);
+    let usage = UsageJson::new(generation.prompt_tokens, fold.completion_tokens());
     Ok(Json(TextCompletion {
         id: &id,
         object: "text_completion",
         created: unix_now(),
         model: &served,
         system_fingerprint: SYSTEM_FINGERPRINT,
-        choices,
-        usage: Some(UsageJson::new(prompt_tokens, completion_tokens)),
+        choices: fold.text_choices(),
+        usage: Some(usage),
     })
     .into_response())
 }
@@ -373,11 +335,12 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
         })
         .await?
     };
-    let generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
-    let prompt_tokens = generation.prompt_tokens;
-    let mut collected = collect(generation, &state).await?;
+    let mut generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
+    let fold = ReplyFold::new(Format::Completion, 1, false);
+    let mut fold = fold_to_end(&mut generation, fold, &state).await?;
     drop(guard);
-    let out = collected
+    let prompt_tokens = generation.prompt_tokens;
+    let out = fold
         .choices
         .pop()
         .ok_or_else(|| ApiError::internal("the engine returned no output"))?;
@@ -385,7 +348,7 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
         usage: UsageJson::new(prompt_tokens, out.completion_tokens),
         response: out.text,
         token_ids: out.token_ids,
-        finish_reason: out.finish_reason,
+        finish_reason: out.finish_reason.unwrap_or("stop"),
     })
     .into_response())
 }
@@ -411,13 +374,12 @@ pub(crate) enum Ran {
     Collected(Whole),
 }
 
-/// A collected generation and what its JSON response names.
+/// A generation to answer whole, and what its JSON response names.
 pub(crate) struct Whole {
     id: String,
     served: String,
-    prompt_tokens: usize,
-    prompt_media: Vec<MediaTokensJson>,
-    collected: Collected,
+    generation: Generation,
+    fold: ReplyFold,
     guard: ActiveGuard,
 }
 
@@ -427,7 +389,8 @@ pub(crate) struct Submitted {
     /// The response id (`chatcmpl-…`, `cmpl-…`).
     pub id: String,
     pub served: String,
-    logprobs: bool,
+    /// The reply's fold, for the stream and the whole reply alike.
+    fold: ReplyFold,
     streaming: Streaming,
 }
 
@@ -475,27 +438,27 @@ async fn submit_openai(
         Format::Chat => "chatcmpl",
         Format::Completion => "cmpl",
     });
+    let fold = ReplyFold::new(format, generation.choices, job.logprobs.is_some());
     Ok(Submitted {
         generation,
         id,
         served: state.config.served_model_name.clone(),
-        logprobs: job.logprobs.is_some(),
+        fold,
         streaming: job.streaming,
     })
 }
 
-/// Streams a submitted job, or waits for all its choices.
+/// Streams a submitted job, or hands it back to be answered whole.
 async fn answer(
     state: &Arc<AppState>,
     submitted: Submitted,
     guard: ActiveGuard,
-    format: Format,
 ) -> Result<Ran, ApiError> {
     let Submitted {
         generation,
         id,
         served,
-        logprobs,
+        fold,
         streaming,
     } = submitted;
     if streaming.stream {
@@ -503,26 +466,21 @@ async fn answer(
             id,
             created: unix_now(),
             model: served,
-            format,
-            logprobs,
             include_usage: streaming.include_usage,
         };
         return Ok(Ran::Streamed(sse::respond(
             generation,
+            fold,
             meta,
             state.clone(),
             guard,
         )));
     }
-    let prompt_tokens = generation.prompt_tokens;
-    let prompt_media = generation.prompt_media.clone();
-    let collected = collect(generation, state).await?;
     Ok(Ran::Collected(Whole {
         id,
         served,
-        prompt_tokens,
-        prompt_media,
-        collected,
+        generation,
+        fold,
         guard,
     }))
 }

@@ -10,43 +10,29 @@ use std::sync::Arc;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
-use gemma4_engine::{EngineEvent, TokenLogprob};
-use gemma4_text::OutputEvent;
+use gemma4_engine::EngineEvent;
 use serde::Serialize;
 
 use crate::drain::ActiveGuard;
 use crate::generation::{finish_error, ChoiceEvent, Generation};
-use crate::openai::response::{
-    ChatChunk, ChatChunkChoice, ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, Delta,
-    TextChoice, TextCompletion, UsageJson, SYSTEM_FINGERPRINT,
-};
+use crate::openai::fold::{ChoiceDelta, Format, ReplyFold};
+use crate::openai::response::{ChatChunk, TextCompletion, UsageJson, SYSTEM_FINGERPRINT};
 use crate::server::AppState;
-
-/// Which chunk layout to send.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Format {
-    Chat,
-    Completion,
-}
 
 /// What every chunk repeats.
 pub struct StreamMeta {
     pub id: String,
     pub created: u64,
     pub model: String,
-    pub format: Format,
-    pub logprobs: bool,
     pub include_usage: bool,
 }
 
 struct Streamer {
     generation: Generation,
+    fold: ReplyFold,
     meta: StreamMeta,
     state: Arc<AppState>,
     pending: VecDeque<Event>,
-    /// Characters sent so far per choice (completions' `text_offset`).
-    offsets: Vec<usize>,
-    completion_tokens: usize,
     finished: bool,
     _guard: ActiveGuard,
 }
@@ -59,136 +45,36 @@ fn data(value: &impl Serialize) -> Event {
 }
 
 impl Streamer {
-    fn chat_chunk(&self, choice: ChatChunkChoice) -> Event {
-        data(&ChatChunk {
-            id: &self.meta.id,
-            object: "chat.completion.chunk",
-            created: self.meta.created,
-            model: &self.meta.model,
-            system_fingerprint: SYSTEM_FINGERPRINT,
-            choices: vec![choice],
-            usage: None,
-        })
-    }
-
-    fn text_chunk(&self, choice: TextChoice) -> Event {
-        data(&TextCompletion {
-            id: &self.meta.id,
-            object: "text_completion",
-            created: self.meta.created,
-            model: &self.meta.model,
-            system_fingerprint: SYSTEM_FINGERPRINT,
-            choices: vec![choice],
-            usage: None,
-        })
-    }
-
-    /// The opening chunks: chat announces the assistant role for each choice.
-    fn start(&mut self) {
-        if self.meta.format == Format::Chat {
-            for index in 0..self.generation.choices {
-                let e = self.chat_chunk(ChatChunkChoice {
-                    index,
-                    delta: Delta {
-                        role: Some("assistant"),
-                        content: Some(String::new()),
-                        ..Delta::default()
-                    },
-                    logprobs: None,
-                    finish_reason: None,
-                });
-                self.pending.push_back(e);
-            }
-        }
-    }
-
-    /// A token's chunks: chat sends one per protocol event (the token's
-    /// log-probability rides on the first), completions the token's text.
-    fn token(
-        &mut self,
-        index: usize,
-        text: String,
-        parsed: Vec<OutputEvent>,
-        logprob: Option<TokenLogprob>,
-    ) {
-        let mut logprob = logprob.filter(|_| self.meta.logprobs);
-        match self.meta.format {
-            Format::Chat => {
-                let mut deltas: Vec<Delta> =
-                    parsed.into_iter().filter_map(Delta::from_event).collect();
-                if deltas.is_empty() && logprob.is_some() {
-                    deltas.push(Delta::default());
-                }
-                for delta in deltas {
-                    let e = self.chat_chunk(ChatChunkChoice {
-                        index,
-                        delta,
-                        logprobs: logprob.take().map(|lp| ChatLogprobs {
-                            content: vec![ChatTokenLogprob::from_engine(&lp)],
-                            refusal: None,
-                        }),
-                        finish_reason: None,
-                    });
-                    self.pending.push_back(e);
-                }
-            }
-            Format::Completion => {
-                if text.is_empty() && logprob.is_none() {
-                    return;
-                }
-                let offset = self.offsets.get(index).copied().unwrap_or(0);
-                if let Some(o) = self.offsets.get_mut(index) {
-                    *o += text.chars().count();
-                }
-                let e = self.text_chunk(TextChoice {
-                    index,
-                    text,
-                    logprobs: logprob.map(|lp| {
-                        let mut l = CompletionLogprobs::default();
-                        l.push(&lp, offset);
-                        l
-                    }),
-                    finish_reason: None,
-                });
-                self.pending.push_back(e);
-            }
-        }
-    }
-
-    /// The last text or events of a choice, then its finish reason.
-    fn finish(
-        &mut self,
-        index: usize,
-        text: String,
-        parsed: Vec<OutputEvent>,
-        reason: &'static str,
-    ) {
-        match self.meta.format {
-            Format::Chat => {
-                self.token(index, String::new(), parsed, None);
-                let e = self.chat_chunk(ChatChunkChoice {
-                    index,
-                    delta: Delta::default(),
-                    logprobs: None,
-                    finish_reason: Some(reason),
-                });
-                self.pending.push_back(e);
-            }
-            Format::Completion => {
-                let e = self.text_chunk(TextChoice {
-                    index,
-                    text,
-                    logprobs: None,
-                    finish_reason: Some(reason),
-                });
-                self.pending.push_back(e);
-            }
+    /// One chunk per delta.
+    fn send(&mut self, deltas: Vec<ChoiceDelta>) {
+        for delta in deltas {
+            let event = match delta {
+                ChoiceDelta::Chat(choice) => data(&ChatChunk {
+                    id: &self.meta.id,
+                    object: "chat.completion.chunk",
+                    created: self.meta.created,
+                    model: &self.meta.model,
+                    system_fingerprint: SYSTEM_FINGERPRINT,
+                    choices: vec![choice],
+                    usage: None,
+                }),
+                ChoiceDelta::Text(choice) => data(&TextCompletion {
+                    id: &self.meta.id,
+                    object: "text_completion",
+                    created: self.meta.created,
+                    model: &self.meta.model,
+                    system_fingerprint: SYSTEM_FINGERPRINT,
+                    choices: vec![choice],
+                    usage: None,
+                }),
+            };
+            self.pending.push_back(event);
         }
     }
 
     fn usage(&mut self) {
-        let usage = UsageJson::new(self.generation.prompt_tokens, self.completion_tokens);
-        let event = match self.meta.format {
+        let usage = UsageJson::new(self.generation.prompt_tokens, self.fold.completion_tokens());
+        let event = match self.fold.format {
             Format::Chat => data(&ChatChunk {
                 id: &self.meta.id,
                 object: "chat.completion.chunk",
@@ -229,37 +115,18 @@ impl Streamer {
                 return None;
             }
             match self.generation.next().await {
-                Some(ChoiceEvent {
-                    index,
-                    event:
-                        EngineEvent::Token {
-                            text,
-                            logprob,
-                            events,
-                            ..
-                        },
-                }) => {
-                    self.token(index, text, events, logprob);
-                }
-                Some(ChoiceEvent {
-                    index,
-                    event:
-                        EngineEvent::Finished {
-                            reason,
-                            text,
-                            events,
-                            usage,
-                        },
-                }) => {
-                    self.completion_tokens += usage.completion_tokens;
-                    if let Some(err) = finish_error(&reason, &self.state) {
-                        tracing::info!(id = %self.meta.id, "stream ended early: {}", err.message);
-                        self.generation.cancel();
-                        self.pending.push_back(data(&err.body()));
-                        self.done();
-                    } else {
-                        self.finish(index, text, events, reason.as_openai());
+                Some(ChoiceEvent { index, event }) => {
+                    if let EngineEvent::Finished { reason, .. } = &event {
+                        if let Some(err) = finish_error(reason, &self.state) {
+                            tracing::info!(id = %self.meta.id, "stream ended early: {}", err.message);
+                            self.generation.cancel();
+                            self.pending.push_back(data(&err.body()));
+                            self.done();
+                            continue;
+                        }
                     }
+                    let deltas = self.fold.apply(index, event);
+                    self.send(deltas);
                 }
                 None => {
                     if self.meta.include_usage {
@@ -272,25 +139,25 @@ impl Streamer {
     }
 }
 
-/// The streaming response of a submitted generation.
+/// The streaming response of a submitted generation, chunks folded by `fold`.
 pub fn respond(
     generation: Generation,
+    fold: ReplyFold,
     meta: StreamMeta,
     state: Arc<AppState>,
     guard: ActiveGuard,
 ) -> Response {
-    let choices = generation.choices;
     let mut streamer = Streamer {
         generation,
         meta,
         state,
         pending: VecDeque::new(),
-        offsets: vec![0; choices],
-        completion_tokens: 0,
         finished: false,
         _guard: guard,
+        fold,
     };
-    streamer.start();
+    let opening = streamer.fold.start();
+    streamer.send(opening);
     let events = stream::unfold(streamer, |mut s| async move {
         let e = s.next_event().await?;
         Some((Ok::<_, Infallible>(e), s))

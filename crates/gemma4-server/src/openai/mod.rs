@@ -1,5 +1,6 @@
 //! OpenAI's wire format: request bodies in, response bodies and stream chunks out.
 
+pub mod fold;
 pub mod request;
 pub mod response;
 
