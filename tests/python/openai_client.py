@@ -545,7 +545,44 @@ def scenario_images(args):
     }
 
 
+def scenario_scoring(args):
+    """A prompt (token ids, JSON in --prompt) scored as evaluation harnesses
+    score it: `echo` with `logprobs`, whole and streamed, with nothing or a
+    few tokens generated; and vLLM's `prompt_logprobs`."""
+    c = client(args)
+    ids = json.loads(args.prompt[0])
+
+    def whole(**kw):
+        r = c.completions.create(model=args.model, prompt=ids, temperature=0, echo=True, logprobs=2, **kw)
+        return r.model_dump()
+
+    def streamed(**kw):
+        text, finish = "", None
+        lps = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        stream = c.completions.create(
+            model=args.model, prompt=ids, temperature=0, echo=True, logprobs=2, stream=True, **kw
+        )
+        for chunk in stream:
+            for ch in chunk.choices:
+                text += ch.text or ""
+                if ch.logprobs is not None:
+                    for key in lps:
+                        lps[key] += getattr(ch.logprobs, key) or []
+                if ch.finish_reason:
+                    finish = ch.finish_reason
+        return {"text": text, "logprobs": lps, "finish_reason": finish}
+
+    return {
+        "prompt_only": whole(max_tokens=0),
+        "prompt_only_stream": streamed(max_tokens=0),
+        "with_tokens": whole(max_tokens=args.max_tokens),
+        "with_tokens_stream": streamed(max_tokens=args.max_tokens),
+        "vllm": whole(max_tokens=1, extra_body={"prompt_logprobs": 2}),
+    }
+
+
 SCENARIOS = {
+    "scoring": scenario_scoring,
     "images": scenario_images,
     "responses": scenario_responses,
     "structured": scenario_structured,

@@ -202,6 +202,7 @@ fn one_run(engine: &gemma4_engine::EngineHandle, prompt: &[u32], n: usize) -> Re
     let (mut first, mut last, mut count) = (None, t0, 0usize);
     while let Some(event) = stream.blocking_next() {
         match event {
+            EngineEvent::PromptLogprobs(_) => {}
             EngineEvent::Token { .. } => {
                 let now = Instant::now();
                 first.get_or_insert(now);

@@ -108,6 +108,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         let mut reply = String::new();
         while let Some(event) = stream.blocking_next() {
             match event {
+                EngineEvent::PromptLogprobs(_) => {}
                 EngineEvent::Token { text, .. } => {
                     reply.push_str(&text);
                     write!(out, "{text}")?;

@@ -97,6 +97,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut arrivals: Option<(Instant, Instant)> = None;
     while let Some(event) = stream.blocking_next() {
         match event {
+            EngineEvent::PromptLogprobs(_) => {}
             EngineEvent::Token { id, text, .. } => {
                 let now = Instant::now();
                 arrivals = Some((arrivals.map_or(now, |(first, _)| first), now));

@@ -74,6 +74,7 @@ fn main() {
                         let mut n = 0;
                         while let Some(e) = stream.blocking_next() {
                             match e {
+                                EngineEvent::PromptLogprobs(_) => {}
                                 EngineEvent::Token { .. } => n += 1,
                                 EngineEvent::Finished { .. } => break,
                             }

@@ -30,6 +30,10 @@ pub struct SamplingParams {
     pub stop_strings: Vec<String>,
     /// Return the chosen token's log-probability and this many alternatives.
     pub logprobs: Option<usize>,
+    /// Return each prompt token's log-probability given the tokens before it
+    /// (all but the first), with this many alternatives. Such a request runs
+    /// its whole prompt: it takes nothing from the prefix cache.
+    pub prompt_logprobs: Option<usize>,
     /// Added to a token's logit before any choice (`f32::NEG_INFINITY` bans it).
     pub logit_bias: Vec<(u32, f32)>,
     /// Ends a thought channel once it has this many tokens.
@@ -97,6 +101,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             stop_strings: Vec::new(),
             logprobs: None,
+            prompt_logprobs: None,
             logit_bias: Vec::new(),
             thinking_budget: None,
             constraint: None,
@@ -194,6 +199,8 @@ pub struct TokenLogprob {
     pub token_id: u32,
     pub text: String,
     pub logprob: f32,
+    /// 1 for the most likely token: one more than the tokens more likely than it.
+    pub rank: usize,
     /// `(id, text, logprob)`, best first.
     pub top: Vec<(u32, String, f32)>,
 }
@@ -243,9 +250,13 @@ pub struct Usage {
     pub reasoning_tokens: usize,
 }
 
-/// What the engine sends back, in order: zero or more `Token`s, then one `Finished`.
+/// What the engine sends back, in order: the prompt's log-probabilities
+/// when asked for (in one or more `PromptLogprobs`), zero or more `Token`s,
+/// then one `Finished`.
 #[derive(Debug, Clone, PartialEq)]
 pub enum EngineEvent {
+    /// Log-probabilities of the next prompt tokens, from the second on, in order.
+    PromptLogprobs(Vec<TokenLogprob>),
     /// A generated token and the text it completes (may be empty while a
     /// multi-byte character or a possible stop string is pending).
     Token {
@@ -270,6 +281,7 @@ impl EngineEvent {
     pub fn turn_events(&self) -> &[OutputEvent] {
         match self {
             EngineEvent::Token { events, .. } | EngineEvent::Finished { events, .. } => events,
+            EngineEvent::PromptLogprobs(_) => &[],
         }
     }
 }

@@ -25,7 +25,9 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use crate::api::{EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, Usage};
 use crate::kv_manager::{KvEvent, KvManager};
 use crate::output_processor::{self, OutputMsg, StopNotice};
-use crate::runner::{panic_message, ModelRunner, NewRequest, RunnerOutput, StepPlan};
+use crate::runner::{
+    panic_message, ModelRunner, NewRequest, PromptScoring, RunnerOutput, StepPlan,
+};
 use crate::sampler::Sampler;
 #[cfg(feature = "fault-injection")]
 use crate::scheduler::ScheduledChunk;
@@ -166,6 +168,7 @@ impl RequestStream {
         while let Some(e) = self.blocking_next() {
             match e {
                 EngineEvent::Token { id, .. } => ids.push(id),
+                EngineEvent::PromptLogprobs(_) => {}
                 EngineEvent::Finished { reason, .. } => return Some((ids, reason)),
             }
         }
@@ -236,9 +239,6 @@ impl EngineHandle {
                 "the prompt has {} tokens; the context length (max_model_len) is {limit}",
                 r.prompt_ids.len()
             )));
-        }
-        if r.params.max_tokens == 0 {
-            return Err(SubmitError::Invalid("max_tokens must be at least 1".into()));
         }
         if r.prompt_ids.len() + r.params.max_tokens > limit {
             return Err(SubmitError::Invalid(format!(
@@ -651,10 +651,14 @@ impl Worker {
                     Some(soft) if self.bidirectional_vision => soft.blocks.clone(),
                     _ => Vec::new(),
                 };
+                let scoring = params
+                    .prompt_logprobs
+                    .map(|top| PromptScoring::new(request.prompt_ids.clone(), top));
                 self.new_requests.push(NewRequest {
                     seq_id: id,
                     sampler: Sampler::new(request.params.clone(), &request.prompt_ids),
                     soft_prompt: request.soft_prompt.clone(),
+                    scoring,
                 });
                 self.scheduler.add(SeqState {
                     id,
@@ -662,6 +666,7 @@ impl Worker {
                     computed: 0,
                     kv: self.kv.empty_with_media(media),
                     prefix_hit: 0,
+                    reuse_prefix: params.prompt_logprobs.is_none(),
                     whole_spans,
                 });
             }
@@ -792,6 +797,18 @@ impl Worker {
             Err(e) => return Some((id, FinishReason::Error(e))),
         };
         let live = self.live.get_mut(&id)?;
+        if !out.prompt_logprobs.is_empty() {
+            let _ = self.output.send(OutputMsg::PromptLogprobs {
+                id,
+                scored: out.prompt_logprobs,
+            });
+        }
+        if live.max_tokens == 0 && sampled.is_some() {
+            // The prompt has run (for its log-probabilities); nothing is generated.
+            self.scheduler
+                .commit(id, out.computed, None, &mut self.kv)?;
+            return Some((id, FinishReason::Length));
+        }
         let stop_token = sampled
             .as_ref()
             .is_some_and(|s| live.stop_token_ids.contains(&s.token));

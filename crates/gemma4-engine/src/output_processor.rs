@@ -18,6 +18,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{EngineEvent, FinishReason, TokenLogprob, Usage};
 use crate::runner::panic_message;
+use crate::sampler::Scored;
 
 /// What the engine tells the processor, in the order it happens.
 pub(crate) enum OutputMsg {
@@ -31,9 +32,11 @@ pub(crate) enum OutputMsg {
     Token {
         id: u64,
         token: u32,
-        /// `(logprob of token, top alternatives)` when the request asked for them.
-        logprobs: Option<(f32, Vec<(u32, f32)>)>,
+        /// The token's log-probability when the request asked for it.
+        logprobs: Option<Scored>,
     },
+    /// Prompt tokens scored in one step, in prompt order.
+    PromptLogprobs { id: u64, scored: Vec<(u32, Scored)> },
     Finished {
         id: u64,
         reason: FinishReason,
@@ -118,6 +121,18 @@ impl Processor {
                 token,
                 logprobs,
             } => self.token(id, token, logprobs),
+            OutputMsg::PromptLogprobs { id, scored } => {
+                let Some(e) = self.entries.get(&id) else {
+                    return;
+                };
+                let logprobs = scored
+                    .into_iter()
+                    .map(|(token, s)| {
+                        token_logprob(&mut self.token_texts, &self.tokenizer, token, s)
+                    })
+                    .collect();
+                let _ = e.events.send(EngineEvent::PromptLogprobs(logprobs));
+            }
             OutputMsg::Finished { id, reason, usage } => self.finished(id, reason, usage),
         }
     }
@@ -151,7 +166,7 @@ impl Processor {
         });
     }
 
-    fn token(&mut self, id: u64, token: u32, logprobs: Option<(f32, Vec<(u32, f32)>)>) {
+    fn token(&mut self, id: u64, token: u32, logprobs: Option<Scored>) {
         let Some(e) = self.entries.get_mut(&id) else {
             return;
         };
@@ -159,16 +174,8 @@ impl Processor {
             return;
         }
         e.accepted += 1;
-        let (texts, tokenizer) = (&mut self.token_texts, &self.tokenizer);
-        let logprob = logprobs.map(|(lp, top)| TokenLogprob {
-            token_id: token,
-            text: token_text(texts, tokenizer, token),
-            logprob: lp,
-            top: top
-                .into_iter()
-                .map(|(t, l)| (t, token_text(texts, tokenizer, t), l))
-                .collect(),
-        });
+        let logprob =
+            logprobs.map(|s| token_logprob(&mut self.token_texts, &self.tokenizer, token, s));
         let ended = match run_guarded(id, || e.output.push(token)) {
             Ok(step) => {
                 let _ = e.events.send(EngineEvent::Token {
@@ -200,6 +207,26 @@ fn run_guarded(
     };
     tracing::error!(request = id, "detokenizing failed: {msg}");
     Err(FinishReason::Error(format!("detokenizing failed: {msg}")))
+}
+
+/// A scored token with its text and its alternatives' texts.
+fn token_logprob(
+    texts: &mut HashMap<u32, String>,
+    tokenizer: &Tokenizer,
+    token: u32,
+    scored: Scored,
+) -> TokenLogprob {
+    TokenLogprob {
+        token_id: token,
+        text: token_text(texts, tokenizer, token),
+        logprob: scored.logprob,
+        rank: scored.rank,
+        top: scored
+            .top
+            .into_iter()
+            .map(|(t, l)| (t, token_text(texts, tokenizer, t), l))
+            .collect(),
+    }
 }
 
 /// A token's text on its own (for log-probs), decoded once per engine.

@@ -6,7 +6,9 @@
 //! to run, all keyed by sequence id) and comes out as one [`RunnerOutput`]
 //! per chunk. A failed batch is run again sequence by sequence, so only the
 //! sequences that fail alone get the error; grammar masks are prepared on
-//! another thread while the model computes the logits they will mask.
+//! another thread while the model computes the logits they will mask. A
+//! request that scores its prompt has logits computed at every prompt
+//! position it runs, and each next prompt token's log-probability returned.
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
@@ -18,7 +20,7 @@ use gemma4_model::storage::with_f32_values;
 use gemma4_model::{BatchSeq, Gemma4, LogitsFor, SoftTokens};
 
 use crate::api::{SoftPrompt, TokenConstraint};
-use crate::sampler::{Sampled, Sampler};
+use crate::sampler::{score, Sampled, Sampler, Scored};
 use crate::scheduler::ScheduledChunk;
 
 /// A request the runner has not seen before.
@@ -27,6 +29,51 @@ pub struct NewRequest {
     pub sampler: Sampler,
     /// Encoder rows of the prompt (images, audio), if any.
     pub soft_prompt: Option<Arc<SoftPrompt>>,
+    /// Set when the request asked for its prompt's log-probabilities.
+    pub scoring: Option<PromptScoring>,
+}
+
+/// A request's prompt scoring: which prompt tokens have their
+/// log-probability yet to come.
+pub struct PromptScoring {
+    prompt: Vec<u32>,
+    /// Alternatives per token.
+    top: usize,
+    /// The next prompt position to score (a rerun after preemption never
+    /// scores a token twice).
+    next: usize,
+}
+
+impl PromptScoring {
+    pub fn new(prompt: Vec<u32>, top: usize) -> Self {
+        Self {
+            prompt,
+            top,
+            next: 1,
+        }
+    }
+
+    /// Whether a chunk at `start` of `len` tokens predicts a prompt token still to score.
+    fn wants(&self, start: usize, len: usize) -> bool {
+        start + len >= self.next && self.next < self.prompt.len()
+    }
+
+    /// Scores the prompt tokens that `logits` (`rows` rows for positions
+    /// `start..`) predict, each at most once.
+    fn score_rows(&mut self, logits: &[f32], rows: usize, start: usize) -> Vec<(u32, Scored)> {
+        let vocab = logits.len() / rows.max(1);
+        let mut out = Vec::new();
+        for (r, row) in logits.chunks(vocab.max(1)).enumerate().take(rows) {
+            let target = start + r + 1;
+            if target != self.next || target >= self.prompt.len() {
+                continue;
+            }
+            let token = self.prompt[target];
+            out.push((token, score(row, token, self.top)));
+            self.next += 1;
+        }
+        out
+    }
 }
 
 /// One step, as the engine hands it to the runner (without chunks it only
@@ -46,11 +93,14 @@ pub struct RunnerOutput {
     /// The sequence's tokens in the cache after this step.
     pub computed: usize,
     pub result: Result<Option<Sampled>, String>,
+    /// Prompt tokens scored in this step `(token, log-probability)`, in order.
+    pub prompt_logprobs: Vec<(u32, Scored)>,
 }
 
 struct RequestState {
     sampler: Sampler,
     soft_prompt: Option<Arc<SoftPrompt>>,
+    scoring: Option<PromptScoring>,
 }
 
 pub struct ModelRunner {
@@ -106,6 +156,7 @@ impl ModelRunner {
                 RequestState {
                     sampler: r.sampler,
                     soft_prompt: r.soft_prompt,
+                    scoring: r.scoring,
                 },
             );
         }
@@ -135,17 +186,59 @@ impl ModelRunner {
             .iter()
             .zip(rows)
             .map(|(c, row)| {
+                let mut prompt_logprobs = Vec::new();
                 let result = match failed.iter().find(|(id, _)| *id == c.seq_id) {
                     Some((_, e)) => Err(e.clone()),
-                    None => row.and_then(|row| self.sample(c.seq_id, row)),
+                    None => row
+                        .and_then(|row| self.score_prompt(c, row, &mut prompt_logprobs))
+                        .and_then(|row| self.sample(c.seq_id, row)),
                 };
                 RunnerOutput {
                     seq_id: c.seq_id,
                     computed: c.start + c.tokens.len(),
                     result,
+                    prompt_logprobs,
                 }
             })
             .collect()
+    }
+
+    /// Whether a chunk needs logits at every position (its request scores prompt tokens there).
+    fn scores(&self, c: &ScheduledChunk) -> bool {
+        self.requests
+            .get(&c.seq_id)
+            .and_then(|r| r.scoring.as_ref())
+            .is_some_and(|s| s.wants(c.start, c.tokens.len()))
+    }
+
+    /// Scores the prompt tokens a chunk's logits predict (when it asked for
+    /// every row) and returns the row to sample from, if it samples.
+    fn score_prompt(
+        &mut self,
+        c: &ScheduledChunk,
+        logits: Option<Tensor>,
+        scored: &mut Vec<(u32, Scored)>,
+    ) -> Result<Option<Tensor>, String> {
+        let Some(logits) = logits else {
+            return Ok(None);
+        };
+        if !self.scores(c) {
+            return Ok(Some(logits));
+        }
+        let rows = c.tokens.len();
+        let failed = |e: candle_core::Error| format!("reading logits failed: {e}");
+        if let Some(scoring) = self
+            .requests
+            .get_mut(&c.seq_id)
+            .and_then(|r| r.scoring.as_mut())
+        {
+            *scored = with_f32_values(&logits, |values| scoring.score_rows(values, rows, c.start))
+                .map_err(|e| format!("reading logits failed: {e}"))?;
+        }
+        if !c.samples {
+            return Ok(None);
+        }
+        logits.narrow(0, rows - 1, 1).map(Some).map_err(failed)
     }
 
     /// Samples a chunk's logits row. A panic here ends that request only.
@@ -280,7 +373,11 @@ impl ModelRunner {
             .map(|(c, soft)| BatchSeq {
                 ids: &c.tokens,
                 start: c.start,
-                logits: c.samples.then_some(LogitsFor::Last),
+                logits: if self.scores(c) {
+                    Some(LogitsFor::All)
+                } else {
+                    c.samples.then_some(LogitsFor::Last)
+                },
                 soft: soft.as_ref().map(|w| SoftTokens {
                     rows: &w.rows,
                     embeds: w.embeds,

@@ -29,8 +29,33 @@ pub struct Sampler {
 #[derive(Debug, Clone)]
 pub struct Sampled {
     pub token: u32,
-    /// `(logprob of token, top alternatives (id, logprob))` when requested.
-    pub logprobs: Option<(f32, Vec<(u32, f32)>)>,
+    /// The token's log-probability, when requested.
+    pub logprobs: Option<Scored>,
+}
+
+/// A token's log-probability under one distribution.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scored {
+    pub logprob: f32,
+    /// 1 for the most likely token: one more than the tokens more likely than it.
+    pub rank: usize,
+    /// The strongest alternatives `(id, logprob)`, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `token`'s log-probability under the softmax of `logits`, with the `k`
+/// strongest alternatives.
+pub fn score(logits: &[f32], token: u32, k: usize) -> Scored {
+    let (lse, top) = log_softmax_top(logits, k);
+    let value = logits
+        .get(token as usize)
+        .copied()
+        .unwrap_or(f32::NEG_INFINITY);
+    Scored {
+        logprob: value - lse,
+        rank: 1 + logits.iter().filter(|&&v| v > value).count(),
+        top,
+    }
 }
 
 impl Sampler {
@@ -73,7 +98,6 @@ impl Sampler {
 
     /// Picks the next token from `logits` and records it.
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
-        let logprobs = self.params.logprobs.map(|k| log_softmax_top(logits, k));
         let token = match self.forced_token() {
             Some(token) => token,
             None => {
@@ -99,7 +123,7 @@ impl Sampler {
         if let Some(c) = self.constraint.as_mut() {
             c.accept(token);
         }
-        let logprobs = logprobs.map(|(lse, top)| (logits[token as usize] - lse, top));
+        let logprobs = self.params.logprobs.map(|k| score(logits, token, k));
         Sampled { token, logprobs }
     }
 
@@ -525,8 +549,11 @@ mod tests {
             &[],
         );
         let out = s.sample(&[0.0, 0.0]);
-        let (lp, top) = out.logprobs.expect("logprobs");
-        assert!((lp - 0.5f32.ln()).abs() < 1e-6);
-        assert_eq!(top.len(), 2);
+        let scored = out.logprobs.expect("logprobs");
+        assert!((scored.logprob - 0.5f32.ln()).abs() < 1e-6);
+        assert_eq!(scored.top.len(), 2);
+        assert_eq!(scored.rank, 1);
+        let third = score(&[1.0, 3.0, 2.0, 0.5], 0, 1);
+        assert_eq!((third.rank, third.top[0].0), (3, 1));
     }
 }

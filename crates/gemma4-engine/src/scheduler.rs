@@ -44,6 +44,8 @@ pub struct SeqState {
     pub kv: SeqKv,
     /// Tokens taken from the prefix cache at the last admission.
     pub prefix_hit: usize,
+    /// The prompt may start from cached KV (not when every position must run).
+    pub reuse_prefix: bool,
     /// `[start, end)` spans of the prompt that must run in one step (an
     /// image whose tokens attend to each other), ascending.
     pub whole_spans: Vec<(usize, usize)>,
@@ -263,7 +265,7 @@ impl Scheduler {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
-            if seq.computed == 0 {
+            if seq.computed == 0 && seq.reuse_prefix {
                 // A cached prefix may not end inside an image that attends to itself.
                 let spans = &seq.whole_spans;
                 let resumable = |pos: usize| !spans.iter().any(|&(s, e)| s < pos && pos < e);
@@ -344,6 +346,7 @@ mod tests {
             computed: 0,
             kv: kv.empty(),
             prefix_hit: 0,
+            reuse_prefix: true,
             whole_spans: Vec::new(),
         }
     }

@@ -218,6 +218,7 @@ fn sliding_layers_hold_only_their_window() {
     let mut full_seen = Vec::new();
     while let Some(e) = stream.blocking_next() {
         match e {
+            EngineEvent::PromptLogprobs(_) => {}
             EngineEvent::Token { .. } => {
                 n += 1;
                 if n % 500 == 0 && n < 2000 {
@@ -336,6 +337,7 @@ fn stop_strings_cut_the_text() {
         let (mut text, mut pieces) = (String::new(), Vec::new());
         while let Some(e) = s.blocking_next() {
             match e {
+                EngineEvent::PromptLogprobs(_) => {}
                 EngineEvent::Token { text: t, .. } => {
                     text.push_str(&t);
                     pieces.push(t);
@@ -373,6 +375,7 @@ fn stop_strings_cut_the_text() {
     let (mut text, mut tokens) = (String::new(), 0);
     let usage = loop {
         match s.blocking_next().expect("event") {
+            EngineEvent::PromptLogprobs(_) => {}
             EngineEvent::Token { text: t, .. } => {
                 text.push_str(&t);
                 tokens += 1;

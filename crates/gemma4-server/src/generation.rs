@@ -12,12 +12,12 @@ use gemma4_engine::{
     RequestStream, SamplingParams, SoftPrompt, ThinkingBudget, TokenConstraint, Usage,
 };
 
-use gemma4_text::{ChannelState, Marker, ProtocolTokens};
+use gemma4_text::{ChannelState, IncrementalDecoder, Marker, ProtocolTokens};
 
 use crate::admission::{check_choice_count, max_tokens_for, submit_error};
 use crate::error::ApiError;
 use crate::grammar::{tool_call_grammar, CallMarkers, GrammarSpec, ThinkingGate};
-use crate::openai::fold::ReplyFold;
+use crate::openai::fold::{EchoedPrompt, ReplyFold};
 use crate::openai::request::{MediaKind, ToolChoice};
 use crate::openai::response::MediaTokensJson;
 use crate::openai::{ChatRequest, Prompt, Sampling};
@@ -134,6 +134,38 @@ pub fn text_prompt(model: &ModelContext, prompt: &Prompt) -> Result<Vec<u32>, Ap
             ApiError::bad_request(format!("cannot tokenize the prompt: {e}")).with_param("prompt")
         }),
     }
+}
+
+/// The prompt as a completion echoes it: its text as the tokens spell it
+/// (control tokens such as `<bos>` unseen), and where each token starts.
+pub fn echoed_prompt(model: &ModelContext, ids: &[u32]) -> Result<EchoedPrompt, ApiError> {
+    let tokenizer = model.engine.tokenizer();
+    let failed = |e: gemma4_text::TextError| {
+        ApiError::bad_request(format!("cannot decode the prompt to echo it: {e}"))
+            .with_param("prompt")
+    };
+    let mut decoder = IncrementalDecoder::new(tokenizer.as_ref());
+    let (mut text, mut chars) = (String::new(), 0);
+    let mut offsets = Vec::with_capacity(ids.len());
+    for &id in ids {
+        offsets.push(chars);
+        if let Some(piece) = decoder.push(id).map_err(failed)? {
+            chars += piece.chars().count();
+            text.push_str(&piece);
+        }
+    }
+    if let Some(piece) = decoder.finish().map_err(failed)? {
+        text.push_str(&piece);
+    }
+    let first_token = match ids.first() {
+        Some(&id) => tokenizer.decode(&[id], false).map_err(failed)?,
+        None => String::new(),
+    };
+    Ok(EchoedPrompt {
+        text,
+        first_token,
+        offsets,
+    })
 }
 
 /// What a chat request asks of the protocol tokens.
@@ -368,6 +400,7 @@ pub fn build_requests(
                 stop_token_ids: stop_token_ids.clone(),
                 stop_strings: sampling.stop.clone(),
                 logprobs,
+                prompt_logprobs: sampling.prompt_logprobs,
                 logit_bias: logit_bias.clone(),
                 thinking_budget: thinking_budget.clone(),
                 constraint: constraint.clone(),
@@ -467,6 +500,7 @@ impl Choice {
                 }
                 self.last_token = Some(now);
             }
+            EngineEvent::PromptLogprobs(_) => {}
             EngineEvent::Finished { reason, usage, .. } => {
                 if *reason == FinishReason::Cancelled {
                     tracing::info!(

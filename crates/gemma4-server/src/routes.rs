@@ -29,9 +29,10 @@ use crate::auth;
 use crate::drain::ActiveGuard;
 use crate::error::ApiError;
 use crate::generation::{
-    blocking, build_requests, chat_prompt, fold_to_end, text_prompt, ChatControls, Generation,
+    blocking, build_requests, chat_prompt, echoed_prompt, fold_to_end, text_prompt, ChatControls,
+    Generation,
 };
-use crate::openai::fold::{Format, ReplyFold};
+use crate::openai::fold::{Format, PromptOutput, ReplyFold};
 use crate::openai::request::{Sampling, Streaming, ToolChoice};
 use crate::openai::response::{
     ChatCompletion, GenerateResponse, ModelCard, ModelList, TextCompletion, UsageJson,
@@ -251,6 +252,7 @@ pub(crate) async fn submit_chat(
     };
     let job = OpenAiJob {
         prompts: vec![prompt.ids],
+        prompt_outputs: vec![PromptOutput::default()],
         soft_prompts: vec![prompt.soft],
         sampling,
         logprobs,
@@ -272,14 +274,34 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
     let req = CompletionRequest::parse(&bytes)?;
     check_model_name(&state, req.model.as_deref())?;
     let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
-    let prompts: Vec<Vec<u32>> = {
+    let (echo, listed) = (req.echo, req.list_prompt_logprobs);
+    let prompts: Vec<(Vec<u32>, PromptOutput)> = {
         let model = model.clone();
         let texts = req.prompts.clone();
-        blocking(move || texts.iter().map(|p| text_prompt(&model, p)).collect()).await?
+        blocking(move || {
+            texts
+                .iter()
+                .map(|p| {
+                    let ids = text_prompt(&model, p)?;
+                    let echo = match echo {
+                        true => Some(Arc::new(echoed_prompt(&model, &ids)?)),
+                        false => None,
+                    };
+                    let output = PromptOutput {
+                        echo,
+                        prompt_logprobs: listed,
+                    };
+                    Ok((ids, output))
+                })
+                .collect()
+        })
+        .await?
     };
+    let (prompts, prompt_outputs): (Vec<_>, Vec<_>) = prompts.into_iter().unzip();
     let job = OpenAiJob {
         soft_prompts: vec![None; prompts.len()],
         prompts,
+        prompt_outputs,
         sampling,
         logprobs,
         chat: None,
@@ -336,7 +358,7 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
         .await?
     };
     let mut generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
-    let fold = ReplyFold::new(Format::Completion, 1, false);
+    let fold = ReplyFold::new(Format::Completion, false, vec![PromptOutput::default()]);
     let mut fold = fold_to_end(&mut generation, fold, &state).await?;
     drop(guard);
     let prompt_tokens = generation.prompt_tokens;
@@ -358,6 +380,8 @@ struct OpenAiJob {
     prompts: Vec<Vec<u32>>,
     /// Per prompt, its media's soft tokens.
     soft_prompts: Vec<Option<Arc<gemma4_engine::SoftPrompt>>>,
+    /// Per prompt, what its choices return of it.
+    prompt_outputs: Vec<PromptOutput>,
     sampling: Sampling,
     logprobs: Option<usize>,
     /// Chat requests' tool and thinking controls.
@@ -438,7 +462,13 @@ async fn submit_openai(
         Format::Chat => "chatcmpl",
         Format::Completion => "cmpl",
     });
-    let fold = ReplyFold::new(format, generation.choices, job.logprobs.is_some());
+    // Choices come `n` per prompt, in prompt order.
+    let outputs = job
+        .prompt_outputs
+        .iter()
+        .flat_map(|o| std::iter::repeat_n(o.clone(), job.sampling.n))
+        .collect();
+    let fold = ReplyFold::new(format, job.logprobs.is_some(), outputs);
     Ok(Submitted {
         generation,
         id,

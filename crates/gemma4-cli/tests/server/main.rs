@@ -10,6 +10,7 @@ mod protocol;
 mod real_vocab;
 mod routing;
 mod schemas;
+mod scoring;
 
 use std::time::{Duration, Instant};
 
@@ -519,7 +520,7 @@ fn bad_requests_get_openai_errors_that_name_the_problem() {
         ("/v1/chat/completions", json!({"messages": [{"role": "user"}]}).to_string(), 400, "`messages[0].content`", Some("messages[0].content")),
         ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}).to_string(), 400, "no vision tower", Some("messages[0].content[0].image_url.url")),
         ("/v1/chat/completions", json!({"messages": user, "model": "gpt-4"}).to_string(), 404, "`gpt-4` does not exist", Some("model")),
-        ("/v1/completions", json!({"prompt": "hi", "max_tokens": 0}).to_string(), 400, "at least 1", Some("max_tokens")),
+        ("/v1/completions", json!({"prompt": "hi", "max_tokens": -1}).to_string(), 400, "at least 0", Some("max_tokens")),
         ("/v1/completions", json!({"prompt": "hi", "max_tokens": 1000}).to_string(), 400, "max_model_len", Some("max_tokens")),
         ("/v1/completions", json!({"prompt": long_prompt}).to_string(), 400, "--max-model-len", Some("prompt")),
         ("/v1/completions", json!({"prompt": [2, 999999]}).to_string(), 400, "outside the vocabulary", Some("prompt")),

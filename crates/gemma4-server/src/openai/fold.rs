@@ -3,13 +3,37 @@
 //! it. A stream sends those deltas as chunks; a whole reply is the state
 //! once every choice has ended, so the two hold the same by construction.
 
+use std::sync::Arc;
+
 use gemma4_engine::{EngineEvent, TokenLogprob};
 use gemma4_text::AssistantMessage;
+use serde_json::{Map, Value};
 
 use super::response::{
-    ChatChoice, ChatChunkChoice, ChatLogprobs, ChatMessage, ChatTokenLogprob, CompletionLogprobs,
-    Delta, TextChoice,
+    prompt_logprob_entry, ChatChoice, ChatChunkChoice, ChatLogprobs, ChatMessage, ChatTokenLogprob,
+    CompletionLogprobs, Delta, TextChoice,
 };
+
+/// The prompt a completion echoes (`echo`): its text and where each of its
+/// tokens starts in it.
+#[derive(Debug, Clone, Default)]
+pub struct EchoedPrompt {
+    pub text: String,
+    /// The first token's text (it has no log-probability).
+    pub first_token: String,
+    /// Character offset in `text` of each prompt token.
+    pub offsets: Vec<usize>,
+}
+
+/// What a completion returns of its prompt.
+#[derive(Debug, Clone, Default)]
+pub struct PromptOutput {
+    /// `echo`: the reply starts with the prompt (and, with `logprobs`, its
+    /// tokens' log-probabilities).
+    pub echo: Option<Arc<EchoedPrompt>>,
+    /// vLLM's `prompt_logprobs` was asked for.
+    pub prompt_logprobs: bool,
+}
 
 /// Which reply the events make.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,6 +59,52 @@ pub struct ChoiceState {
     /// Set once the choice has ended normally.
     pub finish_reason: Option<&'static str>,
     pub completion_tokens: usize,
+    /// The echoed prompt, if any.
+    echo: Option<Arc<EchoedPrompt>>,
+    /// Prompt tokens scored so far (from the second on).
+    scored_prompt: usize,
+    /// vLLM's `prompt_logprobs`, when asked for.
+    prompt_logprobs: Option<Vec<Option<Map<String, Value>>>>,
+}
+
+impl ChoiceState {
+    fn new(prompt: PromptOutput) -> Self {
+        let mut state = Self {
+            prompt_logprobs: prompt.prompt_logprobs.then(|| vec![None]),
+            ..Self::default()
+        };
+        if let Some(echo) = &prompt.echo {
+            state.text = echo.text.clone();
+            state.chars = echo.text.chars().count();
+        }
+        state.echo = prompt.echo;
+        state
+    }
+
+    /// Scored prompt tokens: the echoed log-probabilities and vLLM's
+    /// `prompt_logprobs` entries they add.
+    fn score_prompt(
+        &mut self,
+        scored: Vec<TokenLogprob>,
+        echo_logprobs: bool,
+    ) -> (CompletionLogprobs, Vec<Option<Map<String, Value>>>) {
+        let (mut echoed, mut listed) = (CompletionLogprobs::default(), Vec::new());
+        for lp in scored {
+            self.scored_prompt += 1;
+            if let Some(list) = self.prompt_logprobs.as_mut() {
+                let entry = prompt_logprob_entry(&lp);
+                list.push(Some(entry.clone()));
+                listed.push(Some(entry));
+            }
+            if let Some(echo) = self.echo.as_ref().filter(|_| echo_logprobs) {
+                let offset = echo.offsets.get(self.scored_prompt).copied().unwrap_or(0);
+                echoed.push(&lp, offset);
+                self.offsets.push(offset);
+                self.logprobs.push(lp);
+            }
+        }
+        (echoed, listed)
+    }
 }
 
 /// What a stream sends for one event of one choice.
@@ -52,18 +122,20 @@ pub struct ReplyFold {
 }
 
 impl ReplyFold {
-    pub fn new(format: Format, choices: usize, logprobs: bool) -> Self {
+    /// A fold of `prompts.len()` choices, each returning that of its prompt.
+    pub fn new(format: Format, logprobs: bool, prompts: Vec<PromptOutput>) -> Self {
         Self {
             format,
             logprobs,
-            choices: (0..choices).map(|_| ChoiceState::default()).collect(),
+            choices: prompts.into_iter().map(ChoiceState::new).collect(),
         }
     }
 
-    /// A stream's opening deltas: chat announces the assistant role for each choice.
+    /// A stream's opening deltas: chat announces the assistant role for each
+    /// choice; an echoing completion sends its prompt.
     pub fn start(&self) -> Vec<ChoiceDelta> {
-        if self.format != Format::Chat {
-            return Vec::new();
+        if self.format == Format::Completion {
+            return self.echoes();
         }
         (0..self.choices.len())
             .map(|index| {
@@ -81,6 +153,28 @@ impl ReplyFold {
             .collect()
     }
 
+    fn echoes(&self) -> Vec<ChoiceDelta> {
+        let logprobs = self.logprobs;
+        self.choices
+            .iter()
+            .enumerate()
+            .filter_map(|(index, c)| {
+                let echo = c.echo.as_ref()?;
+                Some(ChoiceDelta::Text(TextChoice {
+                    index,
+                    text: echo.text.clone(),
+                    logprobs: logprobs.then(|| {
+                        let mut l = CompletionLogprobs::default();
+                        l.push_unscored(&echo.first_token);
+                        l
+                    }),
+                    finish_reason: None,
+                    prompt_logprobs: c.prompt_logprobs.as_ref().map(|_| vec![None]),
+                }))
+            })
+            .collect()
+    }
+
     /// Folds in one event of choice `index` (an abnormal end is the caller's
     /// to report) and returns what a stream sends for it.
     pub fn apply(&mut self, index: usize, event: EngineEvent) -> Vec<ChoiceDelta> {
@@ -89,6 +183,19 @@ impl ReplyFold {
             return Vec::new();
         };
         match event {
+            EngineEvent::PromptLogprobs(scored) => {
+                let (echoed, listed) = choice.score_prompt(scored, wants_logprobs);
+                if format != Format::Completion || (echoed.tokens.is_empty() && listed.is_empty()) {
+                    return Vec::new();
+                }
+                vec![ChoiceDelta::Text(TextChoice {
+                    index,
+                    text: String::new(),
+                    logprobs: (!echoed.tokens.is_empty()).then_some(echoed),
+                    finish_reason: None,
+                    prompt_logprobs: (!listed.is_empty()).then_some(listed),
+                })]
+            }
             EngineEvent::Token {
                 id,
                 text,
@@ -120,6 +227,7 @@ impl ReplyFold {
                             text,
                             logprobs,
                             finish_reason: None,
+                            prompt_logprobs: None,
                         })]
                     }
                 }
@@ -142,6 +250,7 @@ impl ReplyFold {
                             text,
                             logprobs: None,
                             finish_reason: Some(reason),
+                            prompt_logprobs: None,
                         })]
                     }
                 }
@@ -186,6 +295,9 @@ impl ReplyFold {
                 index,
                 logprobs: logprobs.then(|| {
                     let mut l = CompletionLogprobs::default();
+                    if let Some(echo) = &c.echo {
+                        l.push_unscored(&echo.first_token);
+                    }
                     for (lp, &offset) in c.logprobs.iter().zip(&c.offsets) {
                         l.push(lp, offset);
                     }
@@ -193,6 +305,7 @@ impl ReplyFold {
                 }),
                 text: c.text,
                 finish_reason: c.finish_reason,
+                prompt_logprobs: c.prompt_logprobs,
             })
             .collect()
     }

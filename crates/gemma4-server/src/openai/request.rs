@@ -39,6 +39,10 @@ pub struct Sampling {
     pub logit_bias: Vec<(u32, f32)>,
     /// Enforced output shape, and the field that asked for it.
     pub grammar: Option<(GrammarSpec, &'static str)>,
+    /// Score the prompt: each token's log-probability given those before it,
+    /// with this many alternatives (completions' `echo` with `logprobs`, or
+    /// vLLM's `prompt_logprobs`).
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// `response_format` (`json_object`, `json_schema`) or one of vLLM's
@@ -149,7 +153,8 @@ impl Sampling {
     fn parse(f: &Fields, max_token_fields: &[&str]) -> Result<Self, ApiError> {
         let mut max_tokens = None;
         for name in max_token_fields {
-            if let Some(m) = f.integer(name, 1, i64::MAX)? {
+            // 0 runs the prompt alone (to score it, with `echo` and `logprobs`).
+            if let Some(m) = f.integer(name, 0, i64::MAX)? {
                 max_tokens.get_or_insert(usize::try_from(m).unwrap_or(usize::MAX));
             }
         }
@@ -194,6 +199,7 @@ impl Sampling {
             n: usize::try_from(f.integer("n", 1, MAX_N)?.unwrap_or(1)).unwrap_or(1),
             logit_bias: f.logit_bias("logit_bias")?,
             grammar: parse_grammar(f)?,
+            prompt_logprobs: None,
         })
     }
 }
@@ -360,7 +366,10 @@ impl ChatRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         let f = Fields::parse(body)?;
         refuse_unsupported(&f, "/v1/chat/completions")?;
-        f.refuse(&["function_call"], "/v1/chat/completions")?;
+        f.refuse(
+            &["function_call", "prompt_logprobs"],
+            "/v1/chat/completions",
+        )?;
         if f.array("modalities")?
             .is_some_and(|m| m.iter().any(|x| x != "text"))
         {
@@ -672,6 +681,10 @@ pub struct CompletionRequest {
     pub prompts: Vec<Prompt>,
     pub sampling: Sampling,
     pub logprobs: Option<usize>,
+    /// The reply starts with the prompt (`echo`).
+    pub echo: bool,
+    /// vLLM's `prompt_logprobs` was asked for (listed per choice).
+    pub list_prompt_logprobs: bool,
     pub streaming: Streaming,
 }
 
@@ -689,12 +702,6 @@ impl CompletionRequest {
             "/v1/completions",
         )?;
         let prompts = parse_prompts(f.get("prompt"))?;
-        if f.bool("echo")?.unwrap_or(false) {
-            return Err(ApiError::bad_request(
-                "`echo` is not supported by this server; send it as false",
-            )
-            .with_param("echo"));
-        }
         if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
             return Err(
                 ApiError::bad_request("`suffix` is not supported by this server")
@@ -708,11 +715,20 @@ impl CompletionRequest {
                 .integer("logprobs", 0, MAX_TOP_LOGPROBS)?
                 .map(|k| usize::try_from(k).unwrap_or(0)),
         };
+        let echo = f.bool("echo")?.unwrap_or(false);
+        let listed = f
+            .integer("prompt_logprobs", 0, MAX_TOP_LOGPROBS)?
+            .map(|k| usize::try_from(k).unwrap_or(0));
+        let mut sampling = Sampling::parse(&f, &["max_tokens"])?;
+        // Both ask for the same scores; the larger count of alternatives serves both.
+        sampling.prompt_logprobs = logprobs.filter(|_| echo).max(listed);
         Ok(Self {
             model: f.string("model")?.map(str::to_owned),
             prompts,
-            sampling: Sampling::parse(&f, &["max_tokens"])?,
+            sampling,
             logprobs,
+            echo,
+            list_prompt_logprobs: listed.is_some(),
             streaming: Streaming::parse(&f)?,
         })
     }

@@ -327,14 +327,19 @@ pub struct TextChoice {
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<&'static str>,
+    /// vLLM's `prompt_logprobs`: per prompt token, `null` for the first, then
+    /// `{id: {logprob, rank, decoded_token}}` for the token and its alternatives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Vec<Option<Map<String, Value>>>>,
 }
 
-/// The legacy completions log-probability layout.
+/// The legacy completions log-probability layout. With `echo`, the prompt's
+/// first token has no log-probability (`null`).
 #[derive(Debug, Default, Serialize)]
 pub struct CompletionLogprobs {
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<Map<String, Value>>,
+    pub token_logprobs: Vec<Option<f32>>,
+    pub top_logprobs: Vec<Option<Map<String, Value>>>,
     pub text_offset: Vec<usize>,
 }
 
@@ -342,15 +347,49 @@ impl CompletionLogprobs {
     /// Appends one token whose text starts at `offset` in the choice's text.
     pub fn push(&mut self, lp: &TokenLogprob, offset: usize) {
         self.tokens.push(lp.text.clone());
-        self.token_logprobs.push(lp.logprob);
+        self.token_logprobs.push(Some(lp.logprob));
         let mut top = Map::new();
         for (_, text, logprob) in &lp.top {
             top.entry(text.clone())
-                .or_insert_with(|| serde_json::json!(logprob));
+                .or_insert_with(|| logprob_json(*logprob));
         }
-        self.top_logprobs.push(top);
+        self.top_logprobs.push(Some(top));
         self.text_offset.push(offset);
     }
+
+    /// Appends a token that has no log-probability (a prompt's first).
+    pub fn push_unscored(&mut self, text: &str) {
+        self.tokens.push(text.to_owned());
+        self.token_logprobs.push(None);
+        self.top_logprobs.push(None);
+        self.text_offset.push(0);
+    }
+}
+
+/// A log-probability as JSON, written as an `f32` field serializes (its
+/// shortest decimal), so every place a value appears shows the same digits.
+pub fn logprob_json(x: f32) -> Value {
+    x.to_string()
+        .parse::<f64>()
+        .ok()
+        .and_then(serde_json::Number::from_f64)
+        .map_or(Value::Null, Value::Number)
+}
+
+/// vLLM's `prompt_logprobs` entry of one scored prompt token: the token and
+/// its alternatives by id.
+pub fn prompt_logprob_entry(lp: &TokenLogprob) -> Map<String, Value> {
+    let mut entry = Map::new();
+    entry.insert(
+        lp.token_id.to_string(),
+        serde_json::json!({"logprob": logprob_json(lp.logprob), "rank": lp.rank, "decoded_token": lp.text}),
+    );
+    for (rank, (id, text, logprob)) in lp.top.iter().enumerate() {
+        entry.entry(id.to_string()).or_insert_with(
+            || serde_json::json!({"logprob": logprob_json(*logprob), "rank": rank + 1, "decoded_token": text}),
+        );
+    }
+    entry
 }
 
 /// `GET /v1/models`.
@@ -455,6 +494,7 @@ mod tests {
             token_id: 7,
             text: "a".into(),
             logprob: -0.5,
+            rank: 1,
             top: vec![(7, "a".into(), -0.5), (8, "b".into(), -1.5)],
         };
         let mut l = CompletionLogprobs::default();
@@ -463,5 +503,19 @@ mod tests {
         assert_eq!(v["tokens"][0], "a");
         assert_eq!(v["text_offset"][0], 3);
         assert_eq!(v["top_logprobs"][0]["b"], -1.5);
+        // A value with no short f64 spelling reads the same in both places.
+        let x = -5.420_781_f32;
+        let lp = TokenLogprob {
+            logprob: x,
+            top: vec![(7, "a".into(), x)],
+            ..lp
+        };
+        let mut l = CompletionLogprobs::default();
+        l.push(&lp, 0);
+        // As the wire carries it (an `f32` field is written by its own digits).
+        let wire = serde_json::to_string(&l).expect("serializable");
+        let v: Value = serde_json::from_str(&wire).expect("json");
+        assert_eq!(v["token_logprobs"][0], v["top_logprobs"][0]["a"]);
+        assert_eq!(v["token_logprobs"][0].to_string(), "-5.420781");
     }
 }

@@ -1,0 +1,152 @@
+//! Scoring a prompt through `/v1/completions` as evaluation harnesses do
+//! (token-id prompt, `echo: true`, `logprobs`, `max_tokens` 0 or 1), with
+//! the official openai client: the prompt's log-probabilities equal the
+//! reference's log-softmax, the stream adds up to the whole reply, and
+//! vLLM's `prompt_logprobs` lists the same values.
+
+use serde_json::{json, Value};
+
+use crate::harness::{fixture, golden, openai_client, ServerProc};
+use crate::{generate_ids, golden_ids, ids, prompt_named};
+
+/// The oracle's logit tolerance, twice: a log-probability is a logit minus
+/// its row's log-sum-exp.
+const TOLERANCE: f64 = 2e-3;
+
+/// The reference's log-softmax of prompt `name`'s logits at every position.
+fn reference_logprobs(variant: &str, index: usize, n: usize) -> Vec<Vec<f64>> {
+    let bytes =
+        std::fs::read(fixture(variant).join("golden_tensors.safetensors")).expect("golden tensors");
+    let tensors = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let logits = tensors
+        .tensor(&format!("prompt{index}.logits"))
+        .expect("prompt logits");
+    let values: Vec<f64> = logits
+        .data()
+        .chunks_exact(4)
+        .map(|b| f64::from(f32::from_le_bytes([b[0], b[1], b[2], b[3]])))
+        .collect();
+    values
+        .chunks(values.len() / n)
+        .map(|row| {
+            let max = row.iter().copied().fold(f64::MIN, f64::max);
+            let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln();
+            row.iter().map(|v| v - lse).collect()
+        })
+        .collect()
+}
+
+fn number(v: &Value) -> f64 {
+    v.as_f64().unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+#[test]
+fn prompt_logprobs_score_the_prompt_as_the_reference_does() {
+    let server = ServerProc::start(&fixture("e-style"), &[], &[]);
+    let g = golden("e-style");
+    let (index, long) = (2, prompt_named(&g, "long"));
+    let prompt = ids(&long["input_ids"]);
+    let n = prompt.len();
+    let reference = reference_logprobs("e-style", index, n);
+    // The reference's text, which its tokenizer turns into these ids (with `<bos>`).
+    let text = long["text"].as_str().expect("text").to_owned();
+    let generated = generate_ids(&server, &long["input_ids"], 3);
+    let Some(out) = openai_client(
+        &server.url(),
+        &[
+            "--scenario",
+            "scoring",
+            "--prompt",
+            &json!(prompt).to_string(),
+            "--max-tokens",
+            "3",
+        ],
+    ) else {
+        return;
+    };
+
+    // Nothing generated: the prompt alone, scored.
+    let only = &out["prompt_only"]["choices"][0];
+    assert_eq!(only["text"], text.as_str());
+    assert_eq!(only["finish_reason"], "length");
+    assert_eq!(out["prompt_only"]["usage"]["completion_tokens"], 0);
+    let lp = &only["logprobs"];
+    assert_eq!(lp["tokens"].as_array().map(Vec::len), Some(n));
+    assert_eq!(lp["token_logprobs"][0], Value::Null);
+    assert_eq!(lp["top_logprobs"][0], Value::Null);
+    for p in 1..n {
+        let want = reference[p - 1][prompt[p] as usize];
+        let got = number(&lp["token_logprobs"][p]);
+        assert!(
+            (got - want).abs() <= TOLERANCE,
+            "position {p}: {got} vs the reference's {want}"
+        );
+        let top = lp["top_logprobs"][p].as_object().expect("top map");
+        let best = reference[p - 1].iter().copied().fold(f64::MIN, f64::max);
+        let top_best = top.values().map(number).fold(f64::MIN, f64::max);
+        assert!(
+            (top_best - best).abs() <= TOLERANCE,
+            "position {p}: {top_best} vs {best}"
+        );
+    }
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .expect("offsets")
+        .iter()
+        .map(|o| o.as_u64().expect("offset"))
+        .collect();
+    assert!(offsets.windows(2).all(|w| w[0] <= w[1]), "{offsets:?}");
+
+    // The stream adds up to the whole reply.
+    for (whole, streamed) in [
+        ("prompt_only", "prompt_only_stream"),
+        ("with_tokens", "with_tokens_stream"),
+    ] {
+        let choice = &out[whole]["choices"][0];
+        let s = &out[streamed];
+        assert_eq!(s["text"], choice["text"], "{streamed}");
+        assert_eq!(s["finish_reason"], choice["finish_reason"], "{streamed}");
+        assert_eq!(s["logprobs"], choice["logprobs"], "{streamed}");
+    }
+
+    // Three tokens generated: the prompt's entries, then the greedy tokens'.
+    let with = &out["with_tokens"]["choices"][0];
+    let suffix = generated["response"].as_str().expect("generated text");
+    assert_eq!(with["text"], format!("{text}{suffix}"));
+    let lp = &with["logprobs"];
+    assert_eq!(lp["tokens"].as_array().map(Vec::len), Some(n + 3));
+    for p in 1..n {
+        assert_eq!(
+            lp["token_logprobs"][p],
+            only["logprobs"]["token_logprobs"][p]
+        );
+    }
+    assert_eq!(ids(&generated["token_ids"]), golden_ids(long)[..3]);
+
+    // vLLM's prompt_logprobs: the same values, keyed by token id.
+    let listed = &out["vllm"]["choices"][0]["prompt_logprobs"];
+    assert_eq!(listed.as_array().map(Vec::len), Some(n));
+    assert_eq!(listed[0], Value::Null);
+    for p in 1..n {
+        let entry = &listed[p][prompt[p].to_string()];
+        assert_eq!(entry["logprob"], only["logprobs"]["token_logprobs"][p]);
+        assert!(entry["rank"].as_u64().is_some_and(|r| r >= 1), "{entry}");
+    }
+}
+
+#[test]
+fn prompt_logprobs_are_refused_where_they_are_not_served() {
+    let server = ServerProc::start(&fixture("e-style"), &[], &[]);
+    let r = server.post(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "prompt_logprobs");
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": "hi", "prompt_logprobs": 99}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(r.json()["error"]["param"], "prompt_logprobs");
+}
