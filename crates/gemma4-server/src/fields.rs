@@ -61,6 +61,11 @@ impl Fields {
         }
     }
 
+    /// Whether the body names the field, even as `null`.
+    pub fn names(&self, name: &str) -> bool {
+        self.obj.contains_key(name)
+    }
+
     /// The field, or `None` when absent or `null`.
     pub fn get(&self, name: &str) -> Option<&Value> {
         self.obj.get(name).filter(|v| !v.is_null())

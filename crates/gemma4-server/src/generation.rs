@@ -126,13 +126,22 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt
     })
 }
 
-/// Tokenizes a completion prompt (text gets the tokenizer's usual BOS).
+/// Tokenizes a completion prompt (text gets the tokenizer's usual BOS; the
+/// empty text is the start of a document, BOS alone).
 pub fn text_prompt(model: &ModelContext, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = model.engine.tokenizer();
     match prompt {
         Prompt::Ids(ids) => Ok(ids.clone()),
-        Prompt::Text(text) => model.engine.tokenizer().encode(text, true).map_err(|e| {
-            ApiError::bad_request(format!("cannot tokenize the prompt: {e}")).with_param("prompt")
-        }),
+        Prompt::Text(text) => {
+            let ids = tokenizer.encode(text, true).map_err(|e| {
+                ApiError::bad_request(format!("cannot tokenize the prompt: {e}"))
+                    .with_param("prompt")
+            })?;
+            Ok(match (ids.is_empty(), tokenizer.bos_id()) {
+                (true, Some(bos)) => vec![bos],
+                _ => ids,
+            })
+        }
     }
 }
 

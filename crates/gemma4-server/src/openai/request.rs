@@ -308,8 +308,10 @@ pub enum ToolChoice {
 }
 
 impl ToolChoice {
-    fn parse(f: &Fields) -> Result<Self, ApiError> {
+    /// `tool_choice`, and the names `allowed_tools` keeps (`None`: every tool).
+    fn parse(f: &Fields) -> Result<(Self, Option<Vec<String>>), ApiError> {
         let bad = |msg: String| ApiError::bad_request(msg).with_param("tool_choice");
+        let mut allowed = None;
         let choice = match f.get("tool_choice") {
             None => Self::Auto,
             Some(Value::String(s)) => match s.as_str() {
@@ -318,10 +320,15 @@ impl ToolChoice {
                 "required" => Self::Required,
                 other => {
                     return Err(bad(format!(
-                        "`tool_choice` is {other:?}; use \"auto\", \"none\", \"required\" or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"
+                        "`tool_choice` is {other:?}; use \"auto\", \"none\", \"required\", {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} or {{\"type\": \"allowed_tools\", ...}}"
                     )))
                 }
             },
+            Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("allowed_tools") => {
+                let (choice, names) = allowed_tools(o.get("allowed_tools"))?;
+                allowed = Some(names);
+                choice
+            }
             Some(Value::Object(o)) => match o
                 .get("function")
                 .and_then(|f| f.get("name"))
@@ -330,7 +337,7 @@ impl ToolChoice {
                 Some(name) => Self::Named(name.to_owned()),
                 None => {
                     return Err(bad(
-                        "`tool_choice.function.name` must name one of `tools`".into(),
+                        "`tool_choice.function.name` must name one of `tools` (or give `{\"type\": \"allowed_tools\", \"allowed_tools\": {\"mode\", \"tools\"}}`)".into(),
                     ))
                 }
             },
@@ -343,8 +350,103 @@ impl ToolChoice {
                 "`tool_choice` asks for a call but `tools` is empty".into()
             ));
         }
-        Ok(choice)
+        Ok((choice, allowed))
     }
+}
+
+/// `tool_choice.allowed_tools`: `mode` `auto` or `required`, and the
+/// function tools the turn may call.
+fn allowed_tools(v: Option<&Value>) -> Result<(ToolChoice, Vec<String>), ApiError> {
+    let at = "tool_choice.allowed_tools";
+    let bad = |msg: String, param: &str| ApiError::bad_request(msg).with_param(param);
+    let Some(Value::Object(o)) = v else {
+        return Err(bad(
+            format!("`{at}` must be an object with `mode` and `tools`"),
+            at,
+        ));
+    };
+    let choice = match o.get("mode").and_then(Value::as_str) {
+        Some("auto") => ToolChoice::Auto,
+        Some("required") => ToolChoice::Required,
+        _ => {
+            return Err(bad(
+                format!("`{at}.mode` must be \"auto\" or \"required\""),
+                &format!("{at}.mode"),
+            ))
+        }
+    };
+    let Some(Value::Array(tools)) = o.get("tools") else {
+        return Err(bad(
+            format!("`{at}.tools` must be a list of tools"),
+            &format!("{at}.tools"),
+        ));
+    };
+    let names = tools
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            t.get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+                .ok_or_else(|| {
+                    bad(
+                        format!("`{at}.tools[{i}]` must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}"),
+                        &format!("{at}.tools[{i}]"),
+                    )
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((choice, names))
+}
+
+/// `tools`: function tools only, each with a name; with `allowed_tools`,
+/// only those it names are declared to the model.
+fn parse_tools(f: &Fields, allowed: Option<&[String]>) -> Result<Option<Value>, ApiError> {
+    let Some(tools) = f.array("tools")?.filter(|t| !t.is_empty()) else {
+        return Ok(None);
+    };
+    fn name_of((i, t): (usize, &Value)) -> Result<&str, ApiError> {
+        let at = format!("tools[{i}]");
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::bad_request(format!(
+                "`{at}` is not a function tool; this server calls function tools only"
+            ))
+            .with_param(format!("{at}.type")));
+        }
+        t.get("function")
+            .and_then(|f| f.get("name"))
+            .and_then(Value::as_str)
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("`{at}.function.name` must be a string"))
+                    .with_param(format!("{at}.function.name"))
+            })
+    }
+    let names = tools
+        .iter()
+        .enumerate()
+        .map(name_of)
+        .collect::<Result<Vec<_>, _>>()?;
+    let Some(allowed) = allowed else {
+        return Ok(Some(Value::Array(tools.clone())));
+    };
+    if let Some((i, missing)) = allowed
+        .iter()
+        .enumerate()
+        .find(|(_, a)| !names.contains(&a.as_str()))
+    {
+        return Err(ApiError::bad_request(format!(
+            "`tool_choice.allowed_tools.tools[{i}]` names `{missing}`, which is not in `tools`"
+        ))
+        .with_param(format!("tool_choice.allowed_tools.tools[{i}]")));
+    }
+    let kept = tools
+        .iter()
+        .zip(&names)
+        .filter(|(_, n)| allowed.iter().any(|a| a == *n))
+        .map(|(t, _)| t.clone())
+        .collect();
+    Ok(Some(Value::Array(kept)))
 }
 
 /// `reasoning_effort` as the template's `enable_thinking`.
@@ -414,17 +516,15 @@ impl ChatRequest {
             }
             (false, _) => None,
         };
-        let tools = f
-            .array("tools")?
-            .filter(|t| !t.is_empty())
-            .map(|t| Value::Array(t.clone()));
+        let (tool_choice, allowed) = ToolChoice::parse(&f)?;
+        let tools = parse_tools(&f, allowed.as_deref())?;
         Ok(Self {
             model: f.string("model")?.map(str::to_owned),
             messages,
             tools,
             add_generation_prompt: f.bool("add_generation_prompt")?.unwrap_or(true),
             template_kwargs,
-            tool_choice: ToolChoice::parse(&f)?,
+            tool_choice,
             parallel_tool_calls: f.bool("parallel_tool_calls")?.unwrap_or(true),
             thinking_token_budget: f
                 .integer("thinking_token_budget", 0, i64::from(u32::MAX))?
@@ -701,7 +801,14 @@ impl CompletionRequest {
             ],
             "/v1/completions",
         )?;
-        let prompts = parse_prompts(f.get("prompt"))?;
+        // `prompt` is required and nullable: null is the empty prompt, the
+        // start of a document.
+        let empty = Value::String(String::new());
+        let prompt = match f.get("prompt") {
+            None if f.names("prompt") => Some(&empty),
+            given => given,
+        };
+        let prompts = parse_prompts(prompt)?;
         if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
             return Err(
                 ApiError::bad_request("`suffix` is not supported by this server")
@@ -1123,6 +1230,9 @@ mod tests {
         assert!(p(r#"{"prompt": [-1]}"#).is_err());
         assert!(p(r#"{"prompt": {"x": 1}}"#).is_err());
         assert!(p(r#"{}"#).is_err());
+        let empty = Some(vec![Prompt::Text(String::new())]);
+        assert_eq!(p(r#"{"prompt": null}"#).ok(), empty);
+        assert_eq!(p(r#"{"prompt": ""}"#).ok(), empty);
     }
 
     #[test]

@@ -231,6 +231,24 @@ fn chat_body(f: &Fields) -> Result<Value, ApiError> {
                 json!({"type": "function", "function": {"name": o.get("name").cloned().unwrap_or(Value::Null)}}),
             );
         }
+        // Responses spell an allowed tool `{"type": "function", "name"}`.
+        Some(Value::Object(o))
+            if o.get("type").and_then(Value::as_str) == Some("allowed_tools") =>
+        {
+            let tools: Vec<Value> = o
+                .get("tools")
+                .and_then(Value::as_array)
+                .map(|ts| {
+                    ts.iter()
+                        .map(|t| json!({"type": "function", "function": {"name": t.get("name").cloned().unwrap_or(Value::Null)}}))
+                        .collect()
+                })
+                .unwrap_or_default();
+            body.insert(
+                "tool_choice".into(),
+                json!({"type": "allowed_tools", "allowed_tools": {"mode": o.get("mode").cloned().unwrap_or(Value::Null), "tools": tools}}),
+            );
+        }
         Some(other) => {
             body.insert("tool_choice".into(), other.clone());
         }

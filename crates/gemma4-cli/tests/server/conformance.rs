@@ -1,0 +1,128 @@
+//! Points of OpenAI's published spec that a careful client leans on: a
+//! nullable or empty `prompt`, `tool_choice` of type `allowed_tools` (chat
+//! and responses), and tools other than functions refused by name.
+
+use serde_json::{json, Value};
+
+use crate::harness::{fixture, openai_error, ServerProc};
+
+fn tools() -> Value {
+    let zone = json!({"type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+                      "required": ["zone"]});
+    json!([{"type": "function", "function": {"name": "get_time", "parameters": zone}},
+           {"type": "function", "function": {"name": "get_date", "parameters": zone}}])
+}
+
+#[test]
+fn empty_and_null_prompts_are_the_start_of_a_document() {
+    let server = ServerProc::start(&fixture("e-style"), &[], &[]);
+    for prompt in [json!(""), Value::Null] {
+        let r = server.post(
+            "/v1/completions",
+            &json!({"prompt": prompt, "max_tokens": 2, "temperature": 0}),
+        );
+        assert_eq!(r.status, 200, "{prompt}: {}", r.body);
+        // The prompt is `<bos>` alone.
+        assert_eq!(r.json()["usage"]["prompt_tokens"], 1, "{}", r.body);
+    }
+}
+
+#[test]
+fn allowed_tools_limit_the_calls_a_turn_may_make() {
+    let server = ServerProc::start(&fixture("e-style"), &[], &[]);
+    let user = json!([{"role": "user", "content": "Date?"}]);
+    let choice = json!({"type": "allowed_tools", "allowed_tools": {"mode": "required",
+        "tools": [{"type": "function", "function": {"name": "get_date"}}]}});
+    for seed in 0..3 {
+        let r = server.post(
+            "/v1/chat/completions",
+            &json!({"messages": user, "tools": tools(), "tool_choice": choice,
+                    "max_tokens": 60, "temperature": 1, "seed": seed}),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        let calls = r.json()["choices"][0]["message"]["tool_calls"].clone();
+        let names: Vec<&str> = calls
+            .as_array()
+            .map(|c| {
+                c.iter()
+                    .filter_map(|c| c["function"]["name"].as_str())
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(
+            !names.is_empty(),
+            "a required call was not made: {}",
+            r.body
+        );
+        assert!(names.iter().all(|n| *n == "get_date"), "{names:?}");
+    }
+    // The same through /v1/responses, in its own spelling.
+    let r = server.post(
+        "/v1/responses",
+        &json!({"input": "Date?", "max_output_tokens": 60, "temperature": 0,
+                "tools": [{"type": "function", "name": "get_time", "parameters": tools()[0]["function"]["parameters"]},
+                          {"type": "function", "name": "get_date", "parameters": tools()[1]["function"]["parameters"]}],
+                "tool_choice": {"type": "allowed_tools", "mode": "required",
+                                "tools": [{"type": "function", "name": "get_date"}]}}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let called: Vec<&Value> = v["output"]
+        .as_array()
+        .map(|o| o.iter().filter(|i| i["type"] == "function_call").collect())
+        .unwrap_or_default();
+    assert!(
+        !called.is_empty() && called.iter().all(|c| c["name"] == "get_date"),
+        "{v}"
+    );
+
+    // Bad lists are a 400 naming the field.
+    let cases = [
+        (
+            json!({"type": "allowed_tools", "allowed_tools": {"mode": "required",
+            "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}),
+            "tool_choice.allowed_tools.tools[0]",
+        ),
+        (
+            json!({"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": []}}),
+            "tool_choice.allowed_tools.mode",
+        ),
+    ];
+    for (choice, param) in cases {
+        let r = server.post(
+            "/v1/chat/completions",
+            &json!({"messages": user, "tools": tools(), "tool_choice": choice, "max_tokens": 4}),
+        );
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(openai_error(&r)["param"], param, "{}", r.body);
+    }
+}
+
+#[test]
+fn tools_other_than_functions_are_refused_by_name() {
+    let server = ServerProc::start(&fixture("e-style"), &[], &[]);
+    let user = json!([{"role": "user", "content": "hi"}]);
+    for (tool, param) in [
+        (
+            json!({"type": "custom", "custom": {"name": "grep"}}),
+            "tools[0].type",
+        ),
+        (
+            json!({"type": "function", "function": 0}),
+            "tools[0].function.name",
+        ),
+    ] {
+        let r = server.post(
+            "/v1/chat/completions",
+            &json!({"messages": user, "tools": [tool], "max_tokens": 4}),
+        );
+        assert_eq!(r.status, 400, "{}", r.body);
+        let err = openai_error(&r);
+        assert_eq!(err["param"], param, "{}", r.body);
+        assert!(
+            !r.body.contains("template"),
+            "a raw template error: {}",
+            r.body
+        );
+    }
+}
