@@ -5,6 +5,7 @@
 //! | `POST /v1/chat/completions` | key | chat through the model's template |
 //! | `POST /v1/responses` | key | the Responses API, whole or streamed: reasoning, message and function-call items |
 //! | `POST /v1/completions` | key | plain-text completion |
+//! | `POST /v1/chat/completions/render`, `POST /v1/completions/render` | key | the prompt token ids (and media placeholders) a request would run, without running it |
 //! | `GET /v1/models` | key | the served model |
 //! | `GET /v1/models/{id}` | key | the served model's card; 404 for any other id |
 //! | `POST /tokenize` | key | `{prompt}` or `{messages}` → `{tokens, count, max_model_len}` |
@@ -28,25 +29,26 @@ use axum::{Json, Router};
 use crate::auth;
 use crate::drain::ActiveGuard;
 use crate::error::ApiError;
-use crate::generation::{
-    blocking, build_requests, chat_prompt, echoed_prompt, fold_to_end, text_prompt, ChatControls,
-    Generation,
-};
+use crate::front::{self, OpenAiJob};
+use crate::generation::{fold_to_end, Generation};
 use crate::openai::fold::{Format, PromptOutput, ReplyFold};
-use crate::openai::request::{Sampling, Streaming, ToolChoice};
+use crate::openai::request::Streaming;
 use crate::openai::response::{
     ChatCompletion, GenerateResponse, ModelCard, ModelList, TextCompletion, UsageJson,
     SYSTEM_FINGERPRINT,
 };
 use crate::openai::{ChatRequest, CompletionRequest, GenerateRequest};
+use crate::render;
 use crate::responses;
 use crate::server::AppState;
 use crate::server::ModelContext;
 use crate::sse::{self, StreamMeta};
 use crate::tokenize;
 
-const ROUTES: [&str; 10] = [
+const ROUTES: [&str; 12] = [
     "/v1/chat/completions",
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
     "/v1/responses",
     "/v1/completions",
     "/v1/models",
@@ -57,12 +59,14 @@ const ROUTES: [&str; 10] = [
     "/ready",
     "/metrics",
 ];
-const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /generate, GET /health, GET /ready, GET /metrics";
+const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /generate, GET /health, GET /ready, GET /metrics";
 
 pub fn router(state: Arc<AppState>) -> Router {
     let keyed = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions/render", post(render::chat))
+        .route("/v1/completions/render", post(render::completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_card))
         .route("/v1/responses", post(responses::responses))
@@ -224,46 +228,11 @@ async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response
 pub(crate) async fn submit_chat(
     state: &Arc<AppState>,
     model: &Arc<ModelContext>,
-    mut req: ChatRequest,
+    req: ChatRequest,
     arrival: Instant,
 ) -> Result<Submitted, ApiError> {
-    check_model_name(state, req.model.as_deref())?;
-    if let Some(media) = model.media.as_ref() {
-        if let Some(remote) = media.remote.as_ref() {
-            // Too many items are refused before any of them is fetched.
-            media.check_counts(&req.media)?;
-            remote.fetch_all(&mut req.media).await?;
-        }
-    }
-    let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
-    let chat = ChatControls {
-        tool_choice: req.tool_choice.clone(),
-        parallel_tool_calls: req.parallel_tool_calls,
-        tools: req.tools.clone(),
-        thinking_token_budget: req.thinking_token_budget,
-        thinking: req
-            .template_kwargs
-            .get("enable_thinking")
-            .is_some_and(|v| v.as_bool() == Some(true)),
-    };
-    let prompt = {
-        let model = model.clone();
-        blocking(move || chat_prompt(&model, &req)).await?
-    };
-    let job = OpenAiJob {
-        prompts: vec![prompt.ids],
-        prompt_outputs: vec![PromptOutput::default()],
-        soft_prompts: vec![prompt.soft],
-        sampling,
-        logprobs,
-        chat: Some(chat),
-        streaming,
-        arrival,
-        prompt_param: "messages",
-    };
-    let mut submitted = submit_openai(state, model, job, Format::Chat).await?;
-    submitted.generation.prompt_media = prompt.media;
-    Ok(submitted)
+    let job = front::chat_job(state, model, req, arrival).await?;
+    submit_openai(state, model, job, Format::Chat).await
 }
 
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
@@ -272,43 +241,7 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
     let bytes = state.read_body(body).await?;
     let (model, guard) = state.admit()?;
     let req = CompletionRequest::parse(&bytes)?;
-    check_model_name(&state, req.model.as_deref())?;
-    let (sampling, logprobs, streaming) = (req.sampling.clone(), req.logprobs, req.streaming);
-    let (echo, listed) = (req.echo, req.list_prompt_logprobs);
-    let prompts: Vec<(Vec<u32>, PromptOutput)> = {
-        let model = model.clone();
-        let texts = req.prompts.clone();
-        blocking(move || {
-            texts
-                .iter()
-                .map(|p| {
-                    let ids = text_prompt(&model, p)?;
-                    let echo = match echo {
-                        true => Some(Arc::new(echoed_prompt(&model, &ids)?)),
-                        false => None,
-                    };
-                    let output = PromptOutput {
-                        echo,
-                        prompt_logprobs: listed,
-                    };
-                    Ok((ids, output))
-                })
-                .collect()
-        })
-        .await?
-    };
-    let (prompts, prompt_outputs): (Vec<_>, Vec<_>) = prompts.into_iter().unzip();
-    let job = OpenAiJob {
-        soft_prompts: vec![None; prompts.len()],
-        prompts,
-        prompt_outputs,
-        sampling,
-        logprobs,
-        chat: None,
-        streaming,
-        arrival,
-        prompt_param: "prompt",
-    };
+    let job = front::completion_job(&state, &model, req, arrival).await?;
     let submitted = submit_openai(&state, &model, job, Format::Completion).await?;
     let Whole {
         id,
@@ -341,23 +274,19 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
     let bytes = state.read_body(body).await?;
     let (model, guard) = state.admit()?;
     let req = GenerateRequest::parse(&bytes)?;
-    let sampling = req.sampling.clone();
-    let prompt = {
-        let model = model.clone();
-        blocking(move || text_prompt(&model, &req.prompt)).await?
+    // One plain completion, through the same front.
+    let req = CompletionRequest {
+        model: None,
+        prompts: vec![req.prompt],
+        sampling: req.sampling,
+        logprobs: None,
+        echo: false,
+        list_prompt_logprobs: false,
+        streaming: Streaming::default(),
     };
-    let prompts = vec![prompt];
-    let (requests, prompts) = {
-        let (state, model) = (Arc::clone(&state), Arc::clone(&model));
-        blocking(move || {
-            let requests = build_requests(
-                &state, &model, &prompts, &sampling, None, None, arrival, "prompt",
-            )?;
-            Ok((requests, prompts))
-        })
-        .await?
-    };
-    let mut generation = Generation::submit(&state, &model, requests, &prompts, arrival)?;
+    let job = front::completion_job(&state, &model, req, arrival).await?;
+    let (requests, job) = front::engine_requests(&state, &model, job).await?;
+    let mut generation = Generation::submit(&state, &model, requests, &job.prompts, arrival)?;
     let fold = ReplyFold::new(Format::Completion, false, vec![PromptOutput::default()]);
     let mut fold = fold_to_end(&mut generation, fold, &state).await?;
     drop(guard);
@@ -373,23 +302,6 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
         finish_reason: out.finish_reason.unwrap_or("stop"),
     })
     .into_response())
-}
-
-/// The parts of an OpenAI chat or completion request that drive generation.
-struct OpenAiJob {
-    prompts: Vec<Vec<u32>>,
-    /// Per prompt, its media's soft tokens.
-    soft_prompts: Vec<Option<Arc<gemma4_engine::SoftPrompt>>>,
-    /// Per prompt, what its choices return of it.
-    prompt_outputs: Vec<PromptOutput>,
-    sampling: Sampling,
-    logprobs: Option<usize>,
-    /// Chat requests' tool and thinking controls.
-    chat: Option<ChatControls>,
-    streaming: Streaming,
-    arrival: Instant,
-    /// The request field blamed when a prompt breaks a limit.
-    prompt_param: &'static str,
 }
 
 /// A generation either answered as a stream, or collected for a JSON response.
@@ -425,39 +337,9 @@ async fn submit_openai(
     job: OpenAiJob,
     format: Format,
 ) -> Result<Submitted, ApiError> {
-    let forces_call = job
-        .chat
-        .as_ref()
-        .is_some_and(|c| matches!(c.tool_choice, ToolChoice::Required | ToolChoice::Named(_)));
-    // On the blocking pool: the first structured request builds the
-    // vocabulary's token trie, and a grammar takes CPU time to write and
-    // compile, which must never hold up the threads that answer probes.
-    let structured = job.sampling.grammar.is_some() || forces_call;
-    let (mut requests, job) = {
-        let (state, model) = (Arc::clone(state), Arc::clone(model));
-        blocking(move || {
-            if structured {
-                model.grammars()?;
-            }
-            let requests = build_requests(
-                &state,
-                &model,
-                &job.prompts,
-                &job.sampling,
-                job.logprobs,
-                job.chat.as_ref(),
-                job.arrival,
-                job.prompt_param,
-            )?;
-            Ok((requests, job))
-        })
-        .await?
-    };
-    // Requests come `n` per prompt, in prompt order.
-    for (i, r) in requests.iter_mut().enumerate() {
-        r.soft_prompt = job.soft_prompts[i / job.sampling.n.max(1)].clone();
-    }
-    let generation = Generation::submit(state, model, requests, &job.prompts, job.arrival)?;
+    let (requests, job) = front::engine_requests(state, model, job).await?;
+    let mut generation = Generation::submit(state, model, requests, &job.prompts, job.arrival)?;
+    generation.prompt_media = job.prompt_media;
     let id = state.response_id(match format {
         Format::Chat => "chatcmpl",
         Format::Completion => "cmpl",

@@ -9,6 +9,7 @@ mod harness;
 mod images;
 mod protocol;
 mod real_vocab;
+mod render;
 mod routing;
 mod schemas;
 mod scoring;
