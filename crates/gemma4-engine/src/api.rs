@@ -144,6 +144,19 @@ pub struct GenerationRequest {
     pub reading: Reading,
 }
 
+impl GenerationRequest {
+    /// A text-only request read as plain text, with no deadline.
+    pub fn new(prompt_ids: Vec<u32>, params: SamplingParams) -> Self {
+        Self {
+            prompt_ids,
+            params,
+            deadline: None,
+            soft_prompt: None,
+            reading: Reading::Text,
+        }
+    }
+}
+
 /// Encoder outputs for some prompt positions: the model reads these rows
 /// instead of the token table there.
 #[derive(Debug, Clone, PartialEq)]

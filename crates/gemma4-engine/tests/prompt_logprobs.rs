@@ -75,17 +75,14 @@ fn score(
     max_tokens: usize,
 ) -> (Vec<TokenLogprob>, Vec<u32>, FinishReason) {
     let mut stream = engine
-        .submit(GenerationRequest {
-            prompt_ids: prompt.to_vec(),
-            params: SamplingParams {
+        .submit(GenerationRequest::new(
+            prompt.to_vec(),
+            SamplingParams {
                 max_tokens,
                 prompt_logprobs: Some(TOP),
                 ..Default::default()
             },
-            deadline: None,
-            soft_prompt: None,
-            reading: Default::default(),
-        })
+        ))
         .expect("submit");
     let (mut scored, mut ids) = (Vec::new(), Vec::new());
     while let Some(event) = stream.blocking_next() {
@@ -169,16 +166,13 @@ fn a_cached_prompt_is_scored_in_full() {
     let prompt = &golden.prompts[2].input_ids;
     // An earlier request leaves the prompt's blocks in the prefix cache.
     engine
-        .submit(GenerationRequest {
-            prompt_ids: prompt.clone(),
-            params: SamplingParams {
+        .submit(GenerationRequest::new(
+            prompt.clone(),
+            SamplingParams {
                 max_tokens: 1,
                 ..Default::default()
             },
-            deadline: None,
-            soft_prompt: None,
-            reading: Default::default(),
-        })
+        ))
         .expect("submit")
         .blocking_finish()
         .expect("finished");
