@@ -94,6 +94,15 @@ impl<T: Borrow<Tokenizer>> IncrementalDecoder<T> {
         Ok((!delta.is_empty()).then_some(delta))
     }
 
+    /// Starts afresh (after [`finish`](Self::finish)): the next id is decoded
+    /// with no context before it. Cheaper than a new decoder, whose sets of
+    /// hidden and byte tokens take a lookup per token.
+    pub fn reset(&mut self) {
+        self.ids.clear();
+        self.prefix_offset = 0;
+        self.read_offset = 0;
+    }
+
     /// Every id pushed so far, hidden control tokens excluded.
     pub fn ids(&self) -> &[u32] {
         &self.ids

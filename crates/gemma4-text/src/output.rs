@@ -96,7 +96,6 @@ pub struct Released {
 #[derive(Debug)]
 pub struct TextOutput {
     tokens: ProtocolTokens,
-    tokenizer: Arc<Tokenizer>,
     /// Decodes the text since the last marker.
     decoder: IncrementalDecoder<Arc<Tokenizer>>,
     stops: Option<StopStrings>,
@@ -110,8 +109,7 @@ pub struct TextOutput {
 impl TextOutput {
     pub fn new(tokenizer: Arc<Tokenizer>, tokens: ProtocolTokens, stop_strings: &[String]) -> Self {
         Self {
-            decoder: IncrementalDecoder::new(tokenizer.clone()),
-            tokenizer,
+            decoder: IncrementalDecoder::new(tokenizer),
             tokens,
             stops: StopStrings::new(stop_strings),
             held: String::new(),
@@ -156,7 +154,7 @@ impl TextOutput {
         if let Some(text) = self.decoder.finish()? {
             self.held.push_str(&text);
         }
-        self.decoder = IncrementalDecoder::new(self.tokenizer.clone());
+        self.decoder.reset();
         Ok(())
     }
 
