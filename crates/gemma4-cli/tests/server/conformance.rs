@@ -126,3 +126,30 @@ fn tools_other_than_functions_are_refused_by_name() {
         );
     }
 }
+
+#[test]
+fn responses_repeat_tools_with_every_required_field() {
+    let server = ServerProc::start(&fixture("e-style"), &[], &[]);
+    let tool = json!({"type": "function", "name": "get_time"});
+    let r = server.post(
+        "/v1/responses",
+        &json!({"input": "Time?", "tools": [tool], "max_output_tokens": 2}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let echoed = &r.json()["tools"][0];
+    assert_eq!(echoed["name"], "get_time");
+    // Required by the API, nullable: present even when not sent.
+    for field in ["parameters", "strict"] {
+        assert!(
+            echoed.as_object().is_some_and(|o| o.contains_key(field)),
+            "{field} missing: {echoed}"
+        );
+    }
+    let r = server.post(
+        "/v1/responses",
+        &json!({"input": "Time?", "max_output_tokens": 2,
+                "tools": [{"type": "function", "name": "f", "parameters": true}]}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert_eq!(openai_error(&r)["param"], "tools[0].parameters");
+}

@@ -215,6 +215,15 @@ fn chat_body(f: &Fields) -> Result<Value, ApiError> {
                     &format!("tools[{i}]"),
                 ));
             }
+            if tool
+                .get("parameters")
+                .is_some_and(|p| !p.is_object() && !p.is_null())
+            {
+                return Err(bad(
+                    format!("`tools[{i}].parameters` must be a JSON Schema object"),
+                    &format!("tools[{i}].parameters"),
+                ));
+            }
             let mut function = tool.clone();
             if let Some(obj) = function.as_object_mut() {
                 obj.remove("type");
@@ -286,13 +295,31 @@ fn chat_body(f: &Fields) -> Result<Value, ApiError> {
     Ok(Value::Object(body))
 }
 
+/// The request's tools as a Response repeats them: each function tool with
+/// every field the API requires (`parameters` and `strict`, `null` when not sent).
+fn echoed_tools(f: &Fields) -> Result<Value, ApiError> {
+    let tools = f.array("tools")?.cloned().unwrap_or_default();
+    Ok(Value::Array(
+        tools
+            .into_iter()
+            .map(|mut tool| {
+                if let Some(obj) = tool.as_object_mut() {
+                    obj.entry("parameters").or_insert(Value::Null);
+                    obj.entry("strict").or_insert(Value::Null);
+                }
+                tool
+            })
+            .collect(),
+    ))
+}
+
 /// The request's settings a Response object repeats, as sent or as the
 /// server takes them when left out.
 fn echoed_settings(f: &Fields) -> Result<Value, ApiError> {
     let given = |key: &str| f.get(key).cloned();
     Ok(json!({
         "instructions": given("instructions").unwrap_or(Value::Null),
-        "tools": given("tools").unwrap_or_else(|| json!([])),
+        "tools": echoed_tools(f)?,
         "tool_choice": given("tool_choice").unwrap_or_else(|| json!("auto")),
         "parallel_tool_calls": f.bool("parallel_tool_calls")?.unwrap_or(true),
         "metadata": Value::Object(f.object("metadata")?.cloned().unwrap_or_default()),
