@@ -665,15 +665,40 @@ impl LarkWriter {
         Ok(format!("<[{q}]> {body} <[{q}]>", q = self.quote))
     }
 
+    /// A number without any bound keyword: JSON's number syntax held to 17
+    /// significant digits (what a double holds) and a two-digit exponent, so
+    /// a model that keeps writing digits must end it.
+    fn bounded_number(&mut self) -> String {
+        let mantissa = self.define(
+            true,
+            r"/0|[1-9][0-9]{0,16}/ | /(0|[1-9][0-9]*)\.[0-9]+/ & /[0-9.]{3,18}/".into(),
+        );
+        self.define(
+            true,
+            format!(r#""-"? {mantissa} /([eE][+-]?[0-9]{{1,2}})?/"#),
+        )
+    }
+
     /// A number or integer: llguidance's JSON number grammar for the bounds
     /// (the text of a number is the same in both syntaxes). An unbounded
-    /// integer stays within ±(2^53 − 1).
+    /// integer stays within ±(2^53 − 1), an unbounded number within 17
+    /// significant digits.
     fn number(
         &mut self,
         obj: &Map<String, Value>,
         integer: bool,
         at: &str,
     ) -> Result<String, SchemaError> {
+        const BOUNDS: [&str; 5] = [
+            "minimum",
+            "maximum",
+            "exclusiveMinimum",
+            "exclusiveMaximum",
+            "multipleOf",
+        ];
+        if !integer && !BOUNDS.iter().any(|k| obj.contains_key(*k)) {
+            return Ok(self.bounded_number());
+        }
         let mut s = Map::new();
         s.insert(
             "type".into(),
@@ -1141,6 +1166,17 @@ mod tests {
     /// Calls written under the grammar by a "model" that draws each token at
     /// random among those the mask allows, read back by the output parser.
     fn forced_calls(tools: &[Value], only: Option<&str>, seed: u64) -> (String, AssistantMessage) {
+        forced_calls_preferring(tools, only, seed, &|_| false)
+    }
+
+    /// As [`forced_calls`], by a model that takes a token whose text
+    /// `prefer` accepts whenever the mask allows one.
+    fn forced_calls_preferring(
+        tools: &[Value],
+        only: Option<&str>,
+        seed: u64,
+        prefer: &dyn Fn(&str) -> bool,
+    ) -> (String, AssistantMessage) {
         let f = fixture();
         let lark = tool_call_grammar(tools, only, 16, f.markers)
             .unwrap_or_else(|e| panic!("{}", e.message));
@@ -1163,7 +1199,13 @@ mod tests {
             state ^= state << 17;
             // A model that closes an open string one time in four, so that
             // unbounded strings (keys of additional properties) end.
-            let pick = if state.is_multiple_of(4) && allowed.contains(&f.markers.quote) {
+            let preferred = allowed
+                .iter()
+                .copied()
+                .find(|&t| prefer(&f.tok.decode(&[t], false).unwrap_or_default()));
+            let pick = if let Some(t) = preferred {
+                t
+            } else if state.is_multiple_of(4) && allowed.contains(&f.markers.quote) {
                 f.markers.quote
             } else {
                 allowed[(state / 4 % allowed.len() as u64) as usize]
@@ -1188,6 +1230,33 @@ mod tests {
         }
         events.extend(output.finish().expect("finish").events);
         (text, AssistantMessage::from_events(&events))
+    }
+
+    #[test]
+    fn a_number_ends_however_long_the_model_writes_digits() {
+        let tools = [tool(
+            "f",
+            json!({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}),
+        )];
+        let digits = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+        for seed in 0..4 {
+            let (text, turn) = forced_calls_preferring(&tools, None, seed, &digits);
+            let call = turn
+                .tool_calls
+                .first()
+                .unwrap_or_else(|| panic!("no call: {text}"));
+            assert!(call.complete, "{text}");
+            let args: Value = serde_json::from_str(&call.arguments).expect("JSON arguments");
+            let x = args["x"].to_string();
+            let significant = x
+                .split(['e', 'E'])
+                .next()
+                .unwrap_or_default()
+                .bytes()
+                .filter(u8::is_ascii_digit)
+                .count();
+            assert!(significant <= 17, "{x} in {text}");
+        }
     }
 
     /// Every call is complete, names a tool, and its arguments validate.
