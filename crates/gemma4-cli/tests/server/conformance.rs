@@ -153,3 +153,36 @@ fn responses_repeat_tools_with_every_required_field() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(openai_error(&r)["param"], "tools[0].parameters");
 }
+
+#[test]
+fn responses_errors_name_the_responses_fields() {
+    let server = ServerProc::start(&fixture("e-style"), &[], &[]);
+    let cases = [
+        (json!([{"type": "reasoning", "summary": []}]), "input"),
+        (json!([{"role": "robot", "content": "hi"}]), "input[0].role"),
+        (
+            json!([{"role": "user", "content": "hi"},
+                   {"type": "function_call", "call_id": "c1", "name": 7, "arguments": "{}"}]),
+            "input[1].name",
+        ),
+        (
+            json!([{"role": "user", "content": "hi"},
+                   {"type": "function_call_output", "output": "12:00"}]),
+            "input[1].call_id",
+        ),
+    ];
+    for (input, param) in cases {
+        let r = server.post(
+            "/v1/responses",
+            &json!({"input": input, "max_output_tokens": 2}),
+        );
+        assert_eq!(r.status, 400, "{input}: {}", r.body);
+        let err = openai_error(&r);
+        assert_eq!(err["param"], param, "{input}: {}", r.body);
+        assert!(
+            !r.body.contains("messages"),
+            "a chat field named: {}",
+            r.body
+        );
+    }
+}

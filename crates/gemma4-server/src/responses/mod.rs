@@ -130,10 +130,31 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
         match item.get("type").and_then(Value::as_str) {
             None | Some("message") => {
                 let role = item.get("role").and_then(Value::as_str).unwrap_or("user");
+                if !["user", "assistant", "system", "developer"].contains(&role) {
+                    return Err(bad(
+                        format!("`{at}.role` is {role:?}; use user, assistant, system or developer"),
+                        &format!("{at}.role"),
+                    ));
+                }
                 let content = content_value(item.get("content").unwrap_or(&Value::Null), &at)?;
                 out.push(json!({"role": role, "content": content}));
             }
             Some("function_call") => {
+                for (field, ok) in [
+                    ("name", item.get("name").is_some_and(Value::is_string)),
+                    ("call_id", item.get("call_id").is_some_and(Value::is_string)),
+                    (
+                        "arguments",
+                        item.get("arguments").is_none_or(|a| a.is_string() || a.is_object()),
+                    ),
+                ] {
+                    if !ok {
+                        return Err(bad(
+                            format!("`{at}.{field}` must be a string"),
+                            &format!("{at}.{field}"),
+                        ));
+                    }
+                }
                 let call = json!({
                     "id": item.get("call_id").cloned().unwrap_or(Value::Null),
                     "type": "function",
@@ -154,6 +175,12 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
                     _ => out.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
                 }
             }
+            Some("function_call_output") if !item.get("call_id").is_some_and(Value::is_string) => {
+                return Err(bad(
+                    format!("`{at}.call_id` must be a string"),
+                    &format!("{at}.call_id"),
+                ))
+            }
             Some("function_call_output") => out.push(json!({
                 "role": "tool",
                 "tool_call_id": item.get("call_id").cloned().unwrap_or(Value::Null),
@@ -172,6 +199,12 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
                 ))
             }
         }
+    }
+    if out.is_empty() {
+        return Err(bad(
+            "`input` holds no message, call or call output to answer (reasoning items alone are not a turn)",
+            "input",
+        ));
     }
     Ok(out)
 }
