@@ -80,9 +80,8 @@ impl PartialEq for ConstraintFactory {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ThinkingBudget {
     pub budget: usize,
-    /// The channel-closing token.
-    pub close: u32,
-    /// Where the turn stands at the prompt's end.
+    /// Where the turn stands at the prompt's end (its tokens name the
+    /// channel-closing one).
     pub channel: ChannelState,
 }
 

@@ -131,7 +131,8 @@ impl Sampler {
     fn forced_token(&self) -> Option<u32> {
         let budget = self.params.thinking_budget.as_ref()?;
         let (channel, spent) = self.thinking.as_ref()?;
-        (channel.in_thought() && *spent >= budget.budget).then_some(budget.close)
+        let close = channel.tokens().id(Marker::ChannelClose)?;
+        (channel.in_thought() && *spent >= budget.budget).then_some(close)
     }
 
     fn track_thinking(&mut self, token: u32) {
@@ -509,7 +510,6 @@ mod tests {
             ProtocolTokens::from_ids([(0, Marker::ChannelOpen), (1, Marker::ChannelClose)]);
         let budget = ThinkingBudget {
             budget: 3,
-            close: 1,
             channel: ChannelState::after_prompt(tokens.clone(), &[]),
         };
         let mut s = Sampler::new(

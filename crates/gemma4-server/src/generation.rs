@@ -335,9 +335,9 @@ fn thinking_budget(
         .thinking_token_budget
         .or(state.config.default_thinking_budget)?;
     tokens.id(Marker::ChannelOpen)?;
+    tokens.id(Marker::ChannelClose)?;
     Some(ThinkingBudget {
         budget,
-        close: tokens.id(Marker::ChannelClose)?,
         channel: ChannelState::after_prompt(tokens.clone(), prompt),
     })
 }

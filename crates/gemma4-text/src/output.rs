@@ -120,13 +120,19 @@ impl TextOutput {
 
     /// Adds an id; returns what may be shown now.
     pub fn push(&mut self, id: u32) -> Result<Released> {
+        let marker = self.tokens.marker(id);
+        self.push_read(id, marker)
+    }
+
+    /// As [`push`](Self::push), for an id whose marker the caller has looked up.
+    fn push_read(&mut self, id: u32, marker: Option<Marker>) -> Result<Released> {
         if self.stopped {
             return Ok(Released {
                 stopped: true,
                 ..Released::default()
             });
         }
-        match self.tokens.marker(id) {
+        match marker {
             Some(marker) => {
                 self.flush_decoder()?;
                 self.markers.push_back((self.held.len(), marker));
@@ -261,10 +267,11 @@ impl RequestOutput {
 
     /// Adds a generated id.
     pub fn push(&mut self, id: u32) -> Result<OutputStep> {
-        if self.channel.accept(id).is_none() && self.channel.in_thought() {
+        let marker = self.channel.accept(id);
+        if marker.is_none() && self.channel.in_thought() {
             self.reasoning_tokens += 1;
         }
-        let released = self.text.push(id)?;
+        let released = self.text.push_read(id, marker)?;
         Ok(self.parse(released, false))
     }
 
