@@ -1,9 +1,9 @@
 //! The engine loop: one thread owns the scheduler, the KV-cache manager and
-//! the model runner; callers talk to it through channels ([`EngineHandle`])
+//! the executor; callers talk to it through channels ([`EngineHandle`])
 //! and receive their tokens as a stream ([`RequestStream`]). Each iteration:
 //! take new requests and cancellations, let the scheduler describe the step
-//! ([`ScheduledChunk`](crate::scheduler::ScheduledChunk)s keyed by sequence
-//! id), have the runner execute it (one batched model step and the
+//! ([`ScheduledChunk`](crate::executor::ScheduledChunk)s keyed by sequence
+//! id), have the executor run it (one batched model step and the
 //! sampling), give the results back to the scheduler, and pass the sampled
 //! ids to the output processor, whose own thread detokenizes, checks stop
 //! strings and sends the events.
@@ -14,23 +14,22 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 
-use candle_core::Device;
 use gemma4_model::config::AttentionKind;
-use gemma4_model::paged::{kv_groups, KvDtype, PagedKvPool};
-use gemma4_model::plan::kv_pool_blocks;
+use gemma4_model::paged::KvDtype;
+use gemma4_model::plan::group_pool_blocks;
 use gemma4_model::Gemma4;
 use gemma4_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::api::{EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, Usage};
+use crate::cpu_executor::CpuExecutor;
+#[cfg(feature = "fault-injection")]
+use crate::executor::ScheduledChunk;
+use crate::executor::{Executor, KvLayout, NewRequest, SeqOutput, StepPlan};
 use crate::kv_manager::{KvEvent, KvManager};
 use crate::output_processor::{self, OutputMsg, StopNotice};
-use crate::runner::{
-    panic_message, ModelRunner, NewRequest, PromptScoring, RunnerOutput, StepPlan,
-};
+use crate::panic_message;
 use crate::sampler::Sampler;
-#[cfg(feature = "fault-injection")]
-use crate::scheduler::ScheduledChunk;
 use crate::scheduler::{Scheduler, SchedulerLimits, SeqState};
 
 /// [`EngineConfig::admit_prompt_tokens`] by default: about where a step's
@@ -344,19 +343,13 @@ impl EngineHandle {
     }
 }
 
-/// Starts the engine thread.
+/// Starts the engine thread, running `model` on this machine's CPU.
 pub fn start(
     model: Gemma4,
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
 ) -> gemma4_model::Result<EngineHandle> {
-    start_worker(
-        model,
-        tokenizer,
-        config,
-        #[cfg(feature = "fault-injection")]
-        None,
-    )
+    start_with(Box::new(CpuExecutor::new(model)), tokenizer, config)
 }
 
 /// Starts the engine thread with a fault to inject (tests of the supervision only).
@@ -367,43 +360,65 @@ pub fn start_with_fault(
     config: EngineConfig,
     fault: crate::fault::FaultPlan,
 ) -> gemma4_model::Result<EngineHandle> {
-    start_worker(model, tokenizer, config, Some(fault))
+    let executor = CpuExecutor::new(model).with_fault(fault);
+    start_worker(Box::new(executor), tokenizer, config, Some(fault))
+}
+
+/// Starts the engine thread over any executor.
+pub fn start_with(
+    executor: Box<dyn Executor>,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+) -> gemma4_model::Result<EngineHandle> {
+    start_worker(
+        executor,
+        tokenizer,
+        config,
+        #[cfg(feature = "fault-injection")]
+        None,
+    )
 }
 
 fn start_worker(
-    model: Gemma4,
+    mut executor: Box<dyn Executor>,
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
     #[cfg(feature = "fault-injection")] fault: Option<crate::fault::FaultPlan>,
 ) -> gemma4_model::Result<EngineHandle> {
-    let cfg = model.config().clone();
+    let facts = executor.model_facts().clone();
     // Positions past the model's are never reached: a sequence ends at
     // `max_model_len` tokens.
-    if config.max_model_len > cfg.max_position_embeddings {
+    if config.max_model_len > facts.max_positions {
         return Err(gemma4_model::ModelError::Input(format!(
             "the context length (max_model_len) {} is larger than the model's {} positions",
-            config.max_model_len, cfg.max_position_embeddings
+            config.max_model_len, facts.max_positions
         )));
     }
     // A token id must be known to both the tokenizer (added tokens included) and the embedding.
-    let token_id_limit = tokenizer.vocab_size().min(cfg.vocab_size);
-    if tokenizer.vocab_size() != cfg.vocab_size {
+    let token_id_limit = tokenizer.vocab_size().min(facts.vocab_size);
+    if tokenizer.vocab_size() != facts.vocab_size {
         tracing::warn!(
             tokenizer = tokenizer.vocab_size(),
-            model = cfg.vocab_size,
+            model = facts.vocab_size,
             "the tokenizer and the model disagree on the vocabulary size; token ids from {token_id_limit} on are refused"
         );
     }
-    let groups = kv_groups(&cfg);
+    let groups = facts.kv_groups.clone();
     let bs = config.block_size.max(1);
-    let window = cfg.sliding_window;
     // Blocks per group: sized for max_num_seqs full-length sequences, or the memory budget.
     // A step's chunk of c tokens sees keys back to its first query's window.
-    let per_seq: Vec<usize> =
-        kv_pool_blocks(&cfg, config.max_model_len, bs, config.max_batch_tokens, 1)
-            .into_iter()
-            .map(|(_, n)| n)
-            .collect();
+    let per_seq: Vec<usize> = groups
+        .iter()
+        .map(|g| {
+            group_pool_blocks(
+                g.kind,
+                facts.sliding_window,
+                config.max_model_len,
+                bs,
+                config.max_batch_tokens,
+            )
+        })
+        .collect();
     let seq_bytes: usize = groups
         .iter()
         .zip(&per_seq)
@@ -414,7 +429,13 @@ fn start_worker(
         None => config.max_num_seqs.max(1),
     };
     let blocks: Vec<usize> = per_seq.iter().map(|&n| n * seqs).collect();
-    let pool = PagedKvPool::new(&cfg, bs, &blocks, config.kv_dtype, &Device::Cpu)?;
+    let total_bytes = executor
+        .allocate_kv(&KvLayout {
+            block_size: bs,
+            blocks_per_group: blocks.clone(),
+            dtype: config.kv_dtype,
+        })
+        .map_err(|e| gemma4_model::ModelError::Input(e.to_string()))?;
     let kv_plan = KvPlanReport {
         groups: groups
             .iter()
@@ -429,9 +450,15 @@ fn start_worker(
             })
             .collect(),
         block_size: bs,
-        total_bytes: pool.bytes(),
+        total_bytes,
     };
-    let mut kv = KvManager::new(&groups, &blocks, bs, window, config.prefix_caching);
+    let mut kv = KvManager::new(
+        &groups,
+        &blocks,
+        bs,
+        facts.sliding_window,
+        config.prefix_caching,
+    );
     if config.kv_events.is_some() {
         kv.record_events();
     }
@@ -457,20 +484,15 @@ fn start_worker(
     let output = output_processor::spawn(tokenizer.clone(), stops_tx).map_err(|e| {
         gemma4_model::ModelError::Input(format!("cannot start the output thread: {e}"))
     })?;
-    let bidirectional_vision = cfg.image_attention.is_bidirectional();
     let mut worker = Worker {
-        runner: ModelRunner::new(
-            model,
-            pool,
-            #[cfg(feature = "fault-injection")]
-            fault,
-        ),
+        executor,
         kv,
+        kinds: groups.iter().map(|g| g.kind).collect(),
         scheduler: Scheduler::new(limits),
         live: HashMap::new(),
         shared: shared.clone(),
         max_model_len: config.max_model_len,
-        bidirectional_vision,
+        bidirectional_vision: facts.bidirectional_vision,
         new_requests: Vec::new(),
         ended: Vec::new(),
         output,
@@ -491,8 +513,8 @@ fn start_worker(
         config: Arc::new(config),
         tokenizer,
         token_id_limit,
-        hidden_size: cfg.hidden_size,
-        bidirectional_vision,
+        hidden_size: facts.hidden_size,
+        bidirectional_vision: facts.bidirectional_vision,
         kv_plan: Arc::new(kv_plan),
     })
 }
@@ -512,14 +534,16 @@ struct Live {
 }
 
 struct Worker {
-    runner: ModelRunner,
+    executor: Box<dyn Executor>,
     kv: KvManager,
+    /// Each cache group's attention kind.
+    kinds: Vec<AttentionKind>,
     scheduler: Scheduler,
     live: HashMap<u64, Live>,
     shared: Arc<Shared>,
     max_model_len: usize,
     bidirectional_vision: bool,
-    /// Requests submitted, and ended, since the last step the runner ran.
+    /// Requests submitted, and ended, since the last step the executor ran.
     new_requests: Vec<NewRequest>,
     ended: Vec<u64>,
     output: mpsc::Sender<OutputMsg>,
@@ -550,8 +574,11 @@ impl Worker {
 
     /// One iteration; false when the engine should stop.
     fn iterate(&mut self, rx: &mpsc::Receiver<Command>) -> bool {
-        // Block only when there is nothing to do.
+        // Block only when there is nothing to do, and the executor holds
+        // no state of requests that have ended.
         if self.scheduler.is_idle() {
+            self.flush_requests();
+            self.publish_stats();
             match rx.recv() {
                 Ok(c) => self.command(c),
                 Err(_) => return false,
@@ -651,24 +678,20 @@ impl Worker {
                     Some(soft) if self.bidirectional_vision => soft.blocks.clone(),
                     _ => Vec::new(),
                 };
-                let scoring = params
+                let prompt_logprobs = params
                     .prompt_logprobs
-                    .map(|top| PromptScoring::new(request.prompt_ids.clone(), top));
+                    .map(|top| (request.prompt_ids.clone(), top));
                 self.new_requests.push(NewRequest {
                     seq_id: id,
                     sampler: Sampler::new(request.params.clone(), &request.prompt_ids),
                     soft_prompt: request.soft_prompt.clone(),
-                    scoring,
+                    prompt_logprobs,
                 });
-                self.scheduler.add(SeqState {
-                    id,
-                    tokens: request.prompt_ids,
-                    computed: 0,
-                    kv: self.kv.empty_with_media(media),
-                    prefix_hit: 0,
-                    reuse_prefix: params.prompt_logprobs.is_none(),
-                    whole_spans,
-                });
+                let mut seq =
+                    SeqState::new(id, request.prompt_ids, self.kv.empty_with_media(media));
+                seq.reuse_prefix = params.prompt_logprobs.is_none();
+                seq.whole_spans = whole_spans;
+                self.scheduler.add(seq);
             }
             Command::Cancel(id) => self.end(id, FinishReason::Cancelled),
             Command::CancelAll => {
@@ -747,15 +770,7 @@ impl Worker {
             }
         }
         if chunks.is_empty() {
-            // Requests that came and went with no step between: their state
-            // leaves the runner now, not at some later step.
-            if !self.ended.is_empty() {
-                self.runner.execute(StepPlan {
-                    new_requests: std::mem::take(&mut self.new_requests),
-                    finished: std::mem::take(&mut self.ended),
-                    chunks: Vec::new(),
-                });
-            }
+            self.flush_requests();
             if self.scheduler.running_len() == 0 {
                 // Nothing runs, yet the head of the queue cannot be placed: it can never fit.
                 if let Some(id) = self.scheduler.first_waiting() {
@@ -776,9 +791,9 @@ impl Worker {
             finished: std::mem::take(&mut self.ended),
             chunks,
         };
-        let outputs = self.runner.execute(plan);
+        let outputs = self.executor.execute(plan);
         let mut finished = Vec::new();
-        for out in outputs {
+        for out in outputs.seqs {
             if let Some(reason) = self.take_back(out) {
                 finished.push(reason);
             }
@@ -788,9 +803,22 @@ impl Worker {
         }
     }
 
-    /// Takes one chunk's result back into the scheduler and, when it
-    /// sampled, sends the token on; `Some` when the request ends.
-    fn take_back(&mut self, out: RunnerOutput) -> Option<(u64, FinishReason)> {
+    /// Requests that ended with no step since: their state leaves the
+    /// executor now, not at some later step.
+    fn flush_requests(&mut self) {
+        if !self.ended.is_empty() {
+            self.executor.execute(StepPlan {
+                new_requests: std::mem::take(&mut self.new_requests),
+                finished: std::mem::take(&mut self.ended),
+                chunks: Vec::new(),
+            });
+        }
+    }
+
+    /// Takes one chunk's result back into the scheduler and sends its
+    /// sampled tokens on, up to a stop token, `max_tokens` or the context's
+    /// end; `Some` when the request ends.
+    fn take_back(&mut self, out: SeqOutput) -> Option<(u64, FinishReason)> {
         let id = out.seq_id;
         let sampled = match out.result {
             Ok(sampled) => sampled,
@@ -803,31 +831,38 @@ impl Worker {
                 scored: out.prompt_logprobs,
             });
         }
-        if live.max_tokens == 0 && sampled.is_some() {
+        if live.max_tokens == 0 && !sampled.is_empty() {
             // The prompt has run (for its log-probabilities); nothing is generated.
-            self.scheduler
-                .commit(id, out.computed, None, &mut self.kv)?;
+            self.scheduler.commit(id, out.computed, &[], &mut self.kv)?;
             return Some((id, FinishReason::Length));
         }
-        let stop_token = sampled
-            .as_ref()
-            .is_some_and(|s| live.stop_token_ids.contains(&s.token));
-        let kept = sampled.as_ref().filter(|_| !stop_token).map(|s| s.token);
-        let len = self
-            .scheduler
-            .commit(id, out.computed, kept, &mut self.kv)?;
-        if stop_token {
-            return Some((id, FinishReason::Stop));
+        let mut len = self.scheduler.tokens(id)?.len();
+        let mut kept = 0;
+        let mut end = None;
+        for s in &sampled {
+            if live.stop_token_ids.contains(&s.token) {
+                end = Some(FinishReason::Stop);
+                break;
+            }
+            kept += 1;
+            len += 1;
+            live.generated += 1;
+            if live.generated >= live.max_tokens || len >= self.max_model_len {
+                end = Some(FinishReason::Length);
+                break;
+            }
         }
-        let sampled = sampled?;
-        live.generated += 1;
-        let _ = self.output.send(OutputMsg::Token {
-            id,
-            token: sampled.token,
-            logprobs: sampled.logprobs,
-        });
-        (live.generated >= live.max_tokens || len >= self.max_model_len)
-            .then_some((id, FinishReason::Length))
+        let ids: Vec<u32> = sampled[..kept].iter().map(|s| s.token).collect();
+        self.scheduler
+            .commit(id, out.computed, &ids, &mut self.kv)?;
+        for s in sampled.into_iter().take(kept) {
+            let _ = self.output.send(OutputMsg::Token {
+                id,
+                token: s.token,
+                logprobs: s.logprobs,
+            });
+        }
+        end.map(|reason| (id, reason))
     }
 
     /// A fault planned for a batch that holds the trigger token, outside the model.
@@ -845,14 +880,13 @@ impl Worker {
     fn publish_stats(&self) {
         if let Ok(mut s) = self.shared.stats.lock() {
             let usage = self.kv.usage();
-            let groups = self.runner.pool().groups();
-            for (g, u) in groups.iter().zip(&usage) {
-                match g.kind {
+            for (kind, u) in self.kinds.iter().zip(&usage) {
+                match kind {
                     AttentionKind::Sliding => s.kv_sliding_blocks_used = u.used,
                     AttentionKind::Full => s.kv_full_blocks_used = u.used,
                 }
             }
-            if let Some(g) = groups.iter().position(|g| g.kind == AttentionKind::Sliding) {
+            if let Some(g) = self.kinds.iter().position(|&k| k == AttentionKind::Sliding) {
                 let peak = self.scheduler.peak_blocks(g);
                 s.kv_sliding_blocks_per_seq_peak = s.kv_sliding_blocks_per_seq_peak.max(peak);
             }
@@ -862,8 +896,9 @@ impl Worker {
             s.prefix_cache_hits = self.scheduler.prefix_hits();
             s.prefix_cache_hit_tokens = self.scheduler.prefix_hit_tokens();
             s.preemptions = self.scheduler.preemptions();
-            s.step_retries = self.runner.step_retries();
-            s.runner_requests = self.runner.requests();
+            let executor = self.executor.stats();
+            s.step_retries = executor.step_retries;
+            s.runner_requests = executor.requests;
         }
     }
 }

@@ -1,33 +1,49 @@
 //! The serving engine: a KV-cache manager that knows the architecture
 //! (shared-KV layers own no cache, sliding layers keep only their window),
 //! a continuous-batching scheduler with chunked prefill and preemption that
-//! describes each step by sequence id, the model runner that executes a
-//! step and samples, the output processor (its own thread: detokenizing
-//! once, stop strings, the chat turn's events), and the loop that ties them together. The loop survives a panic or an error in a model
-//! step (only the requests that fail alone get the error) and reports a
-//! panic it cannot recover from through [`EngineHandle::health`].
+//! describes each step by sequence id, the executor seam ([`Executor`]:
+//! plans of plain ids in, sampled tokens out) with the CPU executor behind
+//! it, the output processor (its own thread: detokenizing once, stop
+//! strings, the chat turn's events), and the loop that ties them together.
+//! The loop survives a panic or an error in a model step (only the
+//! requests that fail alone get the error) and reports a panic it cannot
+//! recover from through [`EngineHandle::health`].
 
 pub mod api;
 pub mod block_hash;
+pub mod cpu_executor;
 pub mod engine;
+pub mod executor;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod kv_manager;
 mod output_processor;
-pub mod runner;
 pub mod sampler;
 pub mod scheduler;
+pub mod threaded_executor;
 
 pub use api::{
     check_stop_strings, ConstraintFactory, EngineEvent, EngineStats, FinishReason,
     GenerationRequest, SamplingParams, SoftPrompt, SoftWindow, SubmitError, ThinkingBudget,
     TokenConstraint, TokenLogprob, Usage, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
 };
+pub use cpu_executor::CpuExecutor;
 #[cfg(feature = "fault-injection")]
 pub use engine::start_with_fault;
 pub use engine::{
-    start, EngineConfig, EngineHandle, KvEventSink, KvPlanReport, RequestStream,
+    start, start_with, EngineConfig, EngineHandle, KvEventSink, KvPlanReport, RequestStream,
     DEFAULT_ADMIT_PROMPT_TOKENS,
 };
+pub use executor::Executor;
 pub use gemma4_text::{OutputEvent, Reading};
 pub use kv_manager::KvEvent;
+pub use threaded_executor::ThreadedExecutor;
+
+/// The text of a panic's payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
+}

@@ -17,7 +17,7 @@ use gemma4_text::{OutputStep, ProtocolTokens, Reading, RequestOutput, Tokenizer}
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::api::{EngineEvent, FinishReason, TokenLogprob, Usage};
-use crate::runner::panic_message;
+use crate::panic_message;
 use crate::sampler::Scored;
 
 /// What the engine tells the processor, in the order it happens.

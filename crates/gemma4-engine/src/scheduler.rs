@@ -16,8 +16,7 @@
 
 use std::collections::VecDeque;
 
-use gemma4_model::paged::SeqBlocks;
-
+use crate::executor::{BlockUpdate, GroupUpdate, ScheduledChunk};
 use crate::kv_manager::{KvManager, SeqKv};
 
 /// Limits the scheduler works within.
@@ -49,9 +48,57 @@ pub struct SeqState {
     /// `[start, end)` spans of the prompt that must run in one step (an
     /// image whose tokens attend to each other), ascending.
     pub whole_spans: Vec<(usize, usize)>,
+    /// Per cache group, the end (in logical blocks) of the table the
+    /// executor holds; `None` until it holds one (new or preempted).
+    pub executor_tables: Option<Vec<usize>>,
 }
 
 impl SeqState {
+    /// A new sequence over `tokens`, its blocks still to allocate.
+    pub fn new(id: u64, tokens: Vec<u32>, kv: SeqKv) -> Self {
+        Self {
+            id,
+            tokens,
+            computed: 0,
+            kv,
+            prefix_hit: 0,
+            reuse_prefix: true,
+            whole_spans: Vec::new(),
+            executor_tables: None,
+        }
+    }
+
+    /// How the tables changed since the executor last saw them; from now
+    /// on it holds them as they are.
+    fn block_update(&mut self) -> BlockUpdate {
+        let known = self.executor_tables.take();
+        let groups = self
+            .kv
+            .tables
+            .iter()
+            .enumerate()
+            .map(|(g, t)| {
+                let end = known.as_ref().map_or(0, |k| k[g]);
+                let seen = end.saturating_sub(t.first_block).min(t.blocks.len());
+                GroupUpdate {
+                    first_block: t.first_block,
+                    added: t.blocks[seen..].to_vec(),
+                }
+            })
+            .collect();
+        self.executor_tables = Some(
+            self.kv
+                .tables
+                .iter()
+                .map(|t| t.first_block + t.blocks.len())
+                .collect(),
+        );
+        BlockUpdate {
+            reset: known.is_none(),
+            groups,
+        }
+    }
+
     /// Tokens still to run through the model.
     pub fn pending(&self) -> usize {
         self.tokens.len() - self.computed
@@ -85,20 +132,6 @@ struct Chunk {
     start: usize,
     len: usize,
     samples: bool,
-}
-
-/// One sequence's part of a step, as the model runner receives it.
-#[derive(Debug, Clone)]
-pub struct ScheduledChunk {
-    pub seq_id: u64,
-    /// Position of the first token.
-    pub start: usize,
-    /// The tokens to run, at positions `start..start + tokens.len()`.
-    pub tokens: Vec<u32>,
-    /// The sequence's KV blocks per cache group, allocated for this step.
-    pub blocks: SeqBlocks,
-    /// The chunk ends at the last known token, so the step yields a next-token distribution.
-    pub samples: bool,
 }
 
 /// Waiting and running sequences.
@@ -187,15 +220,12 @@ impl Scheduler {
         chunks
             .into_iter()
             .map(|c| {
-                let seq = &self.running[c.index];
+                let seq = &mut self.running[c.index];
                 ScheduledChunk {
                     seq_id: seq.id,
                     start: c.start,
                     tokens: seq.tokens[c.start..c.start + c.len].to_vec(),
-                    blocks: SeqBlocks {
-                        groups: seq.kv.tables.clone(),
-                        len_after_step: c.start + c.len,
-                    },
+                    blocks: seq.block_update(),
                     samples: c.samples,
                 }
             })
@@ -203,21 +233,19 @@ impl Scheduler {
     }
 
     /// Takes a step's result back: the first `computed` tokens are in the cache (their
-    /// full blocks become reusable prefixes) and, when it sampled, the new
-    /// token joins the sequence. Returns the sequence's length.
+    /// full blocks become reusable prefixes) and the tokens it sampled join
+    /// the sequence. Returns the sequence's length.
     pub fn commit(
         &mut self,
         seq_id: u64,
         computed: usize,
-        token: Option<u32>,
+        sampled: &[u32],
         kv: &mut KvManager,
     ) -> Option<usize> {
         let seq = self.running.iter_mut().find(|s| s.id == seq_id)?;
         seq.computed = computed;
         kv.register_full_blocks(&mut seq.kv, &seq.tokens, seq.computed);
-        if let Some(token) = token {
-            seq.tokens.push(token);
-        }
+        seq.tokens.extend_from_slice(sampled);
         Some(seq.tokens.len())
     }
 
@@ -304,6 +332,7 @@ impl Scheduler {
         let mut seq = self.running.remove(index);
         kv.release(&mut seq.kv);
         seq.computed = 0;
+        seq.executor_tables = None;
         self.preemptions += 1;
         self.waiting.push_front(seq);
     }
@@ -340,15 +369,7 @@ mod tests {
     }
 
     fn seq(kv: &KvManager, id: u64, len: u32) -> SeqState {
-        SeqState {
-            id,
-            tokens: (0..len).collect(),
-            computed: 0,
-            kv: kv.empty(),
-            prefix_hit: 0,
-            reuse_prefix: true,
-            whole_spans: Vec::new(),
-        }
+        SeqState::new(id, (0..len).collect(), kv.empty())
     }
 
     /// A step is described by sequence id with its tokens, positions and
@@ -371,21 +392,24 @@ mod tests {
             (7, 0, true)
         );
         assert_eq!(step[0].tokens, vec![0, 1, 2, 3, 4, 5]);
-        assert_eq!(step[0].blocks.len_after_step, 6);
-        assert_eq!(step[0].blocks.groups[0].blocks.len(), 2);
+        assert!(step[0].blocks.reset);
+        assert_eq!(step[0].blocks.groups[0].added.len(), 2);
         assert_eq!(
             (step[1].seq_id, step[1].tokens.len(), step[1].samples),
             (9, 2, false)
         );
-        assert_eq!(s.commit(7, 6, Some(42), &mut kv), Some(7));
-        assert_eq!(s.commit(9, 2, None, &mut kv), Some(5));
+        assert_eq!(s.commit(7, 6, &[42], &mut kv), Some(7));
+        assert_eq!(s.commit(9, 2, &[], &mut kv), Some(5));
         assert_eq!(s.tokens(7).and_then(|t| t.last()), Some(&42));
         let step = s.schedule(&mut kv);
-        // 7 decodes its new token at position 6; 9 finishes its prompt.
+        // 7 decodes its new token at position 6, in the blocks it has;
+        // 9 finishes its prompt in one more block.
         assert_eq!(
             (step[0].seq_id, step[0].start, step[0].tokens.clone()),
             (7, 6, vec![42])
         );
+        assert!(!step[0].blocks.reset && step[0].blocks.groups[0].added.is_empty());
+        assert_eq!(step[1].blocks.groups[0].added.len(), 1);
         assert_eq!(
             (step[1].seq_id, step[1].start, step[1].samples),
             (9, 2, true)
@@ -415,12 +439,12 @@ mod tests {
         };
         let step = s.schedule(&mut kv);
         assert_eq!(ids(&step), vec![(1, 5)]);
-        s.commit(1, 5, Some(9), &mut kv);
+        s.commit(1, 5, &[9], &mut kv);
         let step = s.schedule(&mut kv);
         // 1 decodes beside 2's prompt; 3 waits, as 2's prompt fills the step.
         assert_eq!(ids(&step), vec![(1, 1), (2, 5)]);
-        s.commit(1, 6, Some(9), &mut kv);
-        s.commit(2, 5, Some(9), &mut kv);
+        s.commit(1, 6, &[9], &mut kv);
+        s.commit(2, 5, &[9], &mut kv);
         let step = s.schedule(&mut kv);
         assert_eq!(ids(&step), vec![(1, 1), (2, 1), (3, 5)]);
         for id in 1..=3 {

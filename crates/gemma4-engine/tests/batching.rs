@@ -13,6 +13,9 @@ use gemma4_model::safetensors_store::SafetensorsStore;
 use gemma4_model::{load_hf_dir, Gemma4};
 use gemma4_text::Tokenizer;
 
+mod support;
+use support::{start_on, SEAMS};
+
 const VARIANTS: &[&str] = &["e-style", "dense-k-eq-v", "moe", "unified"];
 const STEPS: usize = 24;
 
@@ -126,11 +129,11 @@ fn batched_chunked_runs_equal_solo_runs() {
                 out
             })
             .collect();
-        for chunk in [1, 7, 4096] {
-            let engine = start(model(v), tokenizer(v), config(chunk)).expect("engine");
+        for (chunk, seam) in [1, 7, 4096].into_iter().flat_map(|c| SEAMS.map(|s| (c, s))) {
+            let engine = start_on(seam, model(v), tokenizer(v), config(chunk));
             let outs = run_concurrently(&engine, &prompts);
             for (i, (o, s)) in outs.iter().zip(&solo).enumerate() {
-                assert_eq!(o, s, "{v} chunk {chunk} prompt {i}");
+                assert_eq!(o, s, "{v} chunk {chunk} {seam:?} prompt {i}");
             }
             // One after another, too: no request sees another's KV.
             for (i, (ids, _)) in prompts.iter().enumerate().rev() {
@@ -177,15 +180,17 @@ fn a_tiny_cache_preempts_and_still_gives_solo_outputs() {
         max_model_len: 128,
         ..config(64)
     };
-    let engine = start(model(v), tokenizer(v), cfg).expect("engine");
-    let outs = run_concurrently(&engine, &prompts);
-    assert_eq!(outs, solo);
-    let stats = wait_idle(&engine);
-    assert!(
-        stats.preemptions > 0,
-        "the cache was not small enough to preempt"
-    );
-    assert_eq!(stats.kv_blocks_used, 0);
+    for seam in SEAMS {
+        let engine = start_on(seam, model(v), tokenizer(v), cfg.clone());
+        let outs = run_concurrently(&engine, &prompts);
+        assert_eq!(outs, solo, "{seam:?}");
+        let stats = wait_idle(&engine);
+        assert!(
+            stats.preemptions > 0,
+            "the cache was not small enough to preempt"
+        );
+        assert_eq!(stats.kv_blocks_used, 0);
+    }
 }
 
 #[test]

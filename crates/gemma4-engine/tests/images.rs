@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use gemma4_engine::block_hash::MediaSpan;
-use gemma4_engine::{start, EngineConfig, GenerationRequest, SamplingParams, SoftPrompt};
+use gemma4_engine::{EngineConfig, GenerationRequest, SamplingParams, SoftPrompt};
 use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::mel::log_mel;
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
@@ -17,7 +17,10 @@ use gemma4_model::{
     VisionInput,
 };
 use gemma4_text::Tokenizer;
+
+mod support;
 use serde_json::Value;
+use support::{start_on, Seam, SEAMS};
 
 const VARIANTS: [&str; 5] = ["e-style", "dense", "moe", "unified", "e-audio"];
 
@@ -177,6 +180,10 @@ fn media_request(
 }
 
 fn engine(variant: &str) -> gemma4_engine::EngineHandle {
+    engine_on(Seam::Direct, variant)
+}
+
+fn engine_on(seam: Seam, variant: &str) -> gemma4_engine::EngineHandle {
     let dir = fixture(variant);
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
     let model = load_hf_dir(&dir).expect("model");
@@ -194,20 +201,22 @@ fn engine(variant: &str) -> gemma4_engine::EngineHandle {
         },
         ..Default::default()
     };
-    start(model, tokenizer, config).expect("engine")
+    start_on(seam, model, tokenizer, config)
 }
 
 #[test]
 fn image_prompts_in_chunks_and_batched_keep_the_reference_tokens() {
     for variant in VARIANTS {
-        image_prompts_keep_the_reference_tokens(variant);
+        for seam in SEAMS {
+            image_prompts_keep_the_reference_tokens(seam, variant);
+        }
     }
 }
 
-fn image_prompts_keep_the_reference_tokens(variant: &str) {
+fn image_prompts_keep_the_reference_tokens(seam: Seam, variant: &str) {
     let (features, image_token) = image_features(variant);
     let (audio_token, clips) = audio_clips(variant);
-    let engine = engine(variant);
+    let engine = engine_on(seam, variant);
     let prompts = prompts(variant);
     let streams: Vec<_> = prompts
         .iter()
@@ -222,7 +231,7 @@ fn image_prompts_keep_the_reference_tokens(variant: &str) {
         .collect();
     for (p, s) in prompts.iter().zip(streams) {
         let (ids, _) = s.blocking_finish().expect("finished");
-        assert_eq!(ids, p.greedy, "{variant}");
+        assert_eq!(ids, p.greedy, "{variant} {seam:?}");
     }
 }
 
@@ -429,16 +438,19 @@ fn video_and_text_only_prompts_batched_and_chunked_keep_the_reference_tokens() {
             max_batch_tokens: if bidirectional { 96 } else { 48 },
             ..Default::default()
         };
-        let engine = start(model, tokenizer, config).expect("engine");
-        // All four at once: two video prompts and two text-only ones share
-        // the steps.
-        let streams: Vec<_> = requests
-            .iter()
-            .map(|(r, _)| engine.submit(r.clone()).expect("submit"))
-            .collect();
-        for (k, ((_, greedy), s)) in requests.iter().zip(streams).enumerate() {
-            let (ids, _) = s.blocking_finish().expect("finished");
-            assert_eq!(&ids, greedy, "{variant} request {k}");
+        for seam in SEAMS {
+            let model = load_hf_dir(&fixture(variant)).expect("model");
+            let engine = start_on(seam, model, tokenizer.clone(), config.clone());
+            // All four at once: two video prompts and two text-only ones share
+            // the steps.
+            let streams: Vec<_> = requests
+                .iter()
+                .map(|(r, _)| engine.submit(r.clone()).expect("submit"))
+                .collect();
+            for (k, ((_, greedy), s)) in requests.iter().zip(streams).enumerate() {
+                let (ids, _) = s.blocking_finish().expect("finished");
+                assert_eq!(&ids, greedy, "{variant} {seam:?} request {k}");
+            }
         }
     }
 }

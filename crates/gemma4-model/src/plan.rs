@@ -101,20 +101,33 @@ pub fn kv_pool_blocks(
     chunk: usize,
     seqs: usize,
 ) -> Vec<(KvGroup, usize)> {
-    let bs = block_size.max(1);
     kv_groups(cfg)
         .into_iter()
         .map(|g| {
-            let per_seq = match g.kind {
-                AttentionKind::Sliding => {
-                    let span = cfg.sliding_window + chunk.max(1) - 1;
-                    max_model_len.div_ceil(bs).min(span.div_ceil(bs) + 1)
-                }
-                AttentionKind::Full => max_model_len.div_ceil(bs),
-            };
+            let per_seq =
+                group_pool_blocks(g.kind, cfg.sliding_window, max_model_len, block_size, chunk);
             (g, per_seq * seqs.max(1))
         })
         .collect()
+}
+
+/// KV blocks one sequence of up to `max_model_len` tokens needs in a group
+/// of `kind`, prefilled in chunks of at most `chunk` tokens.
+pub fn group_pool_blocks(
+    kind: AttentionKind,
+    sliding_window: usize,
+    max_model_len: usize,
+    block_size: usize,
+    chunk: usize,
+) -> usize {
+    let bs = block_size.max(1);
+    match kind {
+        AttentionKind::Sliding => {
+            let span = sliding_window + chunk.max(1) - 1;
+            max_model_len.div_ceil(bs).min(span.div_ceil(bs) + 1)
+        }
+        AttentionKind::Full => max_model_len.div_ceil(bs),
+    }
 }
 
 /// What a load will keep resident, by part.

@@ -1,37 +1,29 @@
-//! The model runner: executes the step the scheduler describes and returns
-//! what each sequence sampled. It owns the model, the KV pools and each
-//! request's sampler; it knows nothing of queues, deadlines or text.
+//! The CPU executor: runs the steps the engine plans with this machine's
+//! kernels, and samples. It owns the model, the KV pools, each request's
+//! sampler and block tables; it knows nothing of queues, deadlines or text.
 //!
-//! A step goes in as [`StepPlan`] (new requests, finished ones, the chunks
-//! to run, all keyed by sequence id) and comes out as one [`RunnerOutput`]
-//! per chunk. A failed batch is run again sequence by sequence, so only the
-//! sequences that fail alone get the error; grammar masks are prepared on
-//! another thread while the model computes the logits they will mask. A
-//! request that scores its prompt has logits computed at every prompt
-//! position it runs, and each next prompt token's log-probability returned.
+//! A failed batch is run again sequence by sequence, so only the sequences
+//! that fail alone get the error; grammar masks are prepared on another
+//! thread while the model computes the logits they will mask. A request
+//! that scores its prompt has logits computed at every prompt position it
+//! runs, and each next prompt token's log-probability returned.
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
 
-use candle_core::Tensor;
-use gemma4_model::paged::{PagedKvPool, SeqBlocks};
+use candle_core::{Device, Tensor};
+use gemma4_model::paged::{kv_groups, GroupBlocks, PagedKvPool, SeqBlocks};
 use gemma4_model::storage::with_f32_values;
 use gemma4_model::{BatchSeq, Gemma4, LogitsFor, SoftTokens};
 
 use crate::api::{SoftPrompt, TokenConstraint};
+use crate::executor::{
+    Executor, ExecutorError, ExecutorStats, KvLayout, ModelFacts, ScheduledChunk, SeqOutput,
+    StepOutput, StepPlan,
+};
+use crate::panic_message;
 use crate::sampler::{score, Sampled, Sampler, Scored};
-use crate::scheduler::ScheduledChunk;
-
-/// A request the runner has not seen before.
-pub struct NewRequest {
-    pub seq_id: u64,
-    pub sampler: Sampler,
-    /// Encoder rows of the prompt (images, audio), if any.
-    pub soft_prompt: Option<Arc<SoftPrompt>>,
-    /// Set when the request asked for its prompt's log-probabilities.
-    pub scoring: Option<PromptScoring>,
-}
 
 /// A request's prompt scoring: which prompt tokens have their
 /// log-probability yet to come.
@@ -76,36 +68,20 @@ impl PromptScoring {
     }
 }
 
-/// One step, as the engine hands it to the runner (without chunks it only
-/// takes the requests in and out).
-#[derive(Default)]
-pub struct StepPlan {
-    pub new_requests: Vec<NewRequest>,
-    /// Requests that ended since the last step: their state is dropped.
-    pub finished: Vec<u64>,
-    pub chunks: Vec<ScheduledChunk>,
-}
-
-/// One chunk's result: `Ok(None)` when the chunk does not sample (a prompt
-/// chunk before the last), the sampled token otherwise.
-pub struct RunnerOutput {
-    pub seq_id: u64,
-    /// The sequence's tokens in the cache after this step.
-    pub computed: usize,
-    pub result: Result<Option<Sampled>, String>,
-    /// Prompt tokens scored in this step `(token, log-probability)`, in order.
-    pub prompt_logprobs: Vec<(u32, Scored)>,
-}
-
 struct RequestState {
     sampler: Sampler,
     soft_prompt: Option<Arc<SoftPrompt>>,
     scoring: Option<PromptScoring>,
+    /// The block tables, as the plans' updates built them.
+    tables: Vec<GroupBlocks>,
 }
 
-pub struct ModelRunner {
+/// Runs Gemma 4 on this machine's CPU.
+pub struct CpuExecutor {
     model: Gemma4,
-    pool: PagedKvPool,
+    facts: ModelFacts,
+    /// Allocated by [`Executor::allocate_kv`].
+    pool: Option<PagedKvPool>,
     requests: HashMap<u64, RequestState>,
     /// Steps whose batch failed and were run again sequence by sequence.
     step_retries: u64,
@@ -117,68 +93,91 @@ pub struct ModelRunner {
 type PreparedConstraints =
     std::thread::Result<Vec<(u64, Box<dyn TokenConstraint>, Option<String>)>>;
 
-impl ModelRunner {
-    pub fn new(
-        model: Gemma4,
-        pool: PagedKvPool,
-        #[cfg(feature = "fault-injection")] fault: Option<crate::fault::FaultPlan>,
-    ) -> Self {
+impl CpuExecutor {
+    /// An executor for `model`; its KV pools come with
+    /// [`Executor::allocate_kv`].
+    pub fn new(model: Gemma4) -> Self {
+        let cfg = model.config();
+        let facts = ModelFacts {
+            vocab_size: cfg.vocab_size,
+            hidden_size: cfg.hidden_size,
+            max_positions: cfg.max_position_embeddings,
+            sliding_window: cfg.sliding_window,
+            bidirectional_vision: cfg.image_attention.is_bidirectional(),
+            kv_groups: kv_groups(cfg),
+        };
         Self {
             model,
-            pool,
+            facts,
+            pool: None,
             requests: HashMap::new(),
             step_retries: 0,
             #[cfg(feature = "fault-injection")]
-            fault,
+            fault: None,
         }
     }
 
-    pub fn pool(&self) -> &PagedKvPool {
-        &self.pool
+    /// The executor with a fault to inject (tests of the supervision only).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_fault(mut self, fault: crate::fault::FaultPlan) -> Self {
+        self.fault = Some(fault);
+        self
     }
 
-    pub fn step_retries(&self) -> u64 {
-        self.step_retries
-    }
-
-    /// Requests whose state the runner holds.
-    pub fn requests(&self) -> usize {
-        self.requests.len()
-    }
-
-    /// Runs one step: one output per chunk, in the plan's order.
-    pub fn execute(&mut self, plan: StepPlan) -> Vec<RunnerOutput> {
+    /// Takes requests in and out and brings the chunks' block tables up to
+    /// date; returns each chunk's tables for the step, moved out of its
+    /// request's state (an unknown request gets none, and its step fails).
+    fn follow(&mut self, plan: &mut StepPlan) -> Vec<SeqBlocks> {
         // New requests first: one submitted and ended between two steps is
         // in both lists, and must not stay behind.
-        for r in plan.new_requests {
-            self.requests.insert(
-                r.seq_id,
-                RequestState {
-                    sampler: r.sampler,
-                    soft_prompt: r.soft_prompt,
-                    scoring: r.scoring,
-                },
-            );
+        for r in plan.new_requests.drain(..) {
+            let scoring = r
+                .prompt_logprobs
+                .map(|(prompt, top)| PromptScoring::new(prompt, top));
+            let state = RequestState {
+                sampler: r.sampler,
+                soft_prompt: r.soft_prompt,
+                scoring,
+                tables: Vec::new(),
+            };
+            self.requests.insert(r.seq_id, state);
         }
         for id in &plan.finished {
             self.requests.remove(id);
         }
-        let mut chunks = plan.chunks;
-        if chunks.is_empty() {
-            return Vec::new();
+        plan.chunks
+            .iter()
+            .map(|c| {
+                let groups = match self.requests.get_mut(&c.seq_id) {
+                    Some(state) => {
+                        c.blocks.apply(&mut state.tables);
+                        std::mem::take(&mut state.tables)
+                    }
+                    None => Vec::new(),
+                };
+                SeqBlocks {
+                    groups,
+                    len_after_step: c.start + c.tokens.len(),
+                }
+            })
+            .collect()
+    }
+
+    /// Gives the step's tables back to their requests.
+    fn put_back(&mut self, chunks: &[ScheduledChunk], tables: Vec<SeqBlocks>) {
+        for (c, t) in chunks.iter().zip(tables) {
+            if let Some(state) = self.requests.get_mut(&c.seq_id) {
+                state.tables = t.groups;
+            }
         }
-        // The step's view reads the block tables the scheduler copied for
-        // it; they move out of the chunks rather than being copied again.
-        let tables: Vec<SeqBlocks> = chunks
-            .iter_mut()
-            .map(|c| std::mem::take(&mut c.blocks))
-            .collect();
-        let chunks = &chunks;
+    }
+
+    fn run_step(&mut self, chunks: &[ScheduledChunk], tables: &[SeqBlocks]) -> Vec<SeqOutput> {
         let lent = self.lend_constraints(chunks);
         let lent_ids: Vec<u64> = lent.iter().map(|(id, _)| *id).collect();
         let (rows, prepared) = std::thread::scope(|s| {
             let preparing = (!lent.is_empty()).then(|| s.spawn(|| prepare_constraints(lent)));
-            let rows = self.forward(chunks, &tables);
+            let rows = self.forward(chunks, tables);
             (rows, preparing.map(|h| h.join()))
         });
         let failed = self.restore_constraints(&lent_ids, prepared);
@@ -193,7 +192,7 @@ impl ModelRunner {
                         .and_then(|row| self.score_prompt(c, row, &mut prompt_logprobs))
                         .and_then(|row| self.sample(c.seq_id, row)),
                 };
-                RunnerOutput {
+                SeqOutput {
                     seq_id: c.seq_id,
                     computed: c.start + c.tokens.len(),
                     result,
@@ -242,9 +241,9 @@ impl ModelRunner {
     }
 
     /// Samples a chunk's logits row. A panic here ends that request only.
-    fn sample(&mut self, id: u64, row: Option<Tensor>) -> Result<Option<Sampled>, String> {
+    fn sample(&mut self, id: u64, row: Option<Tensor>) -> Result<Vec<Sampled>, String> {
         let Some(row) = row else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
         let state = self
             .requests
@@ -259,7 +258,7 @@ impl ModelRunner {
             panic::catch_unwind(AssertUnwindSafe(|| state.sampler.sample(values)))
         })
         .map_err(|e| format!("reading logits failed: {e}"))?
-        .map(Some)
+        .map(|sampled| vec![sampled])
         .map_err(|payload| {
             let msg = panic_message(payload.as_ref());
             tracing::error!(request = id, "sampling panicked: {msg}");
@@ -385,7 +384,11 @@ impl ModelRunner {
                 }),
             })
             .collect();
-        let (model, pool) = (&self.model, &mut self.pool);
+        let model = &self.model;
+        let pool = self
+            .pool
+            .as_mut()
+            .ok_or("the executor has no KV pools (allocate_kv was not called)")?;
         #[cfg(feature = "fault-injection")]
         let fault = self.fault.as_ref();
         // The model only writes the chunks' own KV positions, which a retry writes again.
@@ -411,6 +414,43 @@ impl ModelRunner {
     }
 }
 
+impl Executor for CpuExecutor {
+    fn model_facts(&self) -> &ModelFacts {
+        &self.facts
+    }
+
+    fn allocate_kv(&mut self, layout: &KvLayout) -> Result<usize, ExecutorError> {
+        let pool = PagedKvPool::new(
+            self.model.config(),
+            layout.block_size,
+            &layout.blocks_per_group,
+            layout.dtype,
+            &Device::Cpu,
+        )
+        .map_err(|e| ExecutorError(format!("cannot allocate the KV pools: {e}")))?;
+        let bytes = pool.bytes();
+        self.pool = Some(pool);
+        Ok(bytes)
+    }
+
+    fn execute(&mut self, mut plan: StepPlan) -> StepOutput {
+        let tables = self.follow(&mut plan);
+        if plan.chunks.is_empty() {
+            return StepOutput::default();
+        }
+        let seqs = self.run_step(&plan.chunks, &tables);
+        self.put_back(&plan.chunks, tables);
+        StepOutput { seqs }
+    }
+
+    fn stats(&self) -> ExecutorStats {
+        ExecutorStats {
+            step_retries: self.step_retries,
+            requests: self.requests.len(),
+        }
+    }
+}
+
 /// Prepares each lent constraint's next mask; a panic is kept with its sequence.
 fn prepare_constraints(
     lent: Vec<(u64, Box<dyn TokenConstraint>)>,
@@ -422,13 +462,4 @@ fn prepare_constraints(
             (id, c, panicked)
         })
         .collect()
-}
-
-/// The text of a panic's payload.
-pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-    payload
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a panic without a message".into())
 }

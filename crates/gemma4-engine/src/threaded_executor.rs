@@ -1,0 +1,123 @@
+//! An executor that follows the engine's plans on a thread of its own,
+//! over a channel: the shape a tensor-parallel rank or a device backend
+//! takes. It holds an inner executor that sees nothing but the
+//! [`StepPlan`]s sent to it (each one what changed since the last), so a
+//! run through it equal to a direct run shows that the plans carry all an
+//! executor needs.
+
+use std::sync::mpsc;
+use std::thread::JoinHandle;
+
+use crate::executor::{
+    Executor, ExecutorError, ExecutorStats, KvLayout, ModelFacts, SeqOutput, StepOutput, StepPlan,
+};
+
+enum Request {
+    Allocate(KvLayout),
+    Step(StepPlan),
+}
+
+enum Reply {
+    Allocated(Result<usize, ExecutorError>),
+    Stepped(StepOutput, ExecutorStats),
+}
+
+/// Runs an inner executor on its own thread.
+pub struct ThreadedExecutor {
+    facts: ModelFacts,
+    requests: Option<mpsc::Sender<Request>>,
+    replies: mpsc::Receiver<Reply>,
+    stats: ExecutorStats,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ThreadedExecutor {
+    /// Moves `inner` to a new thread and talks to it by messages only.
+    pub fn spawn<E: Executor + 'static>(mut inner: E) -> Result<Self, ExecutorError> {
+        let facts = inner.model_facts().clone();
+        let (requests, inbox) = mpsc::channel::<Request>();
+        let (outbox, replies) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("gemma4-executor".into())
+            .spawn(move || {
+                for request in inbox {
+                    let reply = match request {
+                        Request::Allocate(layout) => Reply::Allocated(inner.allocate_kv(&layout)),
+                        Request::Step(plan) => {
+                            let out = inner.execute(plan);
+                            Reply::Stepped(out, inner.stats())
+                        }
+                    };
+                    if outbox.send(reply).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| ExecutorError(format!("cannot start the executor thread: {e}")))?;
+        Ok(Self {
+            facts,
+            requests: Some(requests),
+            replies,
+            stats: ExecutorStats::default(),
+            thread: Some(thread),
+        })
+    }
+
+    fn call(&self, request: Request) -> Option<Reply> {
+        self.requests.as_ref()?.send(request).ok()?;
+        self.replies.recv().ok()
+    }
+}
+
+impl Executor for ThreadedExecutor {
+    fn model_facts(&self) -> &ModelFacts {
+        &self.facts
+    }
+
+    fn allocate_kv(&mut self, layout: &KvLayout) -> Result<usize, ExecutorError> {
+        match self.call(Request::Allocate(layout.clone())) {
+            Some(Reply::Allocated(result)) => result,
+            _ => Err(ExecutorError("the executor thread has stopped".into())),
+        }
+    }
+
+    fn execute(&mut self, plan: StepPlan) -> StepOutput {
+        let chunks: Vec<(u64, usize)> = plan
+            .chunks
+            .iter()
+            .map(|c| (c.seq_id, c.start + c.tokens.len()))
+            .collect();
+        match self.call(Request::Step(plan)) {
+            Some(Reply::Stepped(out, stats)) => {
+                self.stats = stats;
+                out
+            }
+            // Each sequence of the step learns that its executor is gone.
+            _ => StepOutput {
+                seqs: chunks
+                    .into_iter()
+                    .map(|(seq_id, computed)| SeqOutput {
+                        seq_id,
+                        computed,
+                        result: Err("the executor thread has stopped".into()),
+                        prompt_logprobs: Vec::new(),
+                    })
+                    .collect(),
+            },
+        }
+    }
+
+    fn stats(&self) -> ExecutorStats {
+        self.stats
+    }
+}
+
+impl Drop for ThreadedExecutor {
+    fn drop(&mut self) {
+        // Closing the channel ends the thread's loop.
+        self.requests = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}

@@ -1,0 +1,33 @@
+//! Both sides of the executor seam: the engine calling the CPU executor
+//! directly, and through [`ThreadedExecutor`], which follows the step plans
+//! on a thread of its own and sees nothing else.
+
+use std::sync::Arc;
+
+use gemma4_engine::{start_with, CpuExecutor, EngineConfig, EngineHandle, ThreadedExecutor};
+use gemma4_model::Gemma4;
+use gemma4_text::Tokenizer;
+
+/// How the engine reaches the CPU executor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Seam {
+    Direct,
+    Threaded,
+}
+
+pub const SEAMS: [Seam; 2] = [Seam::Direct, Seam::Threaded];
+
+/// Starts an engine over `model` through `seam`.
+pub fn start_on(
+    seam: Seam,
+    model: Gemma4,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+) -> EngineHandle {
+    let cpu = CpuExecutor::new(model);
+    let executor: Box<dyn gemma4_engine::Executor> = match seam {
+        Seam::Direct => Box::new(cpu),
+        Seam::Threaded => Box::new(ThreadedExecutor::spawn(cpu).expect("executor thread")),
+    };
+    start_with(executor, tokenizer, config).expect("engine")
+}
