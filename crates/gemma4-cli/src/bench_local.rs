@@ -3,7 +3,7 @@
 //! reports them.
 //!
 //! Each repetition is one request through the serving engine (the same
-//! scheduler, runner and paged KV cache `serve` uses, prefix caching off):
+//! scheduler, executor and paged KV cache `serve` uses, prefix caching off):
 //! a prompt of `-p` random token ids run in one step, then `-n` greedy
 //! tokens. Prompt speed is `p` over the time to the first token; generation
 //! speed is `n - 1` over the time from the first token to the last.

@@ -330,9 +330,9 @@ pub struct EngineStats {
     pub kv_sliding_blocks_per_seq_peak: usize,
     /// Steps whose batch failed and were run again one sequence at a time.
     pub step_retries: u64,
-    /// Requests whose sampler the model runner holds (0 once all have ended
+    /// Requests whose sampler the executor holds (0 once all have ended
     /// and the engine has stepped or idled since).
-    pub runner_requests: usize,
+    pub executor_requests: usize,
 }
 
 #[cfg(test)]

@@ -17,7 +17,10 @@ use gemma4_model::paged::{kv_groups, GroupBlocks, PagedKvPool, SeqBlocks};
 use gemma4_model::storage::with_f32_values;
 use gemma4_model::{BatchSeq, Gemma4, LogitsFor, SoftTokens};
 
+use gemma4_text::Tokenizer;
+
 use crate::api::{SoftPrompt, TokenConstraint};
+use crate::engine::{start_with, EngineConfig, EngineHandle};
 use crate::executor::{
     Executor, ExecutorError, ExecutorStats, KvLayout, ModelFacts, ScheduledChunk, SeqOutput,
     StepOutput, StepPlan,
@@ -66,6 +69,27 @@ impl PromptScoring {
         }
         out
     }
+}
+
+/// Starts the engine thread, running `model` on this machine's CPU.
+pub fn start(
+    model: Gemma4,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+) -> gemma4_model::Result<EngineHandle> {
+    start_with(Box::new(CpuExecutor::new(model)), tokenizer, config)
+}
+
+/// Starts the engine thread with a fault to inject (tests of the supervision only).
+#[cfg(feature = "fault-injection")]
+pub fn start_with_fault(
+    model: Gemma4,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+    fault: crate::fault::FaultPlan,
+) -> gemma4_model::Result<EngineHandle> {
+    let executor = CpuExecutor::new(model).with_fault(fault);
+    crate::engine::start_worker(Box::new(executor), tokenizer, config, Some(fault))
 }
 
 struct RequestState {
@@ -248,7 +272,7 @@ impl CpuExecutor {
         let state = self
             .requests
             .get_mut(&id)
-            .ok_or_else(|| format!("the runner has no state for request {id}"))?;
+            .ok_or_else(|| format!("the executor has no state for request {id}"))?;
         let row = row
             .squeeze(0)
             .map_err(|e| format!("reading logits failed: {e}"))?;

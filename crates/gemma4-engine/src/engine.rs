@@ -17,12 +17,10 @@ use std::time::Instant;
 use gemma4_model::config::AttentionKind;
 use gemma4_model::paged::KvDtype;
 use gemma4_model::plan::group_pool_blocks;
-use gemma4_model::Gemma4;
 use gemma4_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::api::{EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, Usage};
-use crate::cpu_executor::CpuExecutor;
 #[cfg(feature = "fault-injection")]
 use crate::executor::ScheduledChunk;
 use crate::executor::{Executor, KvLayout, NewRequest, SeqOutput, StepPlan};
@@ -343,27 +341,6 @@ impl EngineHandle {
     }
 }
 
-/// Starts the engine thread, running `model` on this machine's CPU.
-pub fn start(
-    model: Gemma4,
-    tokenizer: Arc<Tokenizer>,
-    config: EngineConfig,
-) -> gemma4_model::Result<EngineHandle> {
-    start_with(Box::new(CpuExecutor::new(model)), tokenizer, config)
-}
-
-/// Starts the engine thread with a fault to inject (tests of the supervision only).
-#[cfg(feature = "fault-injection")]
-pub fn start_with_fault(
-    model: Gemma4,
-    tokenizer: Arc<Tokenizer>,
-    config: EngineConfig,
-    fault: crate::fault::FaultPlan,
-) -> gemma4_model::Result<EngineHandle> {
-    let executor = CpuExecutor::new(model).with_fault(fault);
-    start_worker(Box::new(executor), tokenizer, config, Some(fault))
-}
-
 /// Starts the engine thread over any executor.
 pub fn start_with(
     executor: Box<dyn Executor>,
@@ -379,7 +356,7 @@ pub fn start_with(
     )
 }
 
-fn start_worker(
+pub(crate) fn start_worker(
     mut executor: Box<dyn Executor>,
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
@@ -519,7 +496,7 @@ fn start_worker(
     })
 }
 
-/// Per-request state the scheduler and the runner do not need.
+/// Per-request state the scheduler and the executor do not need.
 struct Live {
     max_tokens: usize,
     stop_token_ids: Vec<u32>,
@@ -898,7 +875,7 @@ impl Worker {
             s.preemptions = self.scheduler.preemptions();
             let executor = self.executor.stats();
             s.step_retries = executor.step_retries;
-            s.runner_requests = executor.requests;
+            s.executor_requests = executor.requests;
         }
     }
 }

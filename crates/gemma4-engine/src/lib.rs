@@ -27,11 +27,11 @@ pub use api::{
     GenerationRequest, SamplingParams, SoftPrompt, SoftWindow, SubmitError, ThinkingBudget,
     TokenConstraint, TokenLogprob, Usage, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
 };
-pub use cpu_executor::CpuExecutor;
 #[cfg(feature = "fault-injection")]
-pub use engine::start_with_fault;
+pub use cpu_executor::start_with_fault;
+pub use cpu_executor::{start, CpuExecutor};
 pub use engine::{
-    start, start_with, EngineConfig, EngineHandle, KvEventSink, KvPlanReport, RequestStream,
+    start_with, EngineConfig, EngineHandle, KvEventSink, KvPlanReport, RequestStream,
     DEFAULT_ADMIT_PROMPT_TOKENS,
 };
 pub use executor::Executor;

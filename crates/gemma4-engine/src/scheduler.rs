@@ -11,7 +11,7 @@
 //! most recently admitted sequence is preempted: its blocks are freed and it
 //! goes back to the front of the queue, to be recomputed later. The
 //! scheduler never sees tensors: [`Scheduler::schedule`] describes the step
-//! by sequence id ([`ScheduledChunk`]), the model runner executes it, and
+//! by sequence id ([`ScheduledChunk`]), the executor runs it, and
 //! [`Scheduler::commit`] takes each result back.
 
 use std::collections::VecDeque;

@@ -156,7 +156,7 @@ fn batched_chunked_runs_equal_solo_runs() {
 fn wait_idle(engine: &EngineHandle) -> gemma4_engine::EngineStats {
     for _ in 0..2000 {
         let s = engine.stats();
-        if s.running == 0 && s.waiting == 0 && s.kv_blocks_used == 0 && s.runner_requests == 0 {
+        if s.running == 0 && s.waiting == 0 && s.kv_blocks_used == 0 && s.executor_requests == 0 {
             return s;
         }
         std::thread::sleep(Duration::from_millis(5));
@@ -441,7 +441,11 @@ fn timeouts_and_cancellation_free_blocks() {
     }
     assert_eq!(reason, Some(FinishReason::Timeout));
     // It ended before any step ran it: nothing of it stays in the runner.
-    assert_eq!(wait_idle(&engine).runner_requests, 0, "runner state leaked");
+    assert_eq!(
+        wait_idle(&engine).executor_requests,
+        0,
+        "runner state leaked"
+    );
 
     let mut s = engine
         .submit(GenerationRequest {
@@ -458,7 +462,7 @@ fn timeouts_and_cancellation_free_blocks() {
     assert!(engine.stats().kv_blocks_used > 0);
     drop(s);
     let idle = wait_idle(&engine);
-    assert_eq!((idle.kv_blocks_used, idle.runner_requests), (0, 0));
+    assert_eq!((idle.kv_blocks_used, idle.executor_requests), (0, 0));
 }
 
 /// Top-1/top-2 margin (in reference logits) below which bf16 rounding may
