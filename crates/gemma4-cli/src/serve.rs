@@ -141,6 +141,11 @@ pub struct Args {
     /// own prefill (raise it to --max-batch-tokens to prefill them all in one step).
     #[arg(long, default_value_t = gemma4_engine::DEFAULT_ADMIT_PROMPT_TOKENS)]
     admit_prompt_tokens: usize,
+    /// Soft tokens the media encoders may produce in one engine step: an image or clip
+    /// delays the running streams' next token by at most this much encoding (one larger
+    /// item is encoded in a step of its own) [default: --max-batch-tokens].
+    #[arg(long)]
+    encoder_budget: Option<usize>,
     /// KV-cache memory in MiB [default: enough for --max-num-seqs sequences of --max-model-len tokens].
     #[arg(long)]
     kv_memory_mib: Option<usize>,
@@ -331,6 +336,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         kv_dtype: args.kv_cache_dtype,
         prefix_caching: !args.no_prefix_caching,
         kv_events,
+        encoder_budget: args.encoder_budget.map(|n| n.max(1)),
     };
     std::thread::Builder::new()
         .name("gemma4-load".into())
@@ -428,10 +434,19 @@ fn load(
         None => ChatTemplate::for_tokenizer(&loaded.tokenizer, None),
     };
     let eos_ids = loaded.model.config().eos_token_ids.clone();
-    let engine = gemma4_engine::start(loaded.model, Arc::new(loaded.tokenizer), engine_config)
-        .context("cannot start the engine")?;
+    let mut loaded_encoders: Vec<String> = images.iter().map(|e| e.describe()).collect();
+    loaded_encoders.extend(audio.iter().map(|a| a.describe()));
+    // The executor runs the encoders; the server only prepares their inputs.
+    let executor = gemma4_engine::CpuExecutor::new(loaded.model).with_encoders(images, audio);
+    let engine = gemma4_engine::start_with(
+        Box::new(executor),
+        Arc::new(loaded.tokenizer),
+        engine_config,
+    )
+    .context("cannot start the engine")?;
+    let facts = engine.media_facts().clone();
     let context = ModelContext::new(engine, template, &eos_ids);
-    if images.is_none() && audio.is_none() {
+    if loaded_encoders.is_empty() {
         return Ok(context);
     }
     let max_soft_tokens = match media.max_soft_tokens {
@@ -443,10 +458,6 @@ fn load(
         }
         None => 280,
     };
-    let mut loaded_encoders: Vec<String> = images.iter().map(|e| e.describe()).collect();
-    if let Some(a) = &audio {
-        loaded_encoders.push(a.describe());
-    }
     eprintln!(
         "{}; {} soft tokens per image; at most {} images, {} audio clips and {} videos per prompt",
         loaded_encoders.join("; "),
@@ -455,8 +466,7 @@ fn load(
         media.max_items.audio,
         media.max_items.videos,
     );
-    let mut encoders =
-        gemma4_server::media::Media::new(images, audio, max_soft_tokens, media.max_items);
+    let mut encoders = gemma4_server::media::Media::new(facts, max_soft_tokens, media.max_items);
     if let Some((limits, hosts)) = media.remote.clone() {
         let hosts_said = match (&hosts.allowed_domains, hosts.allow_private) {
             (Some(list), _) => format!("only from {}", list.join(", ")),

@@ -12,10 +12,17 @@ use gemma4_media::resize::resize_bicubic;
 use gemma4_media::video::{decode_video, DEFAULT_VIDEO_FRAMES, VIDEO_SOFT_TOKENS};
 use gemma4_media::{decode_image, DecodeLimits, VideoLimits};
 use gemma4_model::{place_soft_tokens, Gemma4, SoftTokenSource, VisionInput};
-use gemma4_server::media::{encode_video_frames, processor_for};
+use gemma4_server::media::{processor_for, video_frames};
 use serde::Deserialize;
 
 use crate::verify_vision::{check_prompt, close_to_reference, read_golden, Tensors};
+
+/// A video frame's soft tokens.
+struct EncodedFrame {
+    soft_tokens: usize,
+    /// `[soft_tokens, hidden]`, row-major.
+    embeds: Vec<f32>,
+}
 
 /// A golden file with a video.
 #[derive(Debug, Deserialize)]
@@ -68,7 +75,10 @@ pub fn verify(
 
     // Stage 1: the sampled frames and the processor's resized bytes.
     let sampled = video.indices == golden.indices && video.timestamps() == golden.timestamps;
-    let processor = processor_for(&encoder, VIDEO_SOFT_TOKENS)?;
+    let facts = gemma4_engine::cpu_executor::media_facts(Some(&encoder), None)
+        .image
+        .context("the model has no vision tower")?;
+    let processor = processor_for(&facts, VIDEO_SOFT_TOKENS)?;
     let mut departing = Vec::new();
     for (f, frame) in video.frames.iter().enumerate() {
         let decoded = golden.frame_crc32.get(f) == Some(&crc32fast::hash(&frame.pixels));
@@ -99,7 +109,23 @@ pub fn verify(
     }
 
     // Stage 2: every frame's soft tokens.
-    let frames = encode_video_frames(&encoder, &video)?;
+    let frames = video_frames(&facts, &video)?
+        .into_iter()
+        .map(|(_, processed)| {
+            let embeds = encoder
+                .encode(VisionInput {
+                    patches: &processed.patches,
+                    positions: &processed.positions,
+                })?
+                .flatten_all()
+                .and_then(|t| t.to_vec1::<f32>())
+                .map_err(gemma4_model::ModelError::from)?;
+            Ok(EncodedFrame {
+                soft_tokens: processed.soft_tokens,
+                embeds,
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
     let all_frames: Vec<f32> = frames
         .iter()
         .flat_map(|f| f.embeds.iter().copied())
@@ -120,7 +146,7 @@ pub fn verify(
             .with_context(|| format!("cannot read {}", image_path.display()))?,
         DecodeLimits::default(),
     )?;
-    let image_processor = processor_for(&encoder, golden.image_max_soft_tokens)?;
+    let image_processor = processor_for(&facts, golden.image_max_soft_tokens)?;
     let processed = if encoder.takes_merged_patches() {
         image_processor.process_merged(&image)?
     } else {

@@ -152,7 +152,10 @@ pub fn verify(
     let encoder =
         images.context("the golden file holds images, but the model has no vision tower")?;
     let tensors = Tensors::read(&golden_path.with_file_name("golden_tensors.safetensors"))?;
-    let processor = processor_for(&encoder, golden.max_soft_tokens)?;
+    let facts = gemma4_engine::cpu_executor::media_facts(Some(&encoder), None)
+        .image
+        .context("the model has no vision tower")?;
+    let processor = processor_for(&facts, golden.max_soft_tokens)?;
     let dir = golden_path.parent().unwrap_or(Path::new("."));
     let mut all = true;
     let mut features = Vec::with_capacity(golden.images.len());
@@ -212,7 +215,7 @@ pub fn verify(
         let bytes =
             std::fs::read(&path).with_context(|| format!("cannot read {}", path.display()))?;
         let clip = decode_wav(&bytes, 30.0).with_context(|| format!("{}", path.display()))?;
-        let input = gemma4_server::media::audio_input(audio, &clip)
+        let input = gemma4_server::media::audio_input(audio.features(), &clip)
             .with_context(|| format!("{}", path.display()))?;
         if audio.features() == AudioFeatures::LogMel {
             // The processor stage: the log-mel features, where the golden has them.

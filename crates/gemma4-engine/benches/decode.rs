@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use gemma4_engine::{
-    start_with, CpuExecutor, EngineConfig, EngineEvent, EngineHandle, Executor, GenerationRequest,
+    start_with, CpuExecutor, EngineConfig, EngineHandle, Executor, GenerationRequest,
     SamplingParams, ThreadedExecutor,
 };
 use gemma4_model::config::TextConfig;
@@ -89,18 +89,11 @@ fn throughput(engine: EngineHandle, concurrency: usize, new_tokens: usize) -> f6
                         max_tokens: new_tokens,
                         ..Default::default()
                     };
-                    let mut stream = engine
+                    engine
                         .submit(GenerationRequest::new(prompt, params))
-                        .expect("submit");
-                    let mut n = 0;
-                    while let Some(e) = stream.blocking_next() {
-                        match e {
-                            EngineEvent::PromptLogprobs(_) => {}
-                            EngineEvent::Token { .. } => n += 1,
-                            EngineEvent::Finished { .. } => break,
-                        }
-                    }
-                    n
+                        .expect("submit")
+                        .blocking_finish()
+                        .map_or(0, |(ids, _)| ids.len())
                 })
             })
             .collect();

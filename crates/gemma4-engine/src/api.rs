@@ -138,7 +138,7 @@ pub struct GenerationRequest {
     /// The request ends with [`FinishReason::Timeout`] once this passes.
     pub deadline: Option<Instant>,
     /// Prompt positions whose embeddings an encoder computed (images).
-    pub soft_prompt: Option<std::sync::Arc<SoftPrompt>>,
+    pub soft_prompt: Option<std::sync::Arc<crate::media::SoftPrompt>>,
     /// How the output is read: plain text, or a chat turn parsed into events.
     pub reading: Reading,
 }
@@ -152,55 +152,6 @@ impl GenerationRequest {
             deadline: None,
             soft_prompt: None,
             reading: Reading::Text,
-        }
-    }
-}
-
-/// Encoder outputs for some prompt positions: the model reads these rows
-/// instead of the token table there.
-#[derive(Debug, Clone, PartialEq)]
-pub struct SoftPrompt {
-    /// Prompt positions, ascending.
-    pub rows: Vec<usize>,
-    /// `rows.len() × hidden` values.
-    pub embeds: Vec<f32>,
-    /// `[start, end)` spans of rows that attend to each other (images, on
-    /// models with bidirectional image attention), ascending; audio rows
-    /// belong to none.
-    pub blocks: Vec<(usize, usize)>,
-    /// The media items and where they sit: the cached blocks they overlap
-    /// are keyed on them, so two prompts with the same placeholders but
-    /// different media never share those KV blocks.
-    pub media: std::sync::Arc<[crate::block_hash::MediaSpan]>,
-}
-
-/// A prefill chunk's share of a [`SoftPrompt`], relative to the chunk.
-pub struct SoftWindow<'a> {
-    pub rows: Vec<usize>,
-    pub embeds: &'a [f32],
-    pub blocks: Vec<(usize, usize)>,
-}
-
-impl SoftPrompt {
-    /// The rows, values and blocks that fall in `start..start + len`
-    /// (blocks wholly inside it; the scheduler never cuts one).
-    pub fn window(&self, start: usize, len: usize) -> SoftWindow<'_> {
-        let lo = self.rows.partition_point(|&r| r < start);
-        let hi = self.rows.partition_point(|&r| r < start + len);
-        let hidden = if self.rows.is_empty() {
-            0
-        } else {
-            self.embeds.len() / self.rows.len()
-        };
-        SoftWindow {
-            rows: self.rows[lo..hi].iter().map(|r| r - start).collect(),
-            embeds: &self.embeds[lo * hidden..hi * hidden],
-            blocks: self
-                .blocks
-                .iter()
-                .filter(|&&(s, e)| s >= start && e <= start + len)
-                .map(|&(s, e)| (s - start, e - start))
-                .collect(),
         }
     }
 }

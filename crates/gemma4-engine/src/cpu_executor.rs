@@ -15,16 +15,19 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor};
 use gemma4_model::paged::{kv_groups, GroupBlocks, PagedKvPool, SeqBlocks};
 use gemma4_model::storage::with_f32_values;
-use gemma4_model::{BatchSeq, Gemma4, LogitsFor, SoftTokens};
+use gemma4_model::{
+    AudioEncoder, BatchSeq, Gemma4, ImageEncoder, LogitsFor, SoftTokens, VisionInput,
+};
 
 use gemma4_text::Tokenizer;
 
-use crate::api::{SoftPrompt, TokenConstraint};
+use crate::api::TokenConstraint;
 use crate::engine::{start_with, EngineConfig, EngineHandle};
 use crate::executor::{
     Executor, ExecutorError, ExecutorStats, KvLayout, ModelFacts, ScheduledChunk, SeqOutput,
     StepOutput, StepPlan,
 };
+use crate::media::{AudioFacts, EncoderInput, ImageFacts, MediaFacts, SoftPrompt, SoftWindow};
 use crate::panic_message;
 use crate::sampler::{score, Sampled, Sampler, Scored};
 
@@ -95,6 +98,9 @@ pub fn start_with_fault(
 struct RequestState {
     sampler: Sampler,
     soft_prompt: Option<Arc<SoftPrompt>>,
+    /// The values of every encoder row of the prompt, filled as its items
+    /// are encoded.
+    soft_rows: Vec<f32>,
     scoring: Option<PromptScoring>,
     /// The block tables, as the plans' updates built them.
     tables: Vec<GroupBlocks>,
@@ -103,6 +109,8 @@ struct RequestState {
 /// Runs Gemma 4 on this machine's CPU.
 pub struct CpuExecutor {
     model: Gemma4,
+    images: Option<ImageEncoder>,
+    audio: Option<AudioEncoder>,
     facts: ModelFacts,
     /// Allocated by [`Executor::allocate_kv`].
     pool: Option<PagedKvPool>,
@@ -129,9 +137,12 @@ impl CpuExecutor {
             sliding_window: cfg.sliding_window,
             bidirectional_vision: cfg.image_attention.is_bidirectional(),
             kv_groups: kv_groups(cfg),
+            media: MediaFacts::default(),
         };
         Self {
             model,
+            images: None,
+            audio: None,
             facts,
             pool: None,
             requests: HashMap::new(),
@@ -139,6 +150,19 @@ impl CpuExecutor {
             #[cfg(feature = "fault-injection")]
             fault: None,
         }
+    }
+
+    /// The executor with the checkpoint's media encoders, which it runs as
+    /// the plans ask.
+    pub fn with_encoders(
+        mut self,
+        images: Option<ImageEncoder>,
+        audio: Option<AudioEncoder>,
+    ) -> Self {
+        self.facts.media = media_facts(images.as_ref(), audio.as_ref());
+        self.images = images;
+        self.audio = audio;
+        self
     }
 
     /// The executor with a fault to inject (tests of the supervision only).
@@ -161,6 +185,7 @@ impl CpuExecutor {
             let state = RequestState {
                 sampler: r.sampler,
                 soft_prompt: r.soft_prompt,
+                soft_rows: Vec::new(),
                 scoring,
                 tables: Vec::new(),
             };
@@ -185,6 +210,45 @@ impl CpuExecutor {
                 }
             })
             .collect()
+    }
+
+    /// Encodes a request's media items into its rows.
+    fn encode(&mut self, id: u64, items: &[usize]) -> Result<(), String> {
+        if items.is_empty() {
+            return Ok(());
+        }
+        let hidden = self.facts.hidden_size;
+        let (images, audio) = (self.images.as_ref(), self.audio.as_ref());
+        let state = self
+            .requests
+            .get_mut(&id)
+            .ok_or_else(|| format!("the executor has no state for request {id}"))?;
+        let prompt = state
+            .soft_prompt
+            .clone()
+            .ok_or("the plan asks to encode media the request does not hold")?;
+        if state.soft_rows.is_empty() {
+            state.soft_rows = vec![0.0; prompt.rows.len() * hidden];
+        }
+        let ranges = prompt.item_rows();
+        for &k in items {
+            let (Some(item), Some(range)) = (prompt.items.get(k), ranges.get(k)) else {
+                return Err(format!(
+                    "the plan names media item {k}, which the request lacks"
+                ));
+            };
+            let rows = run_encoder(images, audio, &item.input)?;
+            if rows.len() != item.soft_tokens * hidden {
+                return Err(format!(
+                    "media item {k} was encoded into {} values; its {} soft tokens need {}",
+                    rows.len(),
+                    item.soft_tokens,
+                    item.soft_tokens * hidden
+                ));
+            }
+            state.soft_rows[range.start * hidden..range.end * hidden].copy_from_slice(&rows);
+        }
+        Ok(())
     }
 
     /// Gives the step's tables back to their requests.
@@ -382,11 +446,12 @@ impl CpuExecutor {
         tables: &[SeqBlocks],
     ) -> Result<Vec<Option<Tensor>>, String> {
         // Each chunk's share of its prompt's encoder rows.
-        let soft: Vec<Option<crate::api::SoftWindow<'_>>> = chunks
+        let soft: Vec<Option<SoftWindow<'_>>> = chunks
             .iter()
             .map(|c| {
                 let state = self.requests.get(&c.seq_id)?;
-                let window = state.soft_prompt.as_ref()?.window(c.start, c.tokens.len());
+                let prompt = state.soft_prompt.as_ref()?;
+                let window = prompt.window(&state.soft_rows, c.start, c.tokens.len());
                 (!window.rows.is_empty()).then_some(window)
             })
             .collect();
@@ -438,6 +503,60 @@ impl CpuExecutor {
     }
 }
 
+/// One item's rows, `[soft_tokens, hidden]` row-major. A panic in an
+/// encoder fails the request that brought the item.
+fn run_encoder(
+    images: Option<&ImageEncoder>,
+    audio: Option<&AudioEncoder>,
+    input: &EncoderInput,
+) -> Result<Vec<f32>, String> {
+    let encoded = panic::catch_unwind(AssertUnwindSafe(|| match input {
+        EncoderInput::Embeds(rows) => Ok(Some(rows.clone())),
+        EncoderInput::Image { patches, positions } => images
+            .map(|e| {
+                e.encode(VisionInput { patches, positions })
+                    .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
+            })
+            .transpose(),
+        EncoderInput::Audio { features } => audio
+            .map(|e| {
+                e.encode(features)
+                    .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
+            })
+            .transpose(),
+    }));
+    match encoded {
+        Ok(Ok(Some(rows))) => Ok(rows),
+        Ok(Ok(None)) => Err("this model has no encoder for the media sent".into()),
+        Ok(Err(e)) => Err(format!("the media encoder failed: {e}")),
+        Err(payload) => Err(format!(
+            "the media encoder panicked: {}",
+            panic_message(payload.as_ref())
+        )),
+    }
+}
+
+/// What the encoders take and give, for the engine and the server.
+pub fn media_facts(images: Option<&ImageEncoder>, audio: Option<&AudioEncoder>) -> MediaFacts {
+    MediaFacts {
+        image: images.map(|e| {
+            let (patch_size, pooling) = e.patch_geometry();
+            ImageFacts {
+                tokens: e.tokens(),
+                video_tokens: e.video_tokens(),
+                patch_size,
+                pooling,
+                merged_patches: e.takes_merged_patches(),
+                position_table: e.position_table(),
+            }
+        }),
+        audio: audio.map(|e| AudioFacts {
+            tokens: e.tokens(),
+            features: e.features(),
+        }),
+    }
+}
+
 impl Executor for CpuExecutor {
     fn model_facts(&self) -> &ModelFacts {
         &self.facts
@@ -462,8 +581,41 @@ impl Executor for CpuExecutor {
         if plan.chunks.is_empty() {
             return StepOutput::default();
         }
-        let seqs = self.run_step(&plan.chunks, &tables);
-        self.put_back(&plan.chunks, tables);
+        // A chunk whose media cannot be encoded fails alone; the rest run.
+        let failed: Vec<Option<String>> = plan
+            .chunks
+            .iter()
+            .map(|c| self.encode(c.seq_id, &c.encode).err())
+            .collect();
+        if failed.iter().all(Option::is_none) {
+            let seqs = self.run_step(&plan.chunks, &tables);
+            self.put_back(&plan.chunks, tables);
+            return StepOutput { seqs };
+        }
+        let mut run = (Vec::new(), Vec::new());
+        let mut outputs: Vec<Option<SeqOutput>> = Vec::new();
+        for ((c, t), e) in plan.chunks.into_iter().zip(tables).zip(failed) {
+            match e {
+                Some(e) => outputs.push(Some(SeqOutput {
+                    seq_id: c.seq_id,
+                    computed: c.start,
+                    result: Err(e),
+                    prompt_logprobs: Vec::new(),
+                })),
+                None => {
+                    run.0.push(c);
+                    run.1.push(t);
+                    outputs.push(None);
+                }
+            }
+        }
+        let (chunks, tables) = run;
+        let mut ran = self.run_step(&chunks, &tables).into_iter();
+        self.put_back(&chunks, tables);
+        let seqs = outputs
+            .into_iter()
+            .filter_map(|o| o.or_else(|| ran.next()))
+            .collect();
         StepOutput { seqs }
     }
 

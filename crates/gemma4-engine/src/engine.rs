@@ -25,6 +25,7 @@ use crate::api::{EngineEvent, EngineStats, FinishReason, GenerationRequest, Subm
 use crate::executor::ScheduledChunk;
 use crate::executor::{Executor, KvLayout, NewRequest, SeqOutput, StepPlan};
 use crate::kv_manager::{KvEvent, KvManager};
+use crate::media::{EncoderInput, MediaFacts};
 use crate::output_processor::{self, OutputMsg, StopNotice};
 use crate::panic_message;
 use crate::sampler::Sampler;
@@ -59,6 +60,10 @@ pub struct EngineConfig {
     pub prefix_caching: bool,
     /// Where the prefix cache's [`KvEvent`]s go, if anywhere.
     pub kv_events: Option<KvEventSink>,
+    /// Soft tokens the media encoders may produce per step, so an image
+    /// delays the running streams' next token by at most that much
+    /// encoding; `None` allows `max_batch_tokens`.
+    pub encoder_budget: Option<usize>,
 }
 
 /// Takes the [`KvEvent`]s of each engine step, in order. It runs on the
@@ -85,6 +90,7 @@ impl Default for EngineConfig {
             kv_dtype: KvDtype::F32,
             prefix_caching: true,
             kv_events: None,
+            encoder_budget: None,
         }
     }
 }
@@ -132,6 +138,7 @@ pub struct EngineHandle {
     hidden_size: usize,
     /// Images attend within themselves, so each must run in one step.
     bidirectional_vision: bool,
+    media: Arc<MediaFacts>,
     kv_plan: Arc<KvPlanReport>,
 }
 
@@ -253,18 +260,16 @@ impl EngineHandle {
                     e - s
                 )));
             }
-            let in_prompt = soft.rows.windows(2).all(|w| w[0] < w[1])
-                && soft
-                    .rows
-                    .last()
-                    .is_none_or(|&last| last < r.prompt_ids.len());
-            if !in_prompt || soft.embeds.len() != soft.rows.len() * self.hidden_size {
+            soft.check(r.prompt_ids.len(), self.hidden_size)
+                .map_err(SubmitError::Invalid)?;
+            for item in &soft.items {
+                let missing = match item.input {
+                    EncoderInput::Image { .. } if self.media.image.is_none() => "a vision",
+                    EncoderInput::Audio { .. } if self.media.audio.is_none() => "an audio",
+                    _ => continue,
+                };
                 return Err(SubmitError::Invalid(format!(
-                    "the encoder rows do not fit the prompt: {} rows (ascending, below {}), {} values for a width of {}",
-                    soft.rows.len(),
-                    r.prompt_ids.len(),
-                    soft.embeds.len(),
-                    self.hidden_size
+                    "this model has no {missing} encoder"
                 )));
             }
         }
@@ -338,6 +343,11 @@ impl EngineHandle {
 
     pub fn kv_plan(&self) -> &KvPlanReport {
         &self.kv_plan
+    }
+
+    /// What the model's media encoders take and give.
+    pub fn media_facts(&self) -> &MediaFacts {
+        &self.media
     }
 }
 
@@ -456,6 +466,10 @@ pub(crate) fn start_worker(
         max_num_seqs: config.max_num_seqs.max(1),
         max_batch_tokens: config.max_batch_tokens.max(1),
         admit_prompt_tokens: config.admit_prompt_tokens.max(1),
+        encoder_tokens: config
+            .encoder_budget
+            .unwrap_or(config.max_batch_tokens)
+            .max(1),
     };
     let (stops_tx, output_stops) = mpsc::channel();
     let output = output_processor::spawn(tokenizer.clone(), stops_tx).map_err(|e| {
@@ -492,6 +506,7 @@ pub(crate) fn start_worker(
         token_id_limit,
         hidden_size: facts.hidden_size,
         bidirectional_vision: facts.bidirectional_vision,
+        media: Arc::new(facts.media.clone()),
         kv_plan: Arc::new(kv_plan),
     })
 }
@@ -668,6 +683,10 @@ impl Worker {
                     SeqState::new(id, request.prompt_ids, self.kv.empty_with_media(media));
                 seq.reuse_prefix = params.prompt_logprobs.is_none();
                 seq.whole_spans = whole_spans;
+                if let Some(soft) = soft {
+                    seq.encoder_spans = soft.encoder_spans();
+                    seq.encoded = vec![false; seq.encoder_spans.len()];
+                }
                 self.scheduler.add(seq);
             }
             Command::Cancel(id) => self.end(id, FinishReason::Cancelled),

@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use gemma4_model::paged::{GroupBlocks, KvDtype, KvGroup};
 
-use crate::api::SoftPrompt;
+use crate::media::{MediaFacts, SoftPrompt};
 use crate::sampler::{Sampled, Sampler, Scored};
 
 /// What the engine needs to know of the model an executor runs.
@@ -38,6 +38,8 @@ pub struct ModelFacts {
     pub bidirectional_vision: bool,
     /// The KV-cache groups the model needs (sliding first, then full).
     pub kv_groups: Vec<KvGroup>,
+    /// What its media encoders take and give.
+    pub media: MediaFacts,
 }
 
 /// The KV pools the engine asks an executor to allocate.
@@ -110,6 +112,10 @@ pub struct ScheduledChunk {
     pub blocks: BlockUpdate,
     /// The chunk ends at the last known token, so the step yields a next-token distribution.
     pub samples: bool,
+    /// The request's media items (indices into its [`SoftPrompt`]'s items)
+    /// to encode before the chunk runs; the executor keeps their rows until
+    /// the request ends.
+    pub encode: Vec<usize>,
 }
 
 /// One step: requests in and out, and the chunks to run (without chunks

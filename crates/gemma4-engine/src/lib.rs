@@ -17,6 +17,7 @@ pub mod executor;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod kv_manager;
+pub mod media;
 mod output_processor;
 pub mod sampler;
 pub mod scheduler;
@@ -24,8 +25,8 @@ pub mod threaded_executor;
 
 pub use api::{
     check_stop_strings, ConstraintFactory, EngineEvent, EngineStats, FinishReason,
-    GenerationRequest, SamplingParams, SoftPrompt, SoftWindow, SubmitError, ThinkingBudget,
-    TokenConstraint, TokenLogprob, Usage, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
+    GenerationRequest, SamplingParams, SubmitError, ThinkingBudget, TokenConstraint, TokenLogprob,
+    Usage, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
 };
 #[cfg(feature = "fault-injection")]
 pub use cpu_executor::start_with_fault;
@@ -37,6 +38,9 @@ pub use engine::{
 pub use executor::Executor;
 pub use gemma4_text::{OutputEvent, Reading};
 pub use kv_manager::KvEvent;
+pub use media::{
+    AudioFacts, EncoderInput, ImageFacts, MediaFacts, SoftItem, SoftPrompt, SoftWindow,
+};
 pub use threaded_executor::ThreadedExecutor;
 
 /// The text of a panic's payload.

@@ -18,6 +18,7 @@ use std::collections::VecDeque;
 
 use crate::executor::{BlockUpdate, GroupUpdate, ScheduledChunk};
 use crate::kv_manager::{KvManager, SeqKv};
+use crate::media::EncoderSpan;
 
 /// Limits the scheduler works within.
 #[derive(Debug, Clone, Copy)]
@@ -30,6 +31,10 @@ pub struct SchedulerLimits {
     /// tokens than this (the first admitted may still take the whole
     /// budget). At `max_batch_tokens` or more, admission fills the budget.
     pub admit_prompt_tokens: usize,
+    /// Soft tokens the media encoders may produce per step. A chunk stops
+    /// before an item past the budget; an item larger than the budget is
+    /// encoded in a step that encodes nothing else.
+    pub encoder_tokens: usize,
 }
 
 /// The scheduler's view of a sequence.
@@ -51,6 +56,10 @@ pub struct SeqState {
     /// Per cache group, the end (in logical blocks) of the table the
     /// executor holds; `None` until it holds one (new or preempted).
     pub executor_tables: Option<Vec<usize>>,
+    /// The prompt's media items, in order, and which of them the executor
+    /// has encoded (it keeps their rows until the request ends).
+    pub encoder_spans: Vec<EncoderSpan>,
+    pub encoded: Vec<bool>,
 }
 
 impl SeqState {
@@ -65,7 +74,38 @@ impl SeqState {
             reuse_prefix: true,
             whole_spans: Vec::new(),
             executor_tables: None,
+            encoder_spans: Vec::new(),
+            encoded: Vec::new(),
         }
+    }
+
+    /// Cuts a chunk of `len` tokens from `start` before the first media
+    /// item it would have encoded past the step's encoder budget (`left`
+    /// soft tokens; `used` once anything was encoded this step). Returns
+    /// the chunk's length and the items to encode for it.
+    fn fit_encoder(
+        &self,
+        start: usize,
+        len: usize,
+        left: &mut usize,
+        used: &mut bool,
+    ) -> (usize, Vec<usize>) {
+        let mut encode = Vec::new();
+        for (k, span) in self.encoder_spans.iter().enumerate() {
+            if self.encoded.get(k).copied().unwrap_or(true) || span.end <= start {
+                continue;
+            }
+            if span.start >= start + len {
+                break;
+            }
+            if span.cost > *left && *used {
+                return (span.start.saturating_sub(start), encode);
+            }
+            *left = left.saturating_sub(span.cost);
+            *used |= span.cost > 0;
+            encode.push(k);
+        }
+        (len, encode)
     }
 
     /// How the tables changed since the executor last saw them; from now
@@ -126,12 +166,14 @@ impl SeqState {
 }
 
 /// One sequence's part of a step, by index into the running list (internal).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Chunk {
     index: usize,
     start: usize,
     len: usize,
     samples: bool,
+    /// Media items to encode before the chunk runs.
+    encode: Vec<usize>,
 }
 
 /// Waiting and running sequences.
@@ -221,12 +263,16 @@ impl Scheduler {
             .into_iter()
             .map(|c| {
                 let seq = &mut self.running[c.index];
+                for &k in &c.encode {
+                    seq.encoded[k] = true;
+                }
                 ScheduledChunk {
                     seq_id: seq.id,
                     start: c.start,
                     tokens: seq.tokens[c.start..c.start + c.len].to_vec(),
                     blocks: seq.block_update(),
                     samples: c.samples,
+                    encode: c.encode,
                 }
             })
             .collect()
@@ -254,21 +300,27 @@ impl Scheduler {
         let mut chunks = Vec::new();
         // Tokens of prompts (not decode tokens) in the step so far.
         let mut prompt_tokens = 0;
+        // Soft tokens the encoders may still produce, and whether they ran.
+        let (mut encoder_left, mut encoded) = (self.limits.encoder_tokens, false);
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
+            let start = self.running[i].computed;
+            let (mut left, mut used) = (encoder_left, encoded);
             let len = self.running[i].chunk_len(budget);
+            let (len, encode) = self.running[i].fit_encoder(start, len, &mut left, &mut used);
             if len == 0 {
                 i += 1;
                 continue;
             }
-            let start = self.running[i].computed;
             if kv.allocate(&mut self.running[i].kv, start + len, start) {
                 let samples = start + len == self.running[i].tokens.len();
+                (encoder_left, encoded) = (left, used);
                 chunks.push(Chunk {
                     index: i,
                     start,
                     len,
                     samples,
+                    encode,
                 });
                 budget -= len;
                 if !samples || len > 1 {
@@ -306,19 +358,23 @@ impl Scheduler {
                 }
             }
             let start = seq.computed;
+            let (mut left, mut used) = (encoder_left, encoded);
             let len = seq.chunk_len(budget);
+            let (len, encode) = seq.fit_encoder(start, len, &mut left, &mut used);
             if len == 0 || !kv.allocate(&mut seq.kv, start + len, start) {
                 kv.release(&mut seq.kv);
                 seq.computed = 0;
                 self.waiting.push_front(seq);
                 break;
             }
+            (encoder_left, encoded) = (left, used);
             let samples = start + len == seq.tokens.len();
             chunks.push(Chunk {
                 index: self.running.len(),
                 start,
                 len,
                 samples,
+                encode,
             });
             budget -= len;
             prompt_tokens += len;
@@ -358,6 +414,7 @@ mod tests {
     use gemma4_model::paged::KvGroup;
 
     use super::*;
+    use crate::media::EncoderSpan;
 
     fn kv() -> KvManager {
         let groups = vec![KvGroup {
@@ -381,6 +438,7 @@ mod tests {
             max_num_seqs: 4,
             max_batch_tokens: 8,
             admit_prompt_tokens: 8,
+            encoder_tokens: 8,
         });
         s.add(seq(&kv, 7, 6));
         s.add(seq(&kv, 9, 5));
@@ -420,6 +478,46 @@ mod tests {
         assert_eq!(kv.usage()[0].used, 0);
     }
 
+    /// Media items are encoded within the step's encoder budget: a chunk
+    /// stops before an item the budget cannot take, an item larger than
+    /// the budget is encoded in a step of its own, and nothing is encoded
+    /// twice, not even after a preemption.
+    #[test]
+    fn chunks_stop_before_media_past_the_encoder_budget() {
+        let mut kv = kv();
+        let mut s = Scheduler::new(SchedulerLimits {
+            max_num_seqs: 4,
+            max_batch_tokens: 16,
+            admit_prompt_tokens: 16,
+            encoder_tokens: 4,
+        });
+        let span = |start, end| EncoderSpan {
+            start,
+            end,
+            cost: end - start,
+        };
+        let mut a = seq(&kv, 1, 14);
+        // Two items of 3 soft tokens at 1..4 and 5..8, one of 5 at 9..14.
+        a.encoder_spans = vec![span(1, 4), span(5, 8), span(9, 14)];
+        a.encoded = vec![false; 3];
+        s.add(a);
+        let step = s.schedule(&mut kv);
+        assert_eq!((step[0].tokens.len(), step[0].encode.clone()), (5, vec![0]));
+        s.commit(1, 5, &[], &mut kv);
+        let step = s.schedule(&mut kv);
+        assert_eq!((step[0].tokens.len(), step[0].encode.clone()), (4, vec![1]));
+        s.commit(1, 9, &[], &mut kv);
+        // Past the budget, alone in its step.
+        let step = s.schedule(&mut kv);
+        assert_eq!((step[0].tokens.len(), step[0].encode.clone()), (5, vec![2]));
+        assert!(step[0].samples);
+        s.commit(1, 14, &[7], &mut kv);
+        // Recomputed after a preemption: the rows are the executor's already.
+        s.preempt(0, &mut kv);
+        let step = s.schedule(&mut kv);
+        assert_eq!((step[0].tokens.len(), step[0].encode.clone()), (15, vec![]));
+    }
+
     /// Prompts that arrive together run one step after another once a step
     /// holds `admit_prompt_tokens` prompt tokens, each joining the decode of
     /// those before it; short prompts still share a step.
@@ -430,6 +528,7 @@ mod tests {
             max_num_seqs: 4,
             max_batch_tokens: 16,
             admit_prompt_tokens: 4,
+            encoder_tokens: 16,
         });
         for id in 1..=3 {
             s.add(seq(&kv, id, 5));

@@ -8,7 +8,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use gemma4_engine::block_hash::MediaSpan;
-use gemma4_engine::{EngineConfig, GenerationRequest, SamplingParams, SoftPrompt};
+use gemma4_engine::{
+    CpuExecutor, EncoderInput, EngineConfig, GenerationRequest, SamplingParams, SoftItem,
+    SoftPrompt,
+};
 use gemma4_media::audio::{decode_wav, frames};
 use gemma4_media::mel::log_mel;
 use gemma4_media::{decode_image, DecodeLimits, ImageProcessor};
@@ -20,7 +23,7 @@ use gemma4_text::Tokenizer;
 
 mod support;
 use serde_json::Value;
-use support::{start_on, Seam, SEAMS};
+use support::{start_executor_on, start_on, Seam, SEAMS};
 
 const VARIANTS: [&str; 5] = ["e-style", "dense", "moe", "unified", "e-audio"];
 
@@ -131,6 +134,19 @@ fn request(
     media_request(ids, (images, features, image_token), (&[], &[], u32::MAX))
 }
 
+/// A golden prompt's request, its media as encoded rows.
+fn prompt_request(
+    p: &Prompt,
+    (features, image_token): (&[Vec<f32>], u32),
+    (clips, audio_token): (&[Vec<f32>], u32),
+) -> GenerationRequest {
+    media_request(
+        &p.ids,
+        (&p.images, features, image_token),
+        (&p.audios, clips, audio_token),
+    )
+}
+
 fn media_request(
     ids: &[u32],
     (images, features, image_token): (&[usize], &[Vec<f32>], u32),
@@ -164,18 +180,17 @@ fn media_request(
         },
         deadline: None,
         reading: Default::default(),
-        soft_prompt: Some(Arc::new(SoftPrompt {
-            rows: placed.rows,
-            embeds: placed.embeds,
-            blocks: placed.blocks,
-            // The whole prompt is keyed on its media.
-            media: [MediaSpan {
+        soft_prompt: Some(Arc::new(SoftPrompt::from_embeds(
+            placed.rows,
+            placed.embeds,
+            placed.blocks,
+            [MediaSpan {
                 identifier: format!("{:016x}", h.finish()),
                 start: 0,
                 end: ids.len(),
             }]
             .into(),
-        })),
+        ))),
     }
 }
 
@@ -187,7 +202,12 @@ fn engine_on(seam: Seam, variant: &str) -> gemma4_engine::EngineHandle {
     let dir = fixture(variant);
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
     let model = load_hf_dir(&dir).expect("model");
-    let config = EngineConfig {
+    let config = engine_config(&model);
+    start_on(seam, model, tokenizer, config)
+}
+
+fn engine_config(model: &gemma4_model::Gemma4) -> EngineConfig {
+    EngineConfig {
         max_num_seqs: 4,
         max_model_len: 256,
         block_size: 4,
@@ -200,8 +220,7 @@ fn engine_on(seam: Seam, variant: &str) -> gemma4_engine::EngineHandle {
             24
         },
         ..Default::default()
-    };
-    start_on(seam, model, tokenizer, config)
+    }
 }
 
 #[test]
@@ -221,17 +240,157 @@ fn image_prompts_keep_the_reference_tokens(seam: Seam, variant: &str) {
     let streams: Vec<_> = prompts
         .iter()
         .map(|p| {
-            let r = media_request(
-                &p.ids,
-                (&p.images, &features, image_token),
-                (&p.audios, &clips, audio_token),
-            );
+            let r = prompt_request(p, (&features, image_token), (&clips, audio_token));
             engine.submit(r).expect("submit")
         })
         .collect();
     for (p, s) in prompts.iter().zip(streams) {
         let (ids, _) = s.blocking_finish().expect("finished");
         assert_eq!(ids, p.greedy, "{variant} {seam:?}");
+    }
+}
+
+/// Each test image as the vision encoder reads it, and the fixture's clip
+/// as the audio encoder reads it (none where the model has no audio).
+fn encoder_inputs(variant: &str) -> (Vec<EncoderInput>, Vec<EncoderInput>) {
+    let dir = fixture(variant);
+    let hidden = gemma4_model::TextConfig::from_dir(&dir)
+        .unwrap()
+        .hidden_size;
+    let merged = ImageEncoder::load_dir(&dir, hidden)
+        .unwrap()
+        .expect("an image encoder")
+        .takes_merged_patches();
+    let images = (0..4)
+        .map(|i| {
+            let png = std::fs::read(dir.join(format!("../images/{i}.png"))).unwrap();
+            let img = decode_image(&png, DecodeLimits::default()).unwrap();
+            let proc = ImageProcessor::new(70).unwrap();
+            let p = if merged {
+                proc.process_merged(&img)
+            } else {
+                proc.process(&img)
+            }
+            .unwrap();
+            EncoderInput::Image {
+                patches: p.patches,
+                positions: p.positions,
+            }
+        })
+        .collect();
+    let Some(audio) = AudioEncoder::load_dir(&dir, hidden).unwrap() else {
+        return (images, Vec::new());
+    };
+    let wav = std::fs::read(dir.join("../audio/0.wav")).unwrap();
+    let clip = decode_wav(&wav, 30.0).unwrap();
+    let features = match audio.features() {
+        AudioFeatures::LogMel => log_mel(&clip).unwrap().values,
+        AudioFeatures::Frames(n) => frames(&clip, n),
+    };
+    (images, vec![EncoderInput::Audio { features }])
+}
+
+/// The request of [`media_request`] with its media as encoder inputs: each
+/// run of placeholders in the prompt, in order, is the next image or clip.
+fn encoder_request(
+    p: &Prompt,
+    request: GenerationRequest,
+    (images, audio): &(Vec<EncoderInput>, Vec<EncoderInput>),
+    (image_token, audio_token): (u32, u32),
+) -> GenerationRequest {
+    let Some(soft) = request.soft_prompt.as_deref() else {
+        return request;
+    };
+    let (mut next_image, mut next_audio) = (p.images.iter(), p.audios.iter());
+    let mut items = Vec::new();
+    let mut i = 0;
+    while i < p.ids.len() {
+        let t = p.ids[i];
+        let run = p.ids[i..].iter().take_while(|&&x| x == t).count();
+        let input = if t == image_token {
+            next_image.next().map(|&k| images[k].clone())
+        } else if t == audio_token {
+            next_audio.next().map(|&k| audio[k].clone())
+        } else {
+            None
+        };
+        if let Some(input) = input {
+            items.push(SoftItem {
+                input,
+                soft_tokens: run,
+            });
+        }
+        i += run;
+    }
+    let soft = SoftPrompt {
+        items,
+        ..soft.clone()
+    };
+    GenerationRequest {
+        soft_prompt: Some(Arc::new(soft)),
+        ..request
+    }
+}
+
+/// The executor runs the encoders, an item at a time under an encoder
+/// budget of one soft token per step, batched with the other prompts,
+/// directly and over the threaded seam: the reference's tokens.
+#[test]
+fn encoders_run_in_the_executor_within_the_step_budget() {
+    for variant in VARIANTS {
+        let dir = fixture(variant);
+        let (features, image_token) = image_features(variant);
+        let (audio_token, clips) = audio_clips(variant);
+        let inputs = encoder_inputs(variant);
+        for seam in SEAMS {
+            let model = load_hf_dir(&dir).expect("model");
+            let hidden = model.config().hidden_size;
+            let images = ImageEncoder::load_dir(&dir, hidden).unwrap();
+            let audio = AudioEncoder::load_dir(&dir, hidden).unwrap();
+            let config = EngineConfig {
+                encoder_budget: Some(1),
+                ..engine_config(&model)
+            };
+            let cpu = CpuExecutor::new(model).with_encoders(images, audio);
+            let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+            let engine = start_executor_on(seam, cpu, tokenizer, config);
+            let prompts = prompts(variant);
+            let requests: Vec<GenerationRequest> = prompts
+                .iter()
+                .map(|p| {
+                    let r = prompt_request(p, (&features, image_token), (&clips, audio_token));
+                    encoder_request(p, r, &inputs, (image_token, audio_token))
+                })
+                .collect();
+            // The encoders have work: every image and clip goes in as pixels or features.
+            let kinds: Vec<&EncoderInput> = requests
+                .iter()
+                .filter_map(|r| r.soft_prompt.as_deref())
+                .flat_map(|s| s.items.iter().map(|i| &i.input))
+                .collect();
+            let sent = |image: bool| {
+                kinds
+                    .iter()
+                    .filter(|k| matches!(k, EncoderInput::Image { .. }) == image)
+                    .count()
+            };
+            let want_images: usize = prompts.iter().map(|p| p.images.len()).sum();
+            let want_audio: usize = prompts.iter().map(|p| p.audios.len()).sum();
+            assert_eq!(
+                (sent(true), sent(false)),
+                (want_images, want_audio),
+                "{variant}"
+            );
+            assert!(want_images > 0, "{variant}: no image to encode");
+            let streams: Vec<_> = requests
+                .into_iter()
+                .map(|r| engine.submit(r).expect("submit"))
+                .collect();
+            for (p, s) in prompts.iter().zip(streams) {
+                let (ids, _) = s.blocking_finish().expect("finished");
+                assert_eq!(ids, p.greedy, "{variant} {seam:?}");
+            }
+        }
     }
 }
 
@@ -279,19 +438,19 @@ fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
     let mut r = request(&[2, 7], &[], &[], 500);
     // Two placeholder rows but no values.
     r.prompt_ids = vec![2, 500, 500, 7];
-    r.soft_prompt = Some(Arc::new(SoftPrompt {
-        rows: vec![1, 2],
-        embeds: Vec::new(),
-        blocks: Vec::new(),
-        media: [].into(),
-    }));
+    r.soft_prompt = Some(Arc::new(SoftPrompt::from_embeds(
+        vec![1, 2],
+        Vec::new(),
+        Vec::new(),
+        [].into(),
+    )));
     assert!(e_style.submit(r.clone()).is_err());
-    r.soft_prompt = Some(Arc::new(SoftPrompt {
-        rows: vec![9],
-        embeds: vec![0.0; 64],
-        blocks: Vec::new(),
-        media: [].into(),
-    }));
+    r.soft_prompt = Some(Arc::new(SoftPrompt::from_embeds(
+        vec![9],
+        vec![0.0; 64],
+        Vec::new(),
+        [].into(),
+    )));
     assert!(e_style.submit(r).is_err());
     // An image that attends to itself must fit one step.
     let dense = engine("dense");
@@ -303,12 +462,12 @@ fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
     let r = GenerationRequest {
         prompt_ids: ids,
         reading: Default::default(),
-        soft_prompt: Some(Arc::new(SoftPrompt {
-            rows: (1..82).collect(),
-            embeds: vec![0.0; 81 * 128],
-            blocks: vec![(1, 82)],
-            media: [].into(),
-        })),
+        soft_prompt: Some(Arc::new(SoftPrompt::from_embeds(
+            (1..82).collect(),
+            vec![0.0; 81 * 128],
+            vec![(1, 82)],
+            [].into(),
+        ))),
         ..r
     };
     let err = dense.submit(r).err().expect("refused").to_string();
@@ -380,17 +539,17 @@ fn video_requests(variant: &str) -> Vec<(GenerationRequest, Vec<u32>)> {
         )
         .unwrap();
         let soft_prompt = (!placed.rows.is_empty()).then(|| {
-            Arc::new(SoftPrompt {
-                rows: placed.rows,
-                embeds: placed.embeds,
-                blocks: placed.blocks,
-                media: [MediaSpan {
+            Arc::new(SoftPrompt::from_embeds(
+                placed.rows,
+                placed.embeds,
+                placed.blocks,
+                [MediaSpan {
                     identifier: format!("case {k}"),
                     start: 0,
                     end: ids.len(),
                 }]
                 .into(),
-            })
+            ))
         });
         let request = GenerationRequest {
             prompt_ids: ids,

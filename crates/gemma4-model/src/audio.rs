@@ -195,6 +195,18 @@ pub enum AudioFeatures {
     Frames(usize),
 }
 
+impl AudioFeatures {
+    /// The soft tokens an encoder gives for `values` feature values: the
+    /// tower's two stride-2 subsampling convolutions each halve the mel
+    /// frames (rounding up); the frame embedder gives one per frame.
+    pub fn soft_tokens(self, values: usize) -> usize {
+        match self {
+            Self::LogMel => (values / MEL_BINS).div_ceil(2).div_ceil(2),
+            Self::Frames(n) => values / n.max(1),
+        }
+    }
+}
+
 impl AudioEncoder {
     /// The checkpoint's audio encoder, loaded as stored; `None` when its
     /// `config.json` has no `audio_config`.

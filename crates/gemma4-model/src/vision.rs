@@ -260,6 +260,15 @@ impl ImageEncoder {
         }
     }
 
+    /// Entries of the position table: every patch position (in the units
+    /// the encoder reads) must be below it on both axes.
+    pub fn position_table(&self) -> usize {
+        match self {
+            Self::Tower(t) => t.config().position_table_size,
+            Self::Unified(u) => u.config().position_table_size,
+        }
+    }
+
     /// The image's soft tokens, `[tokens, hidden]`.
     pub fn encode(&self, image: VisionInput<'_>) -> Result<Tensor> {
         match self {

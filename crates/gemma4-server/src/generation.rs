@@ -63,7 +63,7 @@ pub fn chat_prompt(model: &ModelContext, req: &ChatRequest) -> Result<ChatPrompt
             return Err(ApiError::bad_request(format!("this model has {what}"))
                 .with_param(first.param.clone()));
         }
-        (Some(_), Some(media)) => media.encode_all(&req.media, req.max_soft_tokens)?,
+        (Some(_), Some(media)) => media.prepare_all(&req.media, req.max_soft_tokens)?,
     };
     let text = template
         .render(

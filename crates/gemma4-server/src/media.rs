@@ -1,26 +1,26 @@
 //! Images, video and audio in chat requests: `data:` URIs (images; animated
-//! GIF, WebP or PNG video) and base64 WAV, FLAC or MP3 decoded with limits,
-//! processed as the reference processor does, and encoded by the
-//! checkpoint's encoders (the vision and audio towers, or the 12B's
-//! encoder-free image and audio embedders) into the soft tokens that replace
-//! each placeholder of the rendered prompt. A video's sampled frames are
-//! encoded as images and laid out as the reference processor lays them out:
-//! `MM:SS <|image>` + N × `<|video|>` + `<image|>` per frame, frames joined by
-//! a space.
+//! GIF, WebP or PNG video) and base64 WAV, FLAC or MP3 decoded with limits
+//! and processed as the reference processor does, into the encoder inputs
+//! (patches, log-mel features or audio frames) whose soft tokens replace
+//! each placeholder of the rendered prompt. The engine's executor runs the
+//! encoders; the server only knows what they take and give
+//! ([`MediaFacts`]). A video's sampled frames are processed as images and
+//! laid out as the reference processor lays them out: `MM:SS <|image>` +
+//! N × `<|video|>` + `<image|>` per frame, frames joined by a space.
 
 use std::hash::Hash;
 use std::sync::Arc;
 
 use base64::Engine as _;
 use gemma4_engine::block_hash::{ContentDigest, MediaSpan};
-use gemma4_engine::SoftPrompt;
+use gemma4_engine::media::{AudioFeatures, ImageFacts, MediaFacts, MediaTokens};
+use gemma4_engine::{EncoderInput, SoftItem, SoftPrompt};
 use gemma4_media::audio::{decode_audio, frames, Audio};
 use gemma4_media::video::{DEFAULT_VIDEO_FRAMES, VIDEO_SOFT_TOKENS};
 use gemma4_media::{
-    decode_image, decode_video, mel, DecodeLimits, ImageProcessor, MediaError, Rescale, RgbImage,
-    Video, VideoLimits,
+    decode_image, decode_video, mel, DecodeLimits, ImageProcessor, MediaError, ProcessedImage,
+    Rescale, RgbImage, Video, VideoLimits,
 };
-use gemma4_model::{AudioEncoder, AudioFeatures, ImageEncoder, MediaTokens, VisionInput};
 
 use crate::error::ApiError;
 use crate::openai::request::{MediaKind, MediaPart};
@@ -34,10 +34,9 @@ pub const VIDEO_PLACEHOLDER: &str = "<|video|>";
 /// Longest audio clip (750 soft tokens of 40 ms, as the reference caps them).
 pub const MAX_AUDIO_SECONDS: f64 = 30.0;
 
-/// The server's media settings and the checkpoint's encoders.
+/// The server's media settings and what the checkpoint's encoders take.
 pub struct Media {
-    pub images: Option<ImageEncoder>,
-    pub audio: Option<AudioEncoder>,
+    pub facts: MediaFacts,
     /// Soft tokens per image unless a request asks otherwise (70 … 1120).
     pub default_soft_tokens: usize,
     /// Most items of each kind one request may hold.
@@ -67,13 +66,14 @@ impl Default for MaxItems {
     }
 }
 
-/// One item's soft tokens and where they go.
-pub struct Encoded {
+/// One item, prepared for its encoder, and where its soft tokens go.
+pub struct Prepared {
     pub kind: MediaKind,
     /// The ids around and in place of its soft tokens.
     pub tokens: MediaTokens,
-    /// `[soft_tokens, hidden]`, row-major.
-    pub embeds: Vec<f32>,
+    /// The encoder's input for each run of soft tokens: one per image or
+    /// clip, one per video frame.
+    pub runs: Vec<SoftItem>,
     pub soft_tokens: usize,
     /// A video's frames: each one's `MM:SS` and soft tokens (empty for
     /// images and audio, which are one run each).
@@ -83,28 +83,10 @@ pub struct Encoded {
     identifier: String,
 }
 
-impl Encoded {
-    /// The item's runs of soft tokens: one per image or clip, one per
-    /// video frame.
-    fn runs(&self) -> Vec<usize> {
-        if self.frames.is_empty() {
-            vec![self.soft_tokens]
-        } else {
-            self.frames.iter().map(|f| f.1).collect()
-        }
-    }
-}
-
 impl Media {
-    pub fn new(
-        images: Option<ImageEncoder>,
-        audio: Option<AudioEncoder>,
-        default_soft_tokens: usize,
-        max_items: MaxItems,
-    ) -> Self {
+    pub fn new(facts: MediaFacts, default_soft_tokens: usize, max_items: MaxItems) -> Self {
         Self {
-            images,
-            audio,
+            facts,
             default_soft_tokens,
             max_items,
             limits: DecodeLimits::default(),
@@ -138,19 +120,20 @@ impl Media {
         Ok(())
     }
 
-    /// Decodes, processes and encodes a request's media, in order.
-    pub fn encode_all(
+    /// Decodes and processes a request's media for the encoders, in order.
+    pub fn prepare_all(
         &self,
         parts: &[MediaPart],
         max_soft_tokens: Option<usize>,
-    ) -> Result<Vec<Encoded>, ApiError> {
+    ) -> Result<Vec<Prepared>, ApiError> {
         self.check_counts(parts)?;
         let budget = max_soft_tokens.unwrap_or(self.default_soft_tokens);
         let processor = ImageProcessor::new(budget)
             .and_then(|_| {
-                self.images
+                self.facts
+                    .image
                     .as_ref()
-                    .map(|e| processor_for(e, budget))
+                    .map(|f| processor_for(f, budget))
                     .transpose()
             })
             .map_err(|e| {
@@ -164,105 +147,115 @@ impl Media {
                     ApiError::bad_request(format!("`{}`: {e}", part.param))
                         .with_param(part.param.clone())
                 };
-                // The encoder refuses input past the model's own limits (a
-                // patch grid wider than its position table): the client's
-                // image, a 400; anything else is the server's fault.
-                let internal = |e: gemma4_model::ModelError| match e {
-                    gemma4_model::ModelError::Input(why) => {
-                        bad(format!("this model cannot encode it: {why}"))
-                    }
-                    e => ApiError::internal(format!("the media encoder failed: {e}")),
-                };
-                let mut h = ContentDigest::default();
-                let mut frames = Vec::new();
-                let (tokens, embeds, soft_tokens) = match part.kind {
-                    MediaKind::Image => {
-                        let (Some(encoder), Some(processor)) = (&self.images, &processor) else {
-                            return Err(bad(
-                                "this model has no vision tower; it cannot read image_url parts"
-                                    .into(),
-                            ));
-                        };
-                        let img = self.load_image(&part.data).map_err(bad)?;
-                        let processed = if encoder.takes_merged_patches() {
-                            processor.process_merged(&img)
-                        } else {
-                            processor.process(&img)
-                        }
-                        .map_err(|e| bad(e.to_string()))?;
-                        (img.width, img.height, budget).hash(&mut h);
-                        img.pixels.hash(&mut h);
-                        let embeds = encoder
-                            .encode(VisionInput {
-                                patches: &processed.patches,
-                                positions: &processed.positions,
-                            })
-                            .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
-                            .map_err(internal)?;
-                        (encoder.tokens(), embeds, processed.soft_tokens)
-                    }
-                    MediaKind::Audio => {
-                        let encoder = self.audio.as_ref().ok_or_else(|| {
-                            bad(
-                                "this model has no audio encoder; it cannot read input_audio parts"
-                                    .into(),
-                            )
-                        })?;
-                        let bytes = base64::engine::general_purpose::STANDARD
-                            .decode(part.data.trim())
-                            .map_err(|e| bad(format!("the audio is not valid base64: {e}")))?;
-                        let audio = decode_audio(&bytes, MAX_AUDIO_SECONDS)
-                            .map_err(|e| bad(e.to_string()))?;
-                        for x in &audio.samples {
-                            x.to_bits().hash(&mut h);
-                        }
-                        let features =
-                            audio_input(encoder, &audio).map_err(|e| bad(e.to_string()))?;
-                        let soft = encoder.encode(&features).map_err(internal)?;
-                        let soft_tokens = soft.dim(0).map_err(|e| internal(e.into()))?;
-                        let embeds = soft
-                            .flatten_all()
-                            .and_then(|t| t.to_vec1::<f32>())
-                            .map_err(|e| internal(e.into()))?;
-                        (encoder.tokens(), embeds, soft_tokens)
-                    }
-                    MediaKind::Video => {
-                        let encoder = self.images.as_ref().ok_or_else(|| {
-                            bad(
-                                "this model has no vision tower; it cannot read video_url parts"
-                                    .into(),
-                            )
-                        })?;
-                        let bytes = data_uri_bytes(&part.data, "video").map_err(bad)?;
-                        let video = decode_video(&bytes, &self.video_limits, DEFAULT_VIDEO_FRAMES)
-                            .map_err(|e| bad(e.to_string()))?;
-                        for frame in &video.frames {
-                            (frame.width, frame.height).hash(&mut h);
-                            frame.pixels.hash(&mut h);
-                        }
-                        let mut embeds = Vec::new();
-                        for frame in encode_video_frames(encoder, &video).map_err(|e| match e {
-                            FrameError::Media(e) => bad(e.to_string()),
-                            FrameError::Encoder(e) => internal(e),
-                        })? {
-                            (&frame.timestamp, frame.soft_tokens).hash(&mut h);
-                            embeds.extend(frame.embeds);
-                            frames.push((frame.timestamp, frame.soft_tokens));
-                        }
-                        let soft_tokens = frames.iter().map(|f| f.1).sum();
-                        (encoder.video_tokens(), embeds, soft_tokens)
-                    }
-                };
-                Ok(Encoded {
-                    kind: part.kind,
-                    tokens,
-                    embeds,
-                    soft_tokens,
-                    frames,
-                    identifier: h.identifier(),
-                })
+                match part.kind {
+                    MediaKind::Image => self.prepare_image(part, processor.as_ref(), budget),
+                    MediaKind::Audio => self.prepare_audio(part),
+                    MediaKind::Video => self.prepare_video(part),
+                }
+                .map_err(bad)
             })
             .collect()
+    }
+
+    /// An image as the vision encoder reads it. The encoder has positions
+    /// for so many patches only: a wider image is the client's, a 400.
+    fn prepare_image(
+        &self,
+        part: &MediaPart,
+        processor: Option<&ImageProcessor>,
+        budget: usize,
+    ) -> Result<Prepared, String> {
+        let (Some(facts), Some(processor)) = (&self.facts.image, processor) else {
+            return Err("this model has no vision tower; it cannot read image_url parts".into());
+        };
+        let img = self.load_image(&part.data)?;
+        let processed = if facts.merged_patches {
+            processor.process_merged(&img)
+        } else {
+            processor.process(&img)
+        }
+        .map_err(|e| e.to_string())?;
+        facts
+            .check_positions(&processed.positions)
+            .map_err(|why| format!("this model cannot encode it: {why}"))?;
+        let mut h = ContentDigest::default();
+        (img.width, img.height, budget).hash(&mut h);
+        img.pixels.hash(&mut h);
+        let soft_tokens = processed.soft_tokens;
+        Ok(Prepared {
+            kind: MediaKind::Image,
+            tokens: facts.tokens,
+            runs: vec![image_run(processed)],
+            soft_tokens,
+            frames: Vec::new(),
+            identifier: h.identifier(),
+        })
+    }
+
+    /// A clip as the audio encoder reads it.
+    fn prepare_audio(&self, part: &MediaPart) -> Result<Prepared, String> {
+        let facts = self.facts.audio.as_ref().ok_or(
+            "this model has no audio encoder; it cannot read input_audio parts".to_string(),
+        )?;
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(part.data.trim())
+            .map_err(|e| format!("the audio is not valid base64: {e}"))?;
+        let audio = decode_audio(&bytes, MAX_AUDIO_SECONDS).map_err(|e| e.to_string())?;
+        let mut h = ContentDigest::default();
+        for x in &audio.samples {
+            x.to_bits().hash(&mut h);
+        }
+        let features = audio_input(facts.features, &audio).map_err(|e| e.to_string())?;
+        let soft_tokens = facts.features.soft_tokens(features.len());
+        if soft_tokens == 0 {
+            return Err("the audio clip is too short to hear".into());
+        }
+        Ok(Prepared {
+            kind: MediaKind::Audio,
+            tokens: facts.tokens,
+            runs: vec![SoftItem {
+                input: EncoderInput::Audio { features },
+                soft_tokens,
+            }],
+            soft_tokens,
+            frames: Vec::new(),
+            identifier: h.identifier(),
+        })
+    }
+
+    /// A video's sampled frames, each as an image the vision encoder reads.
+    fn prepare_video(&self, part: &MediaPart) -> Result<Prepared, String> {
+        let facts =
+            self.facts.image.as_ref().ok_or(
+                "this model has no vision tower; it cannot read video_url parts".to_string(),
+            )?;
+        let bytes = data_uri_bytes(&part.data, "video")?;
+        let video = decode_video(&bytes, &self.video_limits, DEFAULT_VIDEO_FRAMES)
+            .map_err(|e| e.to_string())?;
+        let mut h = ContentDigest::default();
+        for frame in &video.frames {
+            (frame.width, frame.height).hash(&mut h);
+            frame.pixels.hash(&mut h);
+        }
+        let mut frames = Vec::new();
+        let mut runs = Vec::new();
+        for (timestamp, processed) in video_frames(facts, &video).map_err(|e| e.to_string())? {
+            facts
+                .check_positions(&processed.positions)
+                .map_err(|why| format!("this model cannot encode it: {why}"))?;
+            (&timestamp, processed.soft_tokens).hash(&mut h);
+            frames.push((timestamp, processed.soft_tokens));
+            runs.push(image_run(processed));
+        }
+        let soft_tokens = frames.iter().map(|f| f.1).sum();
+        Ok(Prepared {
+            kind: MediaKind::Video,
+            tokens: facts.video_tokens,
+            runs,
+            soft_tokens,
+            frames,
+            identifier: h.identifier(),
+        })
     }
 
     fn load_image(&self, url: &str) -> Result<RgbImage, String> {
@@ -279,11 +272,11 @@ impl Media {
     pub fn splice(
         &self,
         pieces: Vec<Vec<u32>>,
-        items: Vec<Encoded>,
+        items: Vec<Prepared>,
     ) -> (Vec<u32>, Arc<SoftPrompt>) {
         let mut ids = Vec::new();
         let mut rows = Vec::new();
-        let mut embeds = Vec::new();
+        let mut runs = Vec::new();
         let mut blocks = Vec::new();
         let mut media = Vec::new();
         let mut pieces = pieces.into_iter();
@@ -292,20 +285,20 @@ impl Media {
             let MediaTokens { soft, begin, end } = item.tokens;
             // The item runs from its first begin marker to its last end marker.
             let start = ids.len();
-            for (r, run) in item.runs().into_iter().enumerate() {
+            for (r, run) in item.runs.into_iter().enumerate() {
                 if r > 0 {
                     ids.extend(pieces.next().unwrap_or_default());
                 }
                 ids.push(begin);
-                let span = (ids.len(), ids.len() + run);
+                let span = (ids.len(), ids.len() + run.soft_tokens);
                 if item.kind != MediaKind::Audio {
                     blocks.push(span);
                 }
                 rows.extend(span.0..span.1);
-                ids.extend(std::iter::repeat_n(soft, run));
+                ids.extend(std::iter::repeat_n(soft, run.soft_tokens));
                 ids.push(end);
+                runs.push(run);
             }
-            embeds.extend(item.embeds);
             media.push(MediaSpan {
                 identifier: item.identifier,
                 start,
@@ -315,7 +308,7 @@ impl Media {
         }
         let soft = SoftPrompt {
             rows,
-            embeds,
+            items: runs,
             blocks,
             media: media.into(),
         };
@@ -328,7 +321,7 @@ impl Media {
 /// each further frame adds a piece ` MM:SS ` (each frame's soft tokens sit
 /// between `<|image>` and `<image|>`, which split the text when it is
 /// tokenized). `pieces` has one more entry than `items`.
-pub fn lay_out_frames(pieces: &[&str], items: &[Encoded]) -> Vec<String> {
+pub fn lay_out_frames(pieces: &[&str], items: &[Prepared]) -> Vec<String> {
     let mut out = Vec::with_capacity(pieces.len());
     let mut pieces = pieces.iter();
     let mut current = pieces.next().map_or_else(String::new, |p| (*p).to_owned());
@@ -376,72 +369,49 @@ fn data_uri_bytes(url: &str, what: &str) -> Result<Vec<u8>, String> {
         .map_err(|e| format!("the data: URI is not valid base64: {e}"))
 }
 
-/// One video frame, processed and encoded.
-pub struct EncodedFrame {
-    /// Its start as the prompt writes it (`MM:SS`).
-    pub timestamp: String,
-    pub soft_tokens: usize,
-    /// `[soft_tokens, hidden]`, row-major.
-    pub embeds: Vec<f32>,
+/// A processed image (or video frame) as the vision encoder's input.
+fn image_run(processed: ProcessedImage) -> SoftItem {
+    SoftItem {
+        input: EncoderInput::Image {
+            patches: processed.patches,
+            positions: processed.positions,
+        },
+        soft_tokens: processed.soft_tokens,
+    }
 }
 
-/// Why a video's frames could not be encoded.
-#[derive(Debug, thiserror::Error)]
-pub enum FrameError {
-    /// The frame cannot be processed (the client's video).
-    #[error(transparent)]
-    Media(#[from] MediaError),
-    /// The encoder failed (the server's fault).
-    #[error(transparent)]
-    Encoder(#[from] gemma4_model::ModelError),
-}
-
-/// The image processor for `encoder`'s checkpoint: its patch size and
-/// pooling kernel, with a soft-token budget.
+/// The image processor for a checkpoint's vision encoder: its patch size
+/// and pooling kernel, with a soft-token budget.
 pub fn processor_for(
-    encoder: &ImageEncoder,
+    facts: &ImageFacts,
     max_soft_tokens: usize,
 ) -> Result<ImageProcessor, MediaError> {
-    let (patch_size, pooling) = encoder.patch_geometry();
-    ImageProcessor::with_geometry(patch_size, pooling, max_soft_tokens)
+    ImageProcessor::with_geometry(facts.patch_size, facts.pooling, max_soft_tokens)
 }
 
 /// A video's sampled frames as the reference video processor lays them out
-/// (resized within its soft-token budget per frame, bytes divided by 255)
-/// and encoded as images, in order.
-pub fn encode_video_frames(
-    encoder: &ImageEncoder,
+/// (resized within its soft-token budget per frame, bytes divided by 255),
+/// each with its start as the prompt writes it (`MM:SS`), in order.
+pub fn video_frames(
+    facts: &ImageFacts,
     video: &Video,
-) -> Result<Vec<EncodedFrame>, FrameError> {
-    let processor = processor_for(encoder, VIDEO_SOFT_TOKENS)?;
+) -> Result<Vec<(String, ProcessedImage)>, MediaError> {
+    let processor = processor_for(facts, VIDEO_SOFT_TOKENS)?;
     video
         .frames
         .iter()
         .zip(video.timestamps())
         .map(|(frame, timestamp)| {
-            let processed =
-                processor.process_with(frame, encoder.takes_merged_patches(), Rescale::Divide)?;
-            let embeds = encoder
-                .encode(VisionInput {
-                    patches: &processed.patches,
-                    positions: &processed.positions,
-                })?
-                .flatten_all()
-                .and_then(|t| t.to_vec1::<f32>())
-                .map_err(gemma4_model::ModelError::from)?;
-            Ok(EncodedFrame {
-                timestamp,
-                soft_tokens: processed.soft_tokens,
-                embeds,
-            })
+            let processed = processor.process_with(frame, facts.merged_patches, Rescale::Divide)?;
+            Ok((timestamp, processed))
         })
         .collect()
 }
 
 /// A clip's features as the checkpoint's audio encoder reads them: log-mel
 /// frames for the conformer tower, raw sample frames for the 12B's embedder.
-pub fn audio_input(encoder: &AudioEncoder, clip: &Audio) -> Result<Vec<f32>, MediaError> {
-    Ok(match encoder.features() {
+pub fn audio_input(features: AudioFeatures, clip: &Audio) -> Result<Vec<f32>, MediaError> {
+    Ok(match features {
         AudioFeatures::LogMel => mel::log_mel(clip)?.values,
         AudioFeatures::Frames(n) => frames(clip, n),
     })
@@ -492,21 +462,27 @@ pub fn split_placeholders(text: &str) -> (Vec<&str>, Vec<MediaKind>) {
 mod tests {
     use super::*;
 
-    fn item(kind: MediaKind, soft: u32, frames: &[(&str, usize)]) -> Encoded {
+    fn item(kind: MediaKind, soft: u32, frames: &[(&str, usize)]) -> Prepared {
         let runs: Vec<usize> = if frames.is_empty() {
             vec![2]
         } else {
             frames.iter().map(|f| f.1).collect()
         };
         let soft_tokens = runs.iter().sum();
-        Encoded {
+        Prepared {
             kind,
             tokens: MediaTokens {
                 soft,
                 begin: 90,
                 end: 91,
             },
-            embeds: vec![0.5; soft_tokens],
+            runs: runs
+                .into_iter()
+                .map(|n| SoftItem {
+                    input: EncoderInput::Embeds(vec![0.5; n]),
+                    soft_tokens: n,
+                })
+                .collect(),
             soft_tokens,
             frames: frames.iter().map(|(t, n)| ((*t).to_owned(), *n)).collect(),
             identifier: "7".into(),
@@ -533,7 +509,7 @@ mod tests {
         );
         // Each piece "tokenized" as its length, to see where it lands.
         let pieces: Vec<Vec<u32>> = laid.iter().map(|p| vec![p.len() as u32]).collect();
-        let media = Media::new(None, None, 280, MaxItems::default());
+        let media = Media::new(MediaFacts::default(), 280, MaxItems::default());
         let (ids, soft) = media.splice(pieces, items);
         assert_eq!(
             ids,
@@ -542,6 +518,8 @@ mod tests {
         assert_eq!(soft.rows, vec![2, 3, 7, 11, 15]);
         // The image and each frame are blocks of their own.
         assert_eq!(soft.blocks, vec![(2, 4), (7, 8), (11, 12), (15, 16)]);
-        assert_eq!(soft.embeds.len(), 5);
+        // One encoder input per run: the image, then each frame.
+        let runs: Vec<usize> = soft.items.iter().map(|i| i.soft_tokens).collect();
+        assert_eq!(runs, vec![2, 1, 1, 1]);
     }
 }

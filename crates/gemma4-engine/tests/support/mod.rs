@@ -24,7 +24,16 @@ pub fn start_on(
     tokenizer: Arc<Tokenizer>,
     config: EngineConfig,
 ) -> EngineHandle {
-    let cpu = CpuExecutor::new(model);
+    start_executor_on(seam, CpuExecutor::new(model), tokenizer, config)
+}
+
+/// Starts an engine over a CPU executor (with its encoders, say) through `seam`.
+pub fn start_executor_on(
+    seam: Seam,
+    cpu: CpuExecutor,
+    tokenizer: Arc<Tokenizer>,
+    config: EngineConfig,
+) -> EngineHandle {
     let executor: Box<dyn gemma4_engine::Executor> = match seam {
         Seam::Direct => Box::new(cpu),
         Seam::Threaded => Box::new(ThreadedExecutor::spawn(cpu).expect("executor thread")),
