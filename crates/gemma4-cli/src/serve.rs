@@ -141,9 +141,8 @@ pub struct Args {
     /// own prefill (raise it to --max-batch-tokens to prefill them all in one step).
     #[arg(long, default_value_t = gemma4_engine::DEFAULT_ADMIT_PROMPT_TOKENS)]
     admit_prompt_tokens: usize,
-    /// Soft tokens the media encoders may produce in one engine step: an image or clip
-    /// delays the running streams' next token by at most this much encoding (one larger
-    /// item is encoded in a step of its own) [default: --max-batch-tokens].
+    /// Soft tokens the media encoders may be encoding at once, beside the engine's steps
+    /// (one larger item when nothing else encodes) [default: --max-batch-tokens].
     #[arg(long)]
     encoder_budget: Option<usize>,
     /// KV-cache memory in MiB [default: enough for --max-num-seqs sequences of --max-model-len tokens].
@@ -437,7 +436,9 @@ fn load(
     let mut loaded_encoders: Vec<String> = images.iter().map(|e| e.describe()).collect();
     loaded_encoders.extend(audio.iter().map(|a| a.describe()));
     // The executor runs the encoders; the server only prepares their inputs.
-    let executor = gemma4_engine::CpuExecutor::new(loaded.model).with_encoders(images, audio);
+    let executor = gemma4_engine::CpuExecutor::new(loaded.model)
+        .with_encoders(images, audio)
+        .context("cannot start the media encoders")?;
     let engine = gemma4_engine::start_with(
         Box::new(executor),
         Arc::new(loaded.tokenizer),

@@ -75,7 +75,7 @@ pub fn verify(
 
     // Stage 1: the sampled frames and the processor's resized bytes.
     let sampled = video.indices == golden.indices && video.timestamps() == golden.timestamps;
-    let facts = gemma4_engine::cpu_executor::media_facts(Some(&encoder), None)
+    let facts = gemma4_engine::encoders::media_facts(Some(&encoder), None)
         .image
         .context("the model has no vision tower")?;
     let processor = processor_for(&facts, VIDEO_SOFT_TOKENS)?;

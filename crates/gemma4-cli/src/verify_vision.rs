@@ -152,7 +152,7 @@ pub fn verify(
     let encoder =
         images.context("the golden file holds images, but the model has no vision tower")?;
     let tensors = Tensors::read(&golden_path.with_file_name("golden_tensors.safetensors"))?;
-    let facts = gemma4_engine::cpu_executor::media_facts(Some(&encoder), None)
+    let facts = gemma4_engine::encoders::media_facts(Some(&encoder), None)
         .image
         .context("the model has no vision tower")?;
     let processor = processor_for(&facts, golden.max_soft_tokens)?;

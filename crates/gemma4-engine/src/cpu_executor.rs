@@ -11,23 +11,23 @@
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Arc;
+use std::time::Duration;
 
 use candle_core::{Device, Tensor};
 use gemma4_model::paged::{kv_groups, GroupBlocks, PagedKvPool, SeqBlocks};
 use gemma4_model::storage::with_f32_values;
-use gemma4_model::{
-    AudioEncoder, BatchSeq, Gemma4, ImageEncoder, LogitsFor, SoftTokens, VisionInput,
-};
+use gemma4_model::{AudioEncoder, BatchSeq, Gemma4, ImageEncoder, LogitsFor, SoftTokens};
 
 use gemma4_text::Tokenizer;
 
 use crate::api::TokenConstraint;
+use crate::encoders::EncoderThread;
 use crate::engine::{start_with, EngineConfig, EngineHandle};
 use crate::executor::{
-    Executor, ExecutorError, ExecutorStats, KvLayout, ModelFacts, ScheduledChunk, SeqOutput,
-    StepOutput, StepPlan,
+    EncodeRequest, EncodedItem, Executor, ExecutorError, ExecutorStats, KvLayout, ModelFacts,
+    ScheduledChunk, SeqOutput, StepOutput, StepPlan,
 };
-use crate::media::{AudioFacts, EncoderInput, ImageFacts, MediaFacts, SoftPrompt, SoftWindow};
+use crate::media::{EncoderInput, MediaFacts, SoftPrompt, SoftWindow};
 use crate::panic_message;
 use crate::sampler::{score, Sampled, Sampler, Scored};
 
@@ -74,6 +74,9 @@ impl PromptScoring {
     }
 }
 
+/// How long a step with nothing to run waits for an encoding to end.
+const ENCODER_WAIT: Duration = Duration::from_millis(10);
+
 /// Starts the engine thread, running `model` on this machine's CPU.
 pub fn start(
     model: Gemma4,
@@ -109,8 +112,8 @@ struct RequestState {
 /// Runs Gemma 4 on this machine's CPU.
 pub struct CpuExecutor {
     model: Gemma4,
-    images: Option<ImageEncoder>,
-    audio: Option<AudioEncoder>,
+    /// The media encoders' thread, where the model reads media.
+    encoders: Option<EncoderThread>,
     facts: ModelFacts,
     /// Allocated by [`Executor::allocate_kv`].
     pool: Option<PagedKvPool>,
@@ -141,8 +144,7 @@ impl CpuExecutor {
         };
         Self {
             model,
-            images: None,
-            audio: None,
+            encoders: None,
             facts,
             pool: None,
             requests: HashMap::new(),
@@ -152,17 +154,20 @@ impl CpuExecutor {
         }
     }
 
-    /// The executor with the checkpoint's media encoders, which it runs as
-    /// the plans ask.
+    /// The executor with the checkpoint's media encoders, which run on a
+    /// thread of their own as the plans ask.
     pub fn with_encoders(
         mut self,
         images: Option<ImageEncoder>,
         audio: Option<AudioEncoder>,
-    ) -> Self {
-        self.facts.media = media_facts(images.as_ref(), audio.as_ref());
-        self.images = images;
-        self.audio = audio;
-        self
+    ) -> Result<Self, ExecutorError> {
+        if images.is_none() && audio.is_none() {
+            return Ok(self);
+        }
+        let encoders = EncoderThread::spawn(images, audio)?;
+        self.facts.media = encoders.facts().clone();
+        self.encoders = Some(encoders);
+        Ok(self)
     }
 
     /// The executor with a fault to inject (tests of the supervision only).
@@ -212,42 +217,99 @@ impl CpuExecutor {
             .collect()
     }
 
-    /// Encodes a request's media items into its rows.
-    fn encode(&mut self, id: u64, items: &[usize]) -> Result<(), String> {
-        if items.is_empty() {
-            return Ok(());
+    /// Starts the plan's encodings: rows sent encoded are copied at once,
+    /// the rest go to the encoder thread. Returns those already settled.
+    fn start_encodes(&mut self, requests: &[EncodeRequest]) -> Vec<EncodedItem> {
+        let mut settled = Vec::new();
+        for r in requests {
+            let outcome = self.start_encode(r.seq_id, r.item);
+            if outcome.as_ref().map_or(true, |queued| !queued) {
+                settled.push(EncodedItem {
+                    seq_id: r.seq_id,
+                    item: r.item,
+                    result: outcome.map(|_| ()),
+                });
+            }
         }
+        settled
+    }
+
+    /// `Ok(true)` when the item went to the encoder thread, `Ok(false)`
+    /// when its rows were copied.
+    fn start_encode(&mut self, id: u64, item: usize) -> Result<bool, String> {
+        let prompt = self
+            .requests
+            .get(&id)
+            .and_then(|s| s.soft_prompt.clone())
+            .ok_or_else(|| format!("request {id} holds no media to encode"))?;
+        let input = &prompt
+            .items
+            .get(item)
+            .ok_or_else(|| format!("request {id} has no media item {item}"))?
+            .input;
+        if let EncoderInput::Embeds(rows) = input {
+            self.store_rows(id, item, rows)?;
+            return Ok(false);
+        }
+        let encoders = self
+            .encoders
+            .as_mut()
+            .ok_or("this model has no encoder for the media sent")?;
+        encoders.start(id, item, prompt)?;
+        Ok(true)
+    }
+
+    /// The encodings finished since the last step, their rows stored.
+    fn collect_encodes(&mut self, wait: Option<Duration>) -> Vec<EncodedItem> {
+        let Some(encoders) = self.encoders.as_mut() else {
+            return Vec::new();
+        };
+        let mut settled = Vec::new();
+        for e in encoders.finished(wait) {
+            // A request that ended meanwhile has no use for its rows.
+            if !self.requests.contains_key(&e.seq_id) {
+                continue;
+            }
+            let result = e
+                .rows
+                .and_then(|rows| self.store_rows(e.seq_id, e.item, &rows));
+            settled.push(EncodedItem {
+                seq_id: e.seq_id,
+                item: e.item,
+                result,
+            });
+        }
+        settled
+    }
+
+    /// Writes an item's rows among its request's encoder rows.
+    fn store_rows(&mut self, id: u64, item: usize, rows: &[f32]) -> Result<(), String> {
         let hidden = self.facts.hidden_size;
-        let (images, audio) = (self.images.as_ref(), self.audio.as_ref());
         let state = self
             .requests
             .get_mut(&id)
             .ok_or_else(|| format!("the executor has no state for request {id}"))?;
         let prompt = state
             .soft_prompt
-            .clone()
-            .ok_or("the plan asks to encode media the request does not hold")?;
+            .as_ref()
+            .ok_or_else(|| format!("request {id} holds no media"))?;
+        let range = prompt
+            .item_rows()
+            .get(item)
+            .cloned()
+            .ok_or_else(|| format!("request {id} has no media item {item}"))?;
+        if rows.len() != range.len() * hidden {
+            return Err(format!(
+                "media item {item} was encoded into {} values; its {} soft tokens need {}",
+                rows.len(),
+                range.len(),
+                range.len() * hidden
+            ));
+        }
         if state.soft_rows.is_empty() {
             state.soft_rows = vec![0.0; prompt.rows.len() * hidden];
         }
-        let ranges = prompt.item_rows();
-        for &k in items {
-            let (Some(item), Some(range)) = (prompt.items.get(k), ranges.get(k)) else {
-                return Err(format!(
-                    "the plan names media item {k}, which the request lacks"
-                ));
-            };
-            let rows = run_encoder(images, audio, &item.input)?;
-            if rows.len() != item.soft_tokens * hidden {
-                return Err(format!(
-                    "media item {k} was encoded into {} values; its {} soft tokens need {}",
-                    rows.len(),
-                    item.soft_tokens,
-                    item.soft_tokens * hidden
-                ));
-            }
-            state.soft_rows[range.start * hidden..range.end * hidden].copy_from_slice(&rows);
-        }
+        state.soft_rows[range.start * hidden..range.end * hidden].copy_from_slice(rows);
         Ok(())
     }
 
@@ -503,60 +565,6 @@ impl CpuExecutor {
     }
 }
 
-/// One item's rows, `[soft_tokens, hidden]` row-major. A panic in an
-/// encoder fails the request that brought the item.
-fn run_encoder(
-    images: Option<&ImageEncoder>,
-    audio: Option<&AudioEncoder>,
-    input: &EncoderInput,
-) -> Result<Vec<f32>, String> {
-    let encoded = panic::catch_unwind(AssertUnwindSafe(|| match input {
-        EncoderInput::Embeds(rows) => Ok(Some(rows.clone())),
-        EncoderInput::Image { patches, positions } => images
-            .map(|e| {
-                e.encode(VisionInput { patches, positions })
-                    .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
-            })
-            .transpose(),
-        EncoderInput::Audio { features } => audio
-            .map(|e| {
-                e.encode(features)
-                    .and_then(|t| Ok(t.flatten_all()?.to_vec1::<f32>()?))
-            })
-            .transpose(),
-    }));
-    match encoded {
-        Ok(Ok(Some(rows))) => Ok(rows),
-        Ok(Ok(None)) => Err("this model has no encoder for the media sent".into()),
-        Ok(Err(e)) => Err(format!("the media encoder failed: {e}")),
-        Err(payload) => Err(format!(
-            "the media encoder panicked: {}",
-            panic_message(payload.as_ref())
-        )),
-    }
-}
-
-/// What the encoders take and give, for the engine and the server.
-pub fn media_facts(images: Option<&ImageEncoder>, audio: Option<&AudioEncoder>) -> MediaFacts {
-    MediaFacts {
-        image: images.map(|e| {
-            let (patch_size, pooling) = e.patch_geometry();
-            ImageFacts {
-                tokens: e.tokens(),
-                video_tokens: e.video_tokens(),
-                patch_size,
-                pooling,
-                merged_patches: e.takes_merged_patches(),
-                position_table: e.position_table(),
-            }
-        }),
-        audio: audio.map(|e| AudioFacts {
-            tokens: e.tokens(),
-            features: e.features(),
-        }),
-    }
-}
-
 impl Executor for CpuExecutor {
     fn model_facts(&self) -> &ModelFacts {
         &self.facts
@@ -578,45 +586,21 @@ impl Executor for CpuExecutor {
 
     fn execute(&mut self, mut plan: StepPlan) -> StepOutput {
         let tables = self.follow(&mut plan);
+        let mut encoded = self.start_encodes(&plan.encode);
+        // With nothing to run but encodings under way, wait a moment for one
+        // rather than have the engine spin.
+        let busy = self.encoders.as_ref().is_some_and(EncoderThread::busy);
+        let wait = (plan.chunks.is_empty() && busy).then_some(ENCODER_WAIT);
+        encoded.extend(self.collect_encodes(wait));
         if plan.chunks.is_empty() {
-            return StepOutput::default();
+            return StepOutput {
+                seqs: Vec::new(),
+                encoded,
+            };
         }
-        // A chunk whose media cannot be encoded fails alone; the rest run.
-        let failed: Vec<Option<String>> = plan
-            .chunks
-            .iter()
-            .map(|c| self.encode(c.seq_id, &c.encode).err())
-            .collect();
-        if failed.iter().all(Option::is_none) {
-            let seqs = self.run_step(&plan.chunks, &tables);
-            self.put_back(&plan.chunks, tables);
-            return StepOutput { seqs };
-        }
-        let mut run = (Vec::new(), Vec::new());
-        let mut outputs: Vec<Option<SeqOutput>> = Vec::new();
-        for ((c, t), e) in plan.chunks.into_iter().zip(tables).zip(failed) {
-            match e {
-                Some(e) => outputs.push(Some(SeqOutput {
-                    seq_id: c.seq_id,
-                    computed: c.start,
-                    result: Err(e),
-                    prompt_logprobs: Vec::new(),
-                })),
-                None => {
-                    run.0.push(c);
-                    run.1.push(t);
-                    outputs.push(None);
-                }
-            }
-        }
-        let (chunks, tables) = run;
-        let mut ran = self.run_step(&chunks, &tables).into_iter();
-        self.put_back(&chunks, tables);
-        let seqs = outputs
-            .into_iter()
-            .filter_map(|o| o.or_else(|| ran.next()))
-            .collect();
-        StepOutput { seqs }
+        let seqs = self.run_step(&plan.chunks, &tables);
+        self.put_back(&plan.chunks, tables);
+        StepOutput { seqs, encoded }
     }
 
     fn stats(&self) -> ExecutorStats {

@@ -29,7 +29,7 @@ use crate::media::{EncoderInput, MediaFacts};
 use crate::output_processor::{self, OutputMsg, StopNotice};
 use crate::panic_message;
 use crate::sampler::Sampler;
-use crate::scheduler::{Scheduler, SchedulerLimits, SeqState};
+use crate::scheduler::{Encoding, Scheduler, SchedulerLimits, SeqState};
 
 /// [`EngineConfig::admit_prompt_tokens`] by default: about where a step's
 /// prompt tokens stop getting cheaper per token on the CPU kernels.
@@ -60,9 +60,8 @@ pub struct EngineConfig {
     pub prefix_caching: bool,
     /// Where the prefix cache's [`KvEvent`]s go, if anywhere.
     pub kv_events: Option<KvEventSink>,
-    /// Soft tokens the media encoders may produce per step, so an image
-    /// delays the running streams' next token by at most that much
-    /// encoding; `None` allows `max_batch_tokens`.
+    /// Soft tokens the media encoders may be encoding at once (one larger
+    /// item when nothing else encodes); `None` allows `max_batch_tokens`.
     pub encoder_budget: Option<usize>,
 }
 
@@ -685,7 +684,7 @@ impl Worker {
                 seq.whole_spans = whole_spans;
                 if let Some(soft) = soft {
                     seq.encoder_spans = soft.encoder_spans();
-                    seq.encoded = vec![false; seq.encoder_spans.len()];
+                    seq.encoded = vec![Encoding::Pending; seq.encoder_spans.len()];
                 }
                 self.scheduler.add(seq);
             }
@@ -765,7 +764,8 @@ impl Worker {
                 }
             }
         }
-        if chunks.is_empty() {
+        let encode = self.scheduler.take_encode_requests();
+        if chunks.is_empty() && encode.is_empty() && !self.scheduler.is_encoding() {
             self.flush_requests();
             if self.scheduler.running_len() == 0 {
                 // Nothing runs, yet the head of the queue cannot be placed: it can never fit.
@@ -785,10 +785,17 @@ impl Worker {
         let plan = StepPlan {
             new_requests: std::mem::take(&mut self.new_requests),
             finished: std::mem::take(&mut self.ended),
+            encode,
             chunks,
         };
         let outputs = self.executor.execute(plan);
         let mut finished = Vec::new();
+        for item in outputs.encoded {
+            match item.result {
+                Ok(()) => self.scheduler.encoded(item.seq_id, item.item),
+                Err(why) => finished.push((item.seq_id, FinishReason::Error(why))),
+            }
+        }
         for out in outputs.seqs {
             if let Some(reason) = self.take_back(out) {
                 finished.push(reason);
@@ -806,6 +813,7 @@ impl Worker {
             self.executor.execute(StepPlan {
                 new_requests: std::mem::take(&mut self.new_requests),
                 finished: std::mem::take(&mut self.ended),
+                encode: Vec::new(),
                 chunks: Vec::new(),
             });
         }

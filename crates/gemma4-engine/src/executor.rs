@@ -112,10 +112,22 @@ pub struct ScheduledChunk {
     pub blocks: BlockUpdate,
     /// The chunk ends at the last known token, so the step yields a next-token distribution.
     pub samples: bool,
-    /// The request's media items (indices into its [`SoftPrompt`]'s items)
-    /// to encode before the chunk runs; the executor keeps their rows until
-    /// the request ends.
-    pub encode: Vec<usize>,
+}
+
+/// A media item to encode: an index into its request's [`SoftPrompt`]
+/// items. The executor keeps the rows until the request ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EncodeRequest {
+    pub seq_id: u64,
+    pub item: usize,
+}
+
+/// An encoding that ended: the rows are the executor's, or the item failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedItem {
+    pub seq_id: u64,
+    pub item: usize,
+    pub result: Result<(), String>,
 }
 
 /// One step: requests in and out, and the chunks to run (without chunks
@@ -125,6 +137,10 @@ pub struct StepPlan {
     pub new_requests: Vec<NewRequest>,
     /// Requests that ended since the last step: their state is dropped.
     pub finished: Vec<u64>,
+    /// Media items to start encoding. An encoder may run beside the steps;
+    /// no chunk reaches an item's rows before its encoding was reported.
+    /// Rows sent already encoded are copied before this step's chunks run.
+    pub encode: Vec<EncodeRequest>,
     pub chunks: Vec<ScheduledChunk>,
 }
 
@@ -140,10 +156,12 @@ pub struct SeqOutput {
     pub prompt_logprobs: Vec<(u32, Scored)>,
 }
 
-/// What a step produced: one output per chunk, in the plan's order.
+/// What a step produced: one output per chunk, in the plan's order, and
+/// the encodings that ended since the last step.
 #[derive(Default)]
 pub struct StepOutput {
     pub seqs: Vec<SeqOutput>,
+    pub encoded: Vec<EncodedItem>,
 }
 
 /// Counters an executor keeps, for `/metrics`.
@@ -168,7 +186,8 @@ pub trait Executor: Send {
     /// Allocates the KV pools; returns the bytes they hold.
     fn allocate_kv(&mut self, layout: &KvLayout) -> Result<usize, ExecutorError>;
     /// Runs one step. A failure of some sequences is reported in their
-    /// outputs; the others go on.
+    /// outputs; the others go on. A plan without chunks while encodings
+    /// are under way waits a moment for one to end.
     fn execute(&mut self, plan: StepPlan) -> StepOutput;
     fn stats(&self) -> ExecutorStats;
 }

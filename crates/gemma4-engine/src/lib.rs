@@ -12,6 +12,7 @@
 pub mod api;
 pub mod block_hash;
 pub mod cpu_executor;
+pub mod encoders;
 pub mod engine;
 pub mod executor;
 #[cfg(feature = "fault-injection")]

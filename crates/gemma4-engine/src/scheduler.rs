@@ -16,7 +16,7 @@
 
 use std::collections::VecDeque;
 
-use crate::executor::{BlockUpdate, GroupUpdate, ScheduledChunk};
+use crate::executor::{BlockUpdate, EncodeRequest, GroupUpdate, ScheduledChunk};
 use crate::kv_manager::{KvManager, SeqKv};
 use crate::media::EncoderSpan;
 
@@ -31,9 +31,8 @@ pub struct SchedulerLimits {
     /// tokens than this (the first admitted may still take the whole
     /// budget). At `max_batch_tokens` or more, admission fills the budget.
     pub admit_prompt_tokens: usize,
-    /// Soft tokens the media encoders may produce per step. A chunk stops
-    /// before an item past the budget; an item larger than the budget is
-    /// encoded in a step that encodes nothing else.
+    /// Soft tokens the media encoders may be encoding at once. An item
+    /// larger than the budget starts when nothing else is encoding.
     pub encoder_tokens: usize,
 }
 
@@ -56,10 +55,20 @@ pub struct SeqState {
     /// Per cache group, the end (in logical blocks) of the table the
     /// executor holds; `None` until it holds one (new or preempted).
     pub executor_tables: Option<Vec<usize>>,
-    /// The prompt's media items, in order, and which of them the executor
-    /// has encoded (it keeps their rows until the request ends).
+    /// The prompt's media items, in order, and where each one's encoding
+    /// stands (the executor keeps the rows until the request ends).
     pub encoder_spans: Vec<EncoderSpan>,
-    pub encoded: Vec<bool>,
+    pub encoded: Vec<Encoding>,
+}
+
+/// Where a media item's encoding stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    Pending,
+    /// The executor is encoding it.
+    Running,
+    /// The executor holds its rows.
+    Done,
 }
 
 impl SeqState {
@@ -80,32 +89,44 @@ impl SeqState {
     }
 
     /// Cuts a chunk of `len` tokens from `start` before the first media
-    /// item it would have encoded past the step's encoder budget (`left`
-    /// soft tokens; `used` once anything was encoded this step). Returns
-    /// the chunk's length and the items to encode for it.
+    /// item whose rows the executor does not hold yet, and has the items
+    /// the chunk reaches encoded while the budget allows (`in_flight` soft
+    /// tokens already encoding; an item larger than `budget` starts when
+    /// nothing else is encoding). Rows already encoded are copied in the
+    /// step itself, so they never cut a chunk. Returns the chunk's length
+    /// and the items to start encoding.
     fn fit_encoder(
-        &self,
+        &mut self,
         start: usize,
         len: usize,
-        left: &mut usize,
-        used: &mut bool,
+        budget: usize,
+        in_flight: &mut usize,
     ) -> (usize, Vec<usize>) {
-        let mut encode = Vec::new();
+        let mut started = Vec::new();
+        let mut cut = None;
         for (k, span) in self.encoder_spans.iter().enumerate() {
-            if self.encoded.get(k).copied().unwrap_or(true) || span.end <= start {
+            if span.end <= start {
                 continue;
             }
             if span.start >= start + len {
                 break;
             }
-            if span.cost > *left && *used {
-                return (span.start.saturating_sub(start), encode);
+            let state = &mut self.encoded[k];
+            if *state == Encoding::Pending && span.cost == 0 {
+                *state = Encoding::Done;
+                started.push(k);
             }
-            *left = left.saturating_sub(span.cost);
-            *used |= span.cost > 0;
-            encode.push(k);
+            if *state == Encoding::Pending && (*in_flight == 0 || *in_flight + span.cost <= budget)
+            {
+                *state = Encoding::Running;
+                *in_flight += span.cost;
+                started.push(k);
+            }
+            if *state != Encoding::Done && cut.is_none() {
+                cut = Some(span.start.saturating_sub(start));
+            }
         }
-        (len, encode)
+        (cut.unwrap_or(len), started)
     }
 
     /// How the tables changed since the executor last saw them; from now
@@ -172,8 +193,6 @@ struct Chunk {
     start: usize,
     len: usize,
     samples: bool,
-    /// Media items to encode before the chunk runs.
-    encode: Vec<usize>,
 }
 
 /// Waiting and running sequences.
@@ -185,6 +204,9 @@ pub struct Scheduler {
     preemptions: u64,
     prefix_hits: u64,
     prefix_hit_tokens: u64,
+    /// Soft tokens the executor is encoding, and the encodings to start.
+    encoding: usize,
+    encode_requests: Vec<EncodeRequest>,
 }
 
 impl Scheduler {
@@ -196,6 +218,34 @@ impl Scheduler {
             preemptions: 0,
             prefix_hits: 0,
             prefix_hit_tokens: 0,
+            encoding: 0,
+            encode_requests: Vec::new(),
+        }
+    }
+
+    /// The encodings the last steps started, for the executor.
+    pub fn take_encode_requests(&mut self) -> Vec<EncodeRequest> {
+        std::mem::take(&mut self.encode_requests)
+    }
+
+    /// Whether the executor is encoding media for a sequence here.
+    pub fn is_encoding(&self) -> bool {
+        self.encoding > 0
+    }
+
+    /// A media item's rows are the executor's now.
+    pub fn encoded(&mut self, seq_id: u64, item: usize) {
+        let seq = self
+            .running
+            .iter_mut()
+            .chain(self.waiting.iter_mut())
+            .find(|s| s.id == seq_id);
+        let Some(seq) = seq else {
+            return;
+        };
+        if let Some(state @ Encoding::Running) = seq.encoded.get_mut(item) {
+            *state = Encoding::Done;
+            self.encoding -= seq.encoder_spans[item].cost;
         }
     }
 
@@ -263,16 +313,12 @@ impl Scheduler {
             .into_iter()
             .map(|c| {
                 let seq = &mut self.running[c.index];
-                for &k in &c.encode {
-                    seq.encoded[k] = true;
-                }
                 ScheduledChunk {
                     seq_id: seq.id,
                     start: c.start,
                     tokens: seq.tokens[c.start..c.start + c.len].to_vec(),
                     blocks: seq.block_update(),
                     samples: c.samples,
-                    encode: c.encode,
                 }
             })
             .collect()
@@ -300,27 +346,30 @@ impl Scheduler {
         let mut chunks = Vec::new();
         // Tokens of prompts (not decode tokens) in the step so far.
         let mut prompt_tokens = 0;
-        // Soft tokens the encoders may still produce, and whether they ran.
-        let (mut encoder_left, mut encoded) = (self.limits.encoder_tokens, false);
+        let encoder_budget = self.limits.encoder_tokens;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let start = self.running[i].computed;
-            let (mut left, mut used) = (encoder_left, encoded);
             let len = self.running[i].chunk_len(budget);
-            let (len, encode) = self.running[i].fit_encoder(start, len, &mut left, &mut used);
+            let seq = &mut self.running[i];
+            let (len, started) = seq.fit_encoder(start, len, encoder_budget, &mut self.encoding);
+            let id = seq.id;
+            self.encode_requests.extend(
+                started
+                    .into_iter()
+                    .map(|item| EncodeRequest { seq_id: id, item }),
+            );
             if len == 0 {
                 i += 1;
                 continue;
             }
             if kv.allocate(&mut self.running[i].kv, start + len, start) {
                 let samples = start + len == self.running[i].tokens.len();
-                (encoder_left, encoded) = (left, used);
                 chunks.push(Chunk {
                     index: i,
                     start,
                     len,
                     samples,
-                    encode,
                 });
                 budget -= len;
                 if !samples || len > 1 {
@@ -358,23 +407,25 @@ impl Scheduler {
                 }
             }
             let start = seq.computed;
-            let (mut left, mut used) = (encoder_left, encoded);
             let len = seq.chunk_len(budget);
-            let (len, encode) = seq.fit_encoder(start, len, &mut left, &mut used);
+            let (len, started) = seq.fit_encoder(start, len, encoder_budget, &mut self.encoding);
+            self.encode_requests
+                .extend(started.into_iter().map(|item| EncodeRequest {
+                    seq_id: seq.id,
+                    item,
+                }));
             if len == 0 || !kv.allocate(&mut seq.kv, start + len, start) {
                 kv.release(&mut seq.kv);
                 seq.computed = 0;
                 self.waiting.push_front(seq);
                 break;
             }
-            (encoder_left, encoded) = (left, used);
             let samples = start + len == seq.tokens.len();
             chunks.push(Chunk {
                 index: self.running.len(),
                 start,
                 len,
                 samples,
-                encode,
             });
             budget -= len;
             prompt_tokens += len;
@@ -404,6 +455,11 @@ impl Scheduler {
             }
         };
         kv.release(&mut seq.kv);
+        for (state, span) in seq.encoded.iter().zip(&seq.encoder_spans) {
+            if *state == Encoding::Running {
+                self.encoding -= span.cost;
+            }
+        }
         Some(seq)
     }
 }
@@ -478,12 +534,13 @@ mod tests {
         assert_eq!(kv.usage()[0].used, 0);
     }
 
-    /// Media items are encoded within the step's encoder budget: a chunk
-    /// stops before an item the budget cannot take, an item larger than
-    /// the budget is encoded in a step of its own, and nothing is encoded
-    /// twice, not even after a preemption.
+    /// A chunk stops before media whose rows are not encoded yet; items
+    /// start encoding as chunks reach them, within the encoder budget (one
+    /// larger than the budget when nothing else encodes); nothing is
+    /// encoded twice, not even after a preemption; rows already encoded
+    /// never cut a chunk.
     #[test]
-    fn chunks_stop_before_media_past_the_encoder_budget() {
+    fn chunks_wait_for_their_media_and_encodings_keep_to_the_budget() {
         let mut kv = kv();
         let mut s = Scheduler::new(SchedulerLimits {
             max_num_seqs: 4,
@@ -499,23 +556,48 @@ mod tests {
         let mut a = seq(&kv, 1, 14);
         // Two items of 3 soft tokens at 1..4 and 5..8, one of 5 at 9..14.
         a.encoder_spans = vec![span(1, 4), span(5, 8), span(9, 14)];
-        a.encoded = vec![false; 3];
+        a.encoded = vec![Encoding::Pending; 3];
         s.add(a);
-        let step = s.schedule(&mut kv);
-        assert_eq!((step[0].tokens.len(), step[0].encode.clone()), (5, vec![0]));
+        let step = |s: &mut Scheduler, kv: &mut KvManager| {
+            let chunks = s.schedule(kv);
+            let started: Vec<usize> = s.take_encode_requests().iter().map(|r| r.item).collect();
+            (chunks.first().map(|c| (c.start, c.tokens.len())), started)
+        };
+        // The first item starts; the second would pass the budget.
+        assert_eq!(step(&mut s, &mut kv), (Some((0, 1)), vec![0]));
+        s.commit(1, 1, &[], &mut kv);
+        assert_eq!(step(&mut s, &mut kv), (None, vec![]), "waits for its rows");
+        s.encoded(1, 0);
+        assert!(!s.is_encoding());
+        assert_eq!(step(&mut s, &mut kv), (Some((1, 4)), vec![1]));
         s.commit(1, 5, &[], &mut kv);
-        let step = s.schedule(&mut kv);
-        assert_eq!((step[0].tokens.len(), step[0].encode.clone()), (4, vec![1]));
+        s.encoded(1, 1);
+        // Past the budget: it starts once nothing else encodes.
+        assert_eq!(step(&mut s, &mut kv), (Some((5, 4)), vec![2]));
         s.commit(1, 9, &[], &mut kv);
-        // Past the budget, alone in its step.
-        let step = s.schedule(&mut kv);
-        assert_eq!((step[0].tokens.len(), step[0].encode.clone()), (5, vec![2]));
-        assert!(step[0].samples);
+        assert!(s.is_encoding());
+        s.encoded(1, 2);
+        assert_eq!(step(&mut s, &mut kv), (Some((9, 5)), vec![]));
         s.commit(1, 14, &[7], &mut kv);
         // Recomputed after a preemption: the rows are the executor's already.
         s.preempt(0, &mut kv);
-        let step = s.schedule(&mut kv);
-        assert_eq!((step[0].tokens.len(), step[0].encode.clone()), (15, vec![]));
+        assert_eq!(step(&mut s, &mut kv), (Some((0, 15)), vec![]));
+        s.commit(1, 15, &[8], &mut kv);
+        // Rows sent encoded are copied in the step that reaches them.
+        let mut b = seq(&kv, 2, 6);
+        b.encoder_spans = vec![EncoderSpan {
+            start: 2,
+            end: 4,
+            cost: 0,
+        }];
+        b.encoded = vec![Encoding::Pending];
+        s.add(b);
+        let chunks = s.schedule(&mut kv);
+        assert_eq!(
+            chunks.last().map(|c| (c.seq_id, c.tokens.len())),
+            Some((2, 6))
+        );
+        assert_eq!(s.take_encode_requests().len(), 1);
     }
 
     /// Prompts that arrive together run one step after another once a step

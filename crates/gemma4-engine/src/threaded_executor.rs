@@ -103,6 +103,7 @@ impl Executor for ThreadedExecutor {
                         prompt_logprobs: Vec::new(),
                     })
                     .collect(),
+                encoded: Vec::new(),
             },
         }
     }

@@ -332,9 +332,9 @@ fn encoder_request(
     }
 }
 
-/// The executor runs the encoders, an item at a time under an encoder
-/// budget of one soft token per step, batched with the other prompts,
-/// directly and over the threaded seam: the reference's tokens.
+/// The executor runs the encoders on their thread, one item at a time
+/// under an encoder budget of one soft token, while the other prompts'
+/// steps go on, directly and over the threaded seam: the reference's tokens.
 #[test]
 fn encoders_run_in_the_executor_within_the_step_budget() {
     for variant in VARIANTS {
@@ -351,7 +351,9 @@ fn encoders_run_in_the_executor_within_the_step_budget() {
                 encoder_budget: Some(1),
                 ..engine_config(&model)
             };
-            let cpu = CpuExecutor::new(model).with_encoders(images, audio);
+            let cpu = CpuExecutor::new(model)
+                .with_encoders(images, audio)
+                .expect("encoders");
             let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
             let engine = start_executor_on(seam, cpu, tokenizer, config);
             let prompts = prompts(variant);
