@@ -9,7 +9,8 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use crate::executor::{
-    Executor, ExecutorError, ExecutorStats, KvLayout, ModelFacts, SeqOutput, StepOutput, StepPlan,
+    EncodeRequest, EncodedItem, Executor, ExecutorError, ExecutorStats, KvLayout, ModelFacts,
+    SeqOutput, StepOutput, StepPlan,
 };
 
 enum Request {
@@ -28,6 +29,8 @@ pub struct ThreadedExecutor {
     requests: Option<mpsc::Sender<Request>>,
     replies: mpsc::Receiver<Reply>,
     stats: ExecutorStats,
+    /// Encodings asked for and not yet reported, to fail if the thread is lost.
+    encoding: Vec<EncodeRequest>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -59,6 +62,7 @@ impl ThreadedExecutor {
             requests: Some(requests),
             replies,
             stats: ExecutorStats::default(),
+            encoding: Vec::new(),
             thread: Some(thread),
         })
     }
@@ -87,12 +91,19 @@ impl Executor for ThreadedExecutor {
             .iter()
             .map(|c| (c.seq_id, c.start + c.tokens.len()))
             .collect();
+        self.encoding.retain(|r| !plan.finished.contains(&r.seq_id));
+        self.encoding.extend_from_slice(&plan.encode);
         match self.call(Request::Step(plan)) {
             Some(Reply::Stepped(out, stats)) => {
                 self.stats = stats;
+                for e in &out.encoded {
+                    self.encoding
+                        .retain(|r| (r.seq_id, r.item) != (e.seq_id, e.item));
+                }
                 out
             }
-            // Each sequence of the step learns that its executor is gone.
+            // Each sequence of the step, and each still waiting for its
+            // media, learns that its executor is gone.
             _ => StepOutput {
                 seqs: chunks
                     .into_iter()
@@ -103,7 +114,15 @@ impl Executor for ThreadedExecutor {
                         prompt_logprobs: Vec::new(),
                     })
                     .collect(),
-                encoded: Vec::new(),
+                encoded: self
+                    .encoding
+                    .drain(..)
+                    .map(|r| EncodedItem {
+                        seq_id: r.seq_id,
+                        item: r.item,
+                        result: Err("the executor thread has stopped".into()),
+                    })
+                    .collect(),
             },
         }
     }
