@@ -281,6 +281,9 @@ pub struct EngineStats {
     pub kv_sliding_blocks_per_seq_peak: usize,
     /// Steps whose batch failed and were run again one sequence at a time.
     pub step_retries: u64,
+    /// Kernel jobs that found the thread pool busy (a media encoder beside
+    /// a step) and ran on their caller's thread alone.
+    pub contended_kernel_jobs: u64,
     /// Requests whose sampler the executor holds (0 once all have ended
     /// and the engine has stepped or idled since).
     pub executor_requests: usize,

@@ -607,6 +607,7 @@ impl Executor for CpuExecutor {
         ExecutorStats {
             step_retries: self.step_retries,
             requests: self.requests.len(),
+            contended_kernel_jobs: gemma4_kernels::pool::contended_jobs(),
         }
     }
 }

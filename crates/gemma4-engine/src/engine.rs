@@ -902,6 +902,7 @@ impl Worker {
             s.preemptions = self.scheduler.preemptions();
             let executor = self.executor.stats();
             s.step_retries = executor.step_retries;
+            s.contended_kernel_jobs = executor.contended_kernel_jobs;
             s.executor_requests = executor.requests;
         }
     }

@@ -171,6 +171,9 @@ pub struct ExecutorStats {
     pub step_retries: u64,
     /// Requests whose state the executor holds.
     pub requests: usize,
+    /// Kernel jobs that found the thread pool busy (an encoder beside a
+    /// step) and ran on their caller's thread alone.
+    pub contended_kernel_jobs: u64,
 }
 
 /// Why an executor could not start.

@@ -68,6 +68,8 @@ pub struct Pool {
     threads: usize,
     /// One job at a time; a second caller meanwhile runs its chunks itself.
     caller: Mutex<()>,
+    /// Jobs a second caller ran alone that way.
+    contended: AtomicU64,
 }
 
 impl Pool {
@@ -103,12 +105,19 @@ impl Pool {
             shared,
             threads: started,
             caller: Mutex::new(()),
+            contended: AtomicU64::new(0),
         }
     }
 
     /// Threads that work on a job, the caller included.
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// Jobs that found the pool busy with another caller's and ran on
+    /// their own caller's thread alone.
+    pub fn contended_jobs(&self) -> u64 {
+        self.contended.load(Ordering::Relaxed)
     }
 
     /// Runs `f(i)` for every `i` in `0..count`, spread over the pool, and
@@ -118,10 +127,15 @@ impl Pool {
         if count == 0 {
             return;
         }
+        let splits = self.threads > 1 && count > 1 && count < CLOSED as usize;
         let guard = match self.caller.try_lock() {
-            Ok(g) if self.threads > 1 && count > 1 && count < CLOSED as usize => g,
+            Ok(g) if splits => g,
             // Single-threaded, a single chunk, or another job in flight.
-            _ => {
+            busy => {
+                if splits && busy.is_err() {
+                    self.contended.fetch_add(1, Ordering::Relaxed);
+                }
+                drop(busy);
                 (0..count).for_each(f);
                 return;
             }
@@ -318,6 +332,11 @@ pub fn set_threads(threads: usize) {
 }
 
 /// The pool products use.
+/// [`Pool::contended_jobs`] of the global pool (0 before it starts).
+pub fn contended_jobs() -> u64 {
+    GLOBAL.get().map_or(0, Pool::contended_jobs)
+}
+
 pub fn global() -> &'static Pool {
     GLOBAL.get_or_init(|| {
         let threads = THREADS.get().copied().unwrap_or_else(|| {
@@ -332,6 +351,38 @@ pub fn global() -> &'static Pool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A job that finds the pool busy runs on its caller alone, and is counted.
+    #[test]
+    fn a_second_caller_runs_alone_and_is_counted() {
+        let pool = Pool::new(2);
+        let (started, release) = (AtomicBool::new(false), AtomicBool::new(false));
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                pool.run(2, &|_| {
+                    started.store(true, Ordering::SeqCst);
+                    while !release.load(Ordering::SeqCst) {
+                        std::thread::yield_now();
+                    }
+                });
+            });
+            while !started.load(Ordering::SeqCst) {
+                std::thread::yield_now();
+            }
+            let caller = std::thread::current().id();
+            let on_caller = AtomicUsize::new(0);
+            pool.run(4, &|_| {
+                if std::thread::current().id() == caller {
+                    on_caller.fetch_add(1, Ordering::SeqCst);
+                }
+            });
+            assert_eq!(on_caller.load(Ordering::SeqCst), 4);
+            assert_eq!(pool.contended_jobs(), 1);
+            release.store(true, Ordering::SeqCst);
+        });
+        pool.run(4, &|_| {});
+        assert_eq!(pool.contended_jobs(), 1, "an idle pool takes the job");
+    }
 
     #[test]
     fn every_chunk_runs_once_across_many_jobs() {

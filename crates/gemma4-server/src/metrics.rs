@@ -45,6 +45,7 @@ pub struct Metrics {
     prefix_hit_tokens: IntCounter,
     preemptions: IntCounter,
     step_retries: IntCounter,
+    contended_kernel_jobs: IntCounter,
     vllm: VllmGauges,
     /// Serializes mirroring the engine's counters into ours.
     mirror: Mutex<()>,
@@ -296,6 +297,11 @@ impl Metrics {
                 "gemma4_engine_step_retries_total",
                 "Model steps that failed as a batch and were rerun one sequence at a time",
             )?,
+            contended_kernel_jobs: counter(
+                &r,
+                "gemma4_kernel_pool_contended_jobs_total",
+                "Kernel jobs that found the thread pool busy (a media encoder beside a model step) and ran on one thread",
+            )?,
             mirror: Mutex::new(()),
             registry: r,
         })
@@ -377,6 +383,10 @@ impl Metrics {
                     .inc_by(s.preemptions.saturating_sub(self.preemptions.get()));
                 self.step_retries
                     .inc_by(s.step_retries.saturating_sub(self.step_retries.get()));
+                self.contended_kernel_jobs.inc_by(
+                    s.contended_kernel_jobs
+                        .saturating_sub(self.contended_kernel_jobs.get()),
+                );
             }
         }
         let mut out = Vec::new();
