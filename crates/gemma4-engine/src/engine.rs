@@ -263,8 +263,8 @@ impl EngineHandle {
                 .map_err(SubmitError::Invalid)?;
             for item in &soft.items {
                 let missing = match item.input {
-                    EncoderInput::Image { .. } if self.media.image.is_none() => "a vision",
-                    EncoderInput::Audio { .. } if self.media.audio.is_none() => "an audio",
+                    EncoderInput::Image { .. } if self.media.image.is_none() => "vision",
+                    EncoderInput::Audio { .. } if self.media.audio.is_none() => "audio",
                     _ => continue,
                 };
                 return Err(SubmitError::Invalid(format!(
