@@ -3,7 +3,8 @@
 //! `tokenizer.json` (fixtures from `tools/make_gemma3_tokenizer_cases.py`).
 //!
 //! The GGUF is large and not part of the repository: set `GEMMA4_DEMO_GGUF` to its
-//! path to run these tests; without it they report that they were skipped.
+//! path to run these tests (`scripts/test` does); without it they report that they
+//! were skipped, and under CI (`CI` set) they fail.
 
 mod common;
 
@@ -19,6 +20,10 @@ fn demo_gguf() -> Option<PathBuf> {
     match std::env::var_os("GEMMA4_DEMO_GGUF") {
         Some(path) => Some(PathBuf::from(path)),
         None => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "GEMMA4_DEMO_GGUF is not set: under CI these tests must run, not skip"
+            );
             println!("skipped: set GEMMA4_DEMO_GGUF");
             None
         }

@@ -461,9 +461,20 @@ fn sigterm_drains_a_running_stream_then_exits_0() {
     let mut stream = EventStream::open(server.port, "/v1/completions", &body);
     let first = stream.next_data().expect("first event");
     server.terminate();
-    std::thread::sleep(Duration::from_millis(100));
-    // Draining: still alive, no longer ready.
-    let health = server.get("/health");
+    // Draining once the signal is handled: still alive, no longer ready.
+    let signalled = Instant::now();
+    let health = loop {
+        let health = server.get("/health");
+        if health.status != 200 || health.json()["status"] == "draining" {
+            break health;
+        }
+        assert!(
+            signalled.elapsed() < Duration::from_secs(30),
+            "still not draining: {}",
+            health.body
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
     assert_eq!(health.status, 200, "{}", health.body);
     assert_eq!(health.json()["status"], "draining");
     let ready = server.get("/ready");
