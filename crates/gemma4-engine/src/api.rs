@@ -137,7 +137,8 @@ pub struct GenerationRequest {
     pub params: SamplingParams,
     /// The request ends with [`FinishReason::Timeout`] once this passes.
     pub deadline: Option<Instant>,
-    /// Prompt positions whose embeddings an encoder computed (images).
+    /// The prompt's media: the positions read from encoder outputs and the
+    /// inputs (pixels, audio features or encoded rows) that fill them.
     pub soft_prompt: Option<std::sync::Arc<crate::media::SoftPrompt>>,
     /// How the output is read: plain text, or a chat turn parsed into events.
     pub reading: Reading,

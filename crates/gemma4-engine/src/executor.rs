@@ -5,7 +5,7 @@
 //! sampled ([`StepOutput`]). Nothing here names a tensor or a model type.
 //!
 //! A plan carries what changed since the step before, as vLLM v1's
-//! `SchedulerOutput` does: a request's sampler, prompt and encoder rows
+//! `SchedulerOutput` does: a request's sampler, prompt and media inputs
 //! arrive once ([`NewRequest`]), a running sequence's chunk brings only its
 //! new tokens and the blocks added to its tables ([`BlockUpdate`]), and
 //! ended requests are named so their state is dropped. An executor that
@@ -55,7 +55,7 @@ pub struct KvLayout {
 pub struct NewRequest {
     pub seq_id: u64,
     pub sampler: Sampler,
-    /// Encoder rows of the prompt (images, audio), if any.
+    /// The prompt's media (images, audio, video frames), if any.
     pub soft_prompt: Option<Arc<SoftPrompt>>,
     /// The prompt's ids, when the request scores them; with the number of
     /// alternatives per token.

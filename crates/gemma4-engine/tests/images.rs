@@ -61,8 +61,8 @@ fn prompts(variant: &str) -> Vec<Prompt> {
         .collect()
 }
 
-/// Each test image's soft tokens.
-fn image_features(variant: &str) -> (Vec<Vec<f32>>, u32) {
+/// The fixture's image encoder and its four test images, processed for it.
+fn processed_images(variant: &str) -> (ImageEncoder, Vec<gemma4_media::ProcessedImage>) {
     let dir = fixture(variant);
     let hidden = gemma4_model::TextConfig::from_dir(&dir)
         .unwrap()
@@ -70,22 +70,44 @@ fn image_features(variant: &str) -> (Vec<Vec<f32>>, u32) {
     let encoder = ImageEncoder::load_dir(&dir, hidden)
         .unwrap()
         .expect("an image encoder");
-    let image_token = encoder.tokens().soft;
-    let features = (0..4)
+    let images = (0..4)
         .map(|i| {
             let png = std::fs::read(dir.join(format!("../images/{i}.png"))).unwrap();
             let img = decode_image(&png, DecodeLimits::default()).unwrap();
             let proc = ImageProcessor::new(70).unwrap();
-            let p = if encoder.takes_merged_patches() {
+            if encoder.takes_merged_patches() {
                 proc.process_merged(&img)
             } else {
                 proc.process(&img)
             }
-            .unwrap();
-            encode(&encoder, &p)
+            .unwrap()
         })
         .collect();
-    (features, image_token)
+    (encoder, images)
+}
+
+/// The fixture's audio encoder and its clip's features (none where the
+/// model has no audio).
+fn audio_features(variant: &str) -> Option<(AudioEncoder, Vec<f32>)> {
+    let dir = fixture(variant);
+    let hidden = gemma4_model::TextConfig::from_dir(&dir)
+        .unwrap()
+        .hidden_size;
+    let audio = AudioEncoder::load_dir(&dir, hidden).unwrap()?;
+    let wav = std::fs::read(dir.join("../audio/0.wav")).unwrap();
+    let clip = decode_wav(&wav, 30.0).unwrap();
+    let features = match audio.features() {
+        AudioFeatures::LogMel => log_mel(&clip).unwrap().values,
+        AudioFeatures::Frames(n) => frames(&clip, n),
+    };
+    Some((audio, features))
+}
+
+/// Each test image's soft tokens.
+fn image_features(variant: &str) -> (Vec<Vec<f32>>, u32) {
+    let (encoder, images) = processed_images(variant);
+    let features = images.iter().map(|p| encode(&encoder, p)).collect();
+    (features, encoder.tokens().soft)
 }
 
 /// A processed image's (or video frame's) soft tokens, `[tokens · hidden]`.
@@ -105,20 +127,10 @@ fn encode(encoder: &ImageEncoder, p: &gemma4_media::ProcessedImage) -> Vec<f32> 
 /// The fixture's audio clip as soft tokens (the 12B's frame embedder or the
 /// E-style conformer tower), with the audio token id (none elsewhere).
 fn audio_clips(variant: &str) -> (u32, Vec<Vec<f32>>) {
-    let dir = fixture(variant);
-    let hidden = gemma4_model::TextConfig::from_dir(&dir)
-        .unwrap()
-        .hidden_size;
-    let Some(audio) = AudioEncoder::load_dir(&dir, hidden).unwrap() else {
+    let Some((audio, features)) = audio_features(variant) else {
         return (u32::MAX, Vec::new());
     };
-    let wav = std::fs::read(dir.join("../audio/0.wav")).unwrap();
-    let clip = decode_wav(&wav, 30.0).unwrap();
-    let input = match audio.features() {
-        AudioFeatures::LogMel => log_mel(&clip).unwrap().values,
-        AudioFeatures::Frames(n) => frames(&clip, n),
-    };
-    let soft = audio.encode(&input).unwrap();
+    let soft = audio.encode(&features).unwrap();
     (
         audio.tokens().soft,
         vec![soft.flatten_all().unwrap().to_vec1().unwrap()],
@@ -253,41 +265,19 @@ fn image_prompts_keep_the_reference_tokens(seam: Seam, variant: &str) {
 /// Each test image as the vision encoder reads it, and the fixture's clip
 /// as the audio encoder reads it (none where the model has no audio).
 fn encoder_inputs(variant: &str) -> (Vec<EncoderInput>, Vec<EncoderInput>) {
-    let dir = fixture(variant);
-    let hidden = gemma4_model::TextConfig::from_dir(&dir)
-        .unwrap()
-        .hidden_size;
-    let merged = ImageEncoder::load_dir(&dir, hidden)
-        .unwrap()
-        .expect("an image encoder")
-        .takes_merged_patches();
-    let images = (0..4)
-        .map(|i| {
-            let png = std::fs::read(dir.join(format!("../images/{i}.png"))).unwrap();
-            let img = decode_image(&png, DecodeLimits::default()).unwrap();
-            let proc = ImageProcessor::new(70).unwrap();
-            let p = if merged {
-                proc.process_merged(&img)
-            } else {
-                proc.process(&img)
-            }
-            .unwrap();
-            EncoderInput::Image {
-                patches: p.patches,
-                positions: p.positions,
-            }
+    let images = processed_images(variant)
+        .1
+        .into_iter()
+        .map(|p| EncoderInput::Image {
+            patches: p.patches,
+            positions: p.positions,
         })
         .collect();
-    let Some(audio) = AudioEncoder::load_dir(&dir, hidden).unwrap() else {
-        return (images, Vec::new());
-    };
-    let wav = std::fs::read(dir.join("../audio/0.wav")).unwrap();
-    let clip = decode_wav(&wav, 30.0).unwrap();
-    let features = match audio.features() {
-        AudioFeatures::LogMel => log_mel(&clip).unwrap().values,
-        AudioFeatures::Frames(n) => frames(&clip, n),
-    };
-    (images, vec![EncoderInput::Audio { features }])
+    let audio = audio_features(variant)
+        .map(|(_, features)| EncoderInput::Audio { features })
+        .into_iter()
+        .collect();
+    (images, audio)
 }
 
 /// The request of [`media_request`] with its media as encoder inputs: each
