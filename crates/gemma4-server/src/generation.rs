@@ -241,13 +241,13 @@ fn constraint(
                 .and_then(|t| t.as_array())
                 .map(Vec::as_slice)
                 .unwrap_or(&[]);
+            let calls = if parallel { max_tool_calls } else { 1 };
+            let lark = tool_call_grammar(tools, only, calls, markers)?;
             (
-                GrammarSpec::Lark(tool_call_grammar(
-                    tools,
-                    only,
-                    if parallel { max_tool_calls } else { 1 },
-                    markers,
-                )?),
+                GrammarSpec::ToolCalls {
+                    lark,
+                    quote: markers.quote,
+                },
                 "tool_choice",
             )
         }

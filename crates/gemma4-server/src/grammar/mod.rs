@@ -18,8 +18,10 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 
+mod numbers;
 mod schema;
 mod tool_calls;
+use numbers::{NumberLimit, NumberTokens, Quoting};
 pub use tool_calls::{tool_call_grammar, CallMarkers};
 
 /// What the output must match.
@@ -29,6 +31,30 @@ pub enum GrammarSpec {
     Regex(String),
     Choice(Vec<String>),
     Lark(String),
+    /// Gemma 4 tool calls (from [`tool_call_grammar`]) whose strings sit
+    /// between two `quote` tokens.
+    ToolCalls {
+        lark: String,
+        quote: u32,
+    },
+}
+
+impl GrammarSpec {
+    /// How the output quotes its strings, where its numbers are JSON's and
+    /// must end; `None` for grammars whose digits are the user's to bound.
+    fn numbers(&self) -> Option<Quoting> {
+        match self {
+            GrammarSpec::JsonSchema(_) => Some(Quoting::Json),
+            GrammarSpec::ToolCalls { quote, .. } => Some(Quoting::Delimiter(*quote)),
+            _ => None,
+        }
+    }
+}
+
+/// A compiled grammar, ready to make constraints from.
+pub struct Compiled {
+    matcher: Matcher,
+    numbers: Option<Quoting>,
 }
 
 /// The vocabulary as llguidance sees it: each token's bytes.
@@ -52,6 +78,7 @@ impl TokenizerEnv for Vocabulary {
 /// Compiles grammars for one model's vocabulary.
 pub struct Grammars {
     factory: ParserFactory,
+    numbers: Arc<NumberTokens>,
     eos: u32,
 }
 
@@ -73,18 +100,25 @@ impl Grammars {
         let env: TokEnv = Arc::new(Vocabulary { trie, tokenizer });
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         factory.quiet();
-        Ok(Self { factory, eos })
+        let numbers = Arc::new(NumberTokens::new(env));
+        Ok(Self {
+            factory,
+            numbers,
+            eos,
+        })
     }
 
     /// Compiles a grammar; one the engine cannot compile (an unsupported
     /// schema keyword, a bad regex) is a 400 that says why.
-    pub fn compile(&self, spec: &GrammarSpec, param: &str) -> Result<Matcher, ApiError> {
+    pub fn compile(&self, spec: &GrammarSpec, param: &str) -> Result<Compiled, ApiError> {
         let grammar = match spec {
             GrammarSpec::JsonSchema(schema) => {
                 TopLevelGrammar::from_json_schema(enforced_schema(schema))
             }
             GrammarSpec::Regex(rx) => TopLevelGrammar::from_regex(rx),
-            GrammarSpec::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+            GrammarSpec::Lark(lark) | GrammarSpec::ToolCalls { lark, .. } => {
+                TopLevelGrammar::from_lark(lark.clone())
+            }
             GrammarSpec::Choice(options) => {
                 let alternatives: Vec<String> = options
                     .iter()
@@ -103,18 +137,22 @@ impl Grammars {
                     .with_param(param),
             );
         }
-        Ok(matcher)
+        Ok(Compiled {
+            matcher,
+            numbers: spec.numbers(),
+        })
     }
 
     /// A constraint factory: each sequence gets its own copy of the compiled
     /// grammar. `thinking` is given when the turn may think first.
     pub fn constraint(
         &self,
-        matcher: Matcher,
+        compiled: Compiled,
         thinking: Option<ThinkingGate>,
     ) -> ConstraintFactory {
-        let prototype = Arc::new(Mutex::new(matcher));
-        let eos = self.eos;
+        let prototype = Arc::new(Mutex::new(compiled.matcher));
+        let (eos, quoting) = (self.eos, compiled.numbers);
+        let number_tokens = Arc::clone(&self.numbers);
         ConstraintFactory(Arc::new(move || {
             let matcher = prototype
                 .lock()
@@ -127,6 +165,7 @@ impl Grammars {
             };
             Box::new(GrammarConstraint {
                 matcher,
+                numbers: quoting.map(|q| (NumberLimit::new(q), Arc::clone(&number_tokens))),
                 gate,
                 mask: Vec::new(),
                 ready: false,
@@ -208,6 +247,8 @@ enum Gate {
 
 struct GrammarConstraint {
     matcher: Matcher,
+    /// JSON's numbers held to what a double holds, over the grammar's mask.
+    numbers: Option<(NumberLimit, Arc<NumberTokens>)>,
     gate: Gate,
     mask: Vec<u32>,
     /// `mask` is the set for the next token (prepared since the last accept).
@@ -236,6 +277,8 @@ impl TokenConstraint for GrammarConstraint {
         if self.matcher.is_stopped() || self.mask.iter().all(|&w| w == 0) {
             self.mask.clear();
             set_bit(&mut self.mask, self.eos);
+        } else if let Some((limit, tokens)) = &self.numbers {
+            limit.restrict(tokens, &mut self.mask);
         }
         if let Gate::MayThink(channel) = &self.gate {
             if let Some(open) = channel.tokens().id(Marker::ChannelOpen) {
@@ -272,6 +315,9 @@ impl TokenConstraint for GrammarConstraint {
         if consumed && !self.matcher.is_stopped() {
             if let Err(e) = self.matcher.consume_token(token) {
                 tracing::warn!("the grammar refused a masked token {token}: {e}");
+            }
+            if let Some((limit, tokens)) = &mut self.numbers {
+                limit.accept(tokens, token);
             }
         }
     }
@@ -398,6 +444,54 @@ mod tests {
         assert_eq!(given["minimum"], -INTEGER_LIMIT);
         assert_eq!(given["const"], serde_json::json!({"type": "integer"}));
         assert_eq!(given["enum"][0], serde_json::json!({"type": "integer"}));
+    }
+
+    /// The mantissa digits of a number as JSON writes it.
+    fn mantissa_digits(number: &str) -> usize {
+        let mantissa = number.split(['e', 'E']).next().unwrap_or_default();
+        mantissa.bytes().filter(u8::is_ascii_digit).count()
+    }
+
+    #[test]
+    fn every_number_ends_within_a_doubles_digits() {
+        let tok = tokenizer();
+        let id = |digit: &str| {
+            (0..tok.vocab_size() as u32)
+                .find(|&t| tok.decode(&[t], false).is_ok_and(|s| s == digit))
+                .expect("a token for the digit")
+        };
+        let (three, dot) = (id("3"), id("."));
+        // A model that writes threes for ever, and a point as soon as it may.
+        let threes = |_: &str, t: u32| t == dot || t == three;
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "hours": {"type": "number", "maximum": 8},
+                "x": {"type": "number"},
+                "step": {"type": "number", "minimum": 0, "multipleOf": 0.125}},
+            "required": ["hours", "x", "step"],
+            "additionalProperties": false
+        });
+        let text = run_preferring(&GrammarSpec::JsonSchema(schema.clone()), 400, &threes);
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        assert!(v["hours"].as_f64().is_some_and(|h| h <= 8.0), "{text}");
+        assert!(v["step"].as_f64().is_some_and(|s| s >= 0.0), "{text}");
+        let raw: Vec<&str> = text
+            .split(|c: char| !(c.is_ascii_digit() || "-+.eE".contains(c)))
+            .filter(|s| s.starts_with(|c: char| c.is_ascii_digit() || c == '-'))
+            .collect();
+        assert_eq!(raw.len(), 3, "{text}");
+        for number in &raw {
+            assert!(mantissa_digits(number) <= 17, "{number} in {text}");
+        }
+        assert!(
+            raw.iter().any(|n| mantissa_digits(n) >= 10),
+            "threes were preferred: {text}"
+        );
+
+        // A user's regex keeps its own digits.
+        let long = run_preferring(&GrammarSpec::Regex("[0-9]{30}".into()), 60, &threes);
+        assert_eq!(long.len(), 30, "{long}");
     }
 
     #[test]

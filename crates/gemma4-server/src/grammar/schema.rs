@@ -60,6 +60,9 @@ pub const ENFORCED: &[&str] = &[
     "properties",
     "required",
     "additionalProperties",
+    "patternProperties",
+    "minProperties",
+    "maxProperties",
 ];
 
 /// Keywords that describe a value without constraining it.
@@ -204,6 +207,20 @@ pub fn merge(a: &Value, b: &Value, at: &str) -> Result<Value, SchemaError> {
             ))
         }
     };
+    // One part's `additionalProperties` holds keys the other's patterns
+    // match; the merged schema would let the patterns decide them.
+    let keyed = |o: &Map<String, Value>| o.get("patternProperties").cloned();
+    let open = |o: &Map<String, Value>| o.contains_key("additionalProperties");
+    let unheld = |x: &Map<String, Value>, y: &Map<String, Value>| {
+        open(x) && keyed(y).is_some() && keyed(x) != keyed(y)
+    };
+    if unheld(a, b) || unheld(b, a) {
+        return Err(SchemaError::new(
+            at,
+            "`patternProperties` in one `allOf` part beside `additionalProperties` in \
+             another cannot be enforced",
+        ));
+    }
     let mut out = a.clone();
     for (key, theirs) in b {
         let Some(ours) = a.get(key) else {
@@ -212,10 +229,10 @@ pub fn merge(a: &Value, b: &Value, at: &str) -> Result<Value, SchemaError> {
         };
         let merged = match key.as_str() {
             "type" => intersect_types(ours, theirs),
-            "minimum" | "exclusiveMinimum" | "minLength" | "minItems" => {
+            "minimum" | "exclusiveMinimum" | "minLength" | "minItems" | "minProperties" => {
                 bound(ours, theirs, true, key, at)?
             }
-            "maximum" | "exclusiveMaximum" | "maxLength" | "maxItems" => {
+            "maximum" | "exclusiveMaximum" | "maxLength" | "maxItems" | "maxProperties" => {
                 bound(ours, theirs, false, key, at)?
             }
             "required" => {
@@ -242,7 +259,7 @@ pub fn merge(a: &Value, b: &Value, at: &str) -> Result<Value, SchemaError> {
                 all.extend(patterns(theirs).into_iter().map(Value::from));
                 Value::Array(all)
             }
-            "properties" => {
+            "properties" | "patternProperties" => {
                 let mut props = ours.as_object().cloned().unwrap_or_default();
                 for (name, schema) in theirs.as_object().into_iter().flatten() {
                     let both = match props.get(name) {

@@ -795,7 +795,9 @@ impl LarkWriter {
     }
 
     /// `{…}`: declared properties in sorted order (required ones present),
-    /// then any others `additionalProperties` allows, with delimited keys.
+    /// then any others `patternProperties` or `additionalProperties` allow,
+    /// with delimited keys; their number held to `minProperties` and
+    /// `maxProperties`.
     fn object(
         &mut self,
         obj: &Map<String, Value>,
@@ -822,31 +824,43 @@ impl LarkWriter {
                     .collect()
             })
             .unwrap_or_default();
+        let patterns = pattern_properties(obj, at)?;
         // Without `additionalProperties`, an object that declares properties
         // takes only those; one that declares none takes any.
         let extra = match obj.get("additionalProperties") {
-            None if props.is_empty() => Some(Value::Bool(true)),
+            None if props.is_empty() && patterns.is_empty() => Some(Value::Bool(true)),
             None | Some(Value::Bool(false)) => None,
             Some(s) => Some(s.clone()),
         };
         for name in &required {
             if !props.iter().any(|(k, _)| k == name) {
-                match &extra {
-                    Some(s) => props.push((name.clone(), s.clone())),
-                    None => {
-                        return Err(SchemaError::unsatisfiable(
-                            at,
-                            format!("`required` names {name:?}, which no property allows"),
-                        ))
+                // A required name a pattern matches takes the pattern's schema.
+                let schema = if patterns.iter().any(|p| p.matches(name)) {
+                    Value::Object(Map::new())
+                } else {
+                    match &extra {
+                        Some(s) => s.clone(),
+                        None => {
+                            return Err(SchemaError::unsatisfiable(
+                                at,
+                                format!("`required` names {name:?}, which no property allows"),
+                            ))
+                        }
                     }
-                }
+                };
+                props.push((name.clone(), schema));
             }
         }
         props.sort_by(|a, b| template_order(&a.0, &b.0));
         let mut items = Vec::new();
         for (key, sub) in &props {
             let required = required.contains(key);
-            let value = match self.value(sub, &format!("{at}/properties/{key}"), depth + 1) {
+            // A declared name a pattern matches meets both schemas.
+            let mut schema = sub.clone();
+            for p in patterns.iter().filter(|p| p.matches(key)) {
+                schema = serde_json::json!({"allOf": [schema, p.schema]});
+            }
+            let value = match self.value(&schema, &format!("{at}/properties/{key}"), depth + 1) {
                 Ok(value) => value,
                 // A property no value can meet is left out, unless required.
                 Err(e) if e.unsatisfiable && !required => continue,
@@ -857,73 +871,190 @@ impl LarkWriter {
             let item = self.define(false, format!("{} \":\" {value}", self.key(key)));
             items.push((item, required));
         }
-        let declared = self.declared_properties(&items);
-        let extra = match extra {
-            None => None,
-            Some(s) => {
-                let value = self.value(&s, &format!("{at}/additionalProperties"), depth + 1)?;
-                let names: Vec<String> =
-                    props.iter().map(|(k, _)| regex_syntax::escape(k)).collect();
-                let mut key = format!("/(?s:.+)/ & {NO_DELIMITER}");
-                if !names.is_empty() {
-                    key.push_str(&format!(
-                        " & ~{}",
-                        slashed(&format!("({})", names.join("|")))
-                    ));
-                }
-                let key = self.define(true, key);
-                Some(self.define(
-                    false,
-                    format!("<[{q}]> {key} <[{q}]> \":\" {value}", q = self.quote),
-                ))
-            }
+        let names: Vec<&str> = props.iter().map(|(k, _)| k.as_str()).collect();
+        let extra = self.undeclared_entry(&names, &patterns, extra, at, depth)?;
+        let count = Count {
+            min: usize_of(obj, "minProperties", at)?.unwrap_or(0),
+            max: usize_of(obj, "maxProperties", at)?,
         };
-        let body = match (declared, extra) {
-            (None, None) => String::new(),
-            (Some((d, true)), None) => format!("({d})?"),
-            (Some((d, false)), None) => d,
-            (None, Some(e)) => format!("({e} (\",\" {e})*)?"),
-            (Some((d, false)), Some(e)) => format!("{d} (\",\" {e})*"),
-            (Some((d, true)), Some(e)) => format!("({d} (\",\" {e})* | {e} (\",\" {e})*)?"),
-        };
+        let body = self.counted_properties(&items, extra.as_deref(), count, at)?;
         Ok(format!("\"{{\" {body} \"}}\""))
     }
 
-    /// The declared properties of an object in order, the first present one
-    /// bare and each later one behind a comma; and whether all of them may
-    /// be absent. Two rules per property, so the text grows with their
-    /// number, not its square.
-    fn declared_properties(&mut self, items: &[(String, bool)]) -> Option<(String, bool)> {
-        // `tails[i]`: properties `i..` after one already written.
-        let mut tails = vec![String::new(); items.len() + 1];
-        for (i, (item, required)) in items.iter().enumerate().rev() {
-            let next = &tails[i + 1];
-            let body = if *required {
-                format!("\",\" {item} {next}")
-            } else {
-                format!("(\",\" {item})? {next}")
+    /// One property an object does not declare: a key a pattern matches
+    /// with that pattern's value (a key two patterns match is left out, as
+    /// is a declared name), or any other key with `additionalProperties`'
+    /// value. `None` when no such property can be written.
+    fn undeclared_entry(
+        &mut self,
+        declared: &[&str],
+        patterns: &[PatternProperty],
+        additional: Option<Value>,
+        at: &str,
+        depth: usize,
+    ) -> Result<Option<String>, SchemaError> {
+        let key_outside = |own: Option<usize>| {
+            let mut key = format!("/(?s:.+)/ & {NO_DELIMITER}");
+            if let Some(i) = own {
+                key.push_str(&format!(" & {}", slashed(&patterns[i].regex)));
+            }
+            let mut excluded: Vec<String> =
+                declared.iter().map(|k| regex_syntax::escape(k)).collect();
+            excluded.extend(
+                (0..patterns.len())
+                    .filter(|&j| Some(j) != own)
+                    .map(|j| format!("(?:{})", patterns[j].regex)),
+            );
+            if !excluded.is_empty() {
+                key.push_str(&format!(
+                    " & ~{}",
+                    slashed(&format!("({})", excluded.join("|")))
+                ));
+            }
+            key
+        };
+        let mut keyed: Vec<(String, Value, String)> = patterns
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (key_outside(Some(i)), p.schema.clone(), p.at.clone()))
+            .collect();
+        if let Some(schema) = additional {
+            keyed.push((
+                key_outside(None),
+                schema,
+                format!("{at}/additionalProperties"),
+            ));
+        }
+        let mut alts = Vec::new();
+        for (key, schema, here) in keyed {
+            let value = match self.value(&schema, &here, depth + 1) {
+                Ok(value) => value,
+                Err(e) if e.unsatisfiable => continue,
+                Err(e) => return Err(e),
             };
-            tails[i] = self.define(false, body.trim_end().to_string());
+            let key = self.define(true, key);
+            alts.push(format!(
+                "<[{q}]> {key} <[{q}]> \":\" {value}",
+                q = self.quote
+            ));
         }
-        // `first`: properties `i..`, the first one written bare; it may be a
-        // later one only while the ones before it are optional.
-        let last = items.iter().position(|(_, required)| *required);
-        let last = last.unwrap_or(items.len().saturating_sub(1));
-        let mut first = String::new();
-        for (i, (item, required)) in items.iter().enumerate().take(last + 1).rev() {
-            let here = format!("{item} {}", tails[i + 1]).trim_end().to_string();
-            let body = if *required || first.is_empty() {
-                here
+        Ok((!alts.is_empty()).then(|| self.define(false, alts.join(" | "))))
+    }
+
+    /// The properties between an object's braces: `items` (declared, in
+    /// order, each with whether it is required), each present one behind a
+    /// comma but the first, then `extra` entries; the number written held to
+    /// `count`. A rule per property and number written so far (capped at
+    /// `max(min, 1)` when `max` is not given), so the text grows with the
+    /// properties times the count, never with their combinations.
+    fn counted_properties(
+        &mut self,
+        items: &[(String, bool)],
+        extra: Option<&str>,
+        count: Count,
+        at: &str,
+    ) -> Result<String, SchemaError> {
+        let Count { min, max } = count;
+        let n = items.len();
+        let top = match (max, extra) {
+            (Some(m), Some(_)) => m,
+            (Some(m), None) => m.min(n),
+            (None, _) => min.max(1),
+        };
+        if (n + 1).saturating_mul(top + 1) > MAX_COUNTED_RULES {
+            return Err(SchemaError::new(
+                at,
+                format!(
+                    "`minProperties`/`maxProperties` of {top} over {n} properties take more than \
+                     {MAX_COUNTED_RULES} rules to enforce"
+                ),
+            ));
+        }
+        // The state after one more property from `c` written.
+        let next = |c: usize| {
+            if max.is_none() {
+                (c + 1).min(top)
             } else {
-                format!("{here} | {first}")
-            };
-            first = self.define(false, body);
+                c + 1
+            }
+        };
+        let may_write = |c: usize| max.is_none_or(|m| c < m);
+        let comma = |c: usize| if c > 0 { "\",\" " } else { "" };
+        // `rest[c]`: what may follow with properties `i..` left and `c`
+        // written; `None` where the count cannot be met, `""` for nothing.
+        let mut rest: Vec<Option<String>> = (0..=top)
+            .map(|c| self.undeclared_run(extra, c, min, max, top))
+            .collect();
+        for (item, required) in items.iter().rev() {
+            let mut here = Vec::with_capacity(top + 1);
+            for c in 0..=top {
+                let after = if may_write(c) {
+                    rest[next(c)].as_ref()
+                } else {
+                    None
+                };
+                let write = after.map(|a| format!("{}{item} {a}", comma(c)).trim_end().to_string());
+                let skip = if *required { None } else { rest[c].clone() };
+                here.push(match (write, skip) {
+                    (None, None) => None,
+                    (Some(w), None) => Some(self.define(false, w)),
+                    (None, Some(s)) => Some(s),
+                    (Some(w), Some(s)) if s.is_empty() => {
+                        Some(self.define(false, format!("({w})?")))
+                    }
+                    (Some(w), Some(s)) => Some(self.define(false, format!("{w} | {s}"))),
+                });
+            }
+            rest = here;
         }
-        if first.is_empty() {
-            return None;
+        rest.swap_remove(0).ok_or_else(|| {
+            SchemaError::unsatisfiable(
+                at,
+                "no set of the properties the schema allows meets `required`, \
+                 `minProperties` and `maxProperties`",
+            )
+        })
+    }
+
+    /// The undeclared entries after `c` properties: as many as bring the
+    /// count within `min..=max`; `None` when none can.
+    fn undeclared_run(
+        &mut self,
+        extra: Option<&str>,
+        c: usize,
+        min: usize,
+        max: Option<usize>,
+        top: usize,
+    ) -> Option<String> {
+        let Some(e) = extra else {
+            return (c >= min).then(String::new);
+        };
+        // At the cap without a `max`, any number more may follow.
+        let lo = if max.is_none() && c == top {
+            0
+        } else {
+            min.saturating_sub(c)
+        };
+        let hi = max.map(|m| m - c);
+        if hi == Some(0) {
+            return (lo == 0).then(String::new);
         }
-        let all_optional = items.iter().all(|(_, req)| !req);
-        Some((first, all_optional))
+        let text = if c > 0 {
+            repeat(&format!("\",\" {e}"), lo, hi)
+        } else {
+            let more = repeat(
+                &format!("\",\" {e}"),
+                lo.saturating_sub(1),
+                hi.map(|h| h - 1),
+            );
+            let run = format!("{e} {more}").trim_end().to_string();
+            if lo == 0 {
+                format!("({run})?")
+            } else {
+                run
+            }
+        };
+        Some(self.define(false, text))
     }
 
     /// Any JSON value, in the call syntax.
@@ -946,6 +1077,73 @@ impl LarkWriter {
         ));
         name
     }
+}
+
+/// Bounds on how many properties an object has.
+#[derive(Debug, Clone, Copy)]
+struct Count {
+    min: usize,
+    max: Option<usize>,
+}
+
+/// The most rules one object's counted properties may take.
+const MAX_COUNTED_RULES: usize = 4096;
+
+/// One `patternProperties` entry.
+struct PatternProperty {
+    /// The pattern as a regular expression of the whole key (a search).
+    regex: String,
+    matcher: regex::Regex,
+    schema: Value,
+    /// Where its schema is, for errors.
+    at: String,
+}
+
+impl PatternProperty {
+    fn matches(&self, key: &str) -> bool {
+        self.matcher.is_match(key)
+    }
+}
+
+/// An object's `patternProperties`, each pattern read as JSON Schema reads
+/// it (a search).
+fn pattern_properties(
+    obj: &Map<String, Value>,
+    at: &str,
+) -> Result<Vec<PatternProperty>, SchemaError> {
+    let Some(given) = obj.get("patternProperties") else {
+        return Ok(Vec::new());
+    };
+    let Some(given) = given.as_object() else {
+        return Err(SchemaError::new(
+            at,
+            "`patternProperties` must be an object",
+        ));
+    };
+    given
+        .iter()
+        .map(|(pattern, schema)| {
+            let here = format!("{at}/patternProperties/{pattern}");
+            let (regex, _) = search_regex(pattern).map_err(|e| {
+                SchemaError::new(
+                    at,
+                    format!("`patternProperties` {pattern:?} cannot be enforced: {e}"),
+                )
+            })?;
+            let matcher = regex::Regex::new(&format!("^(?:{regex})$")).map_err(|e| {
+                SchemaError::new(
+                    at,
+                    format!("`patternProperties` {pattern:?} cannot be enforced: {e}"),
+                )
+            })?;
+            Ok(PatternProperty {
+                regex,
+                matcher,
+                schema: schema.clone(),
+                at: here,
+            })
+        })
+        .collect()
 }
 
 /// The values `const` or `enum` allows, if either is there; `Err` for an
@@ -1182,7 +1380,13 @@ mod tests {
             .unwrap_or_else(|e| panic!("{}", e.message));
         let matcher = f
             .grammars
-            .compile(&GrammarSpec::Lark(lark.clone()), "tool_choice")
+            .compile(
+                &GrammarSpec::ToolCalls {
+                    lark: lark.clone(),
+                    quote: f.markers.quote,
+                },
+                "tool_choice",
+            )
             .unwrap_or_else(|e| panic!("{lark}: {}", e.message));
         let mut constraint = (f.grammars.constraint(matcher, None).0)();
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -1236,9 +1440,14 @@ mod tests {
     fn a_number_ends_however_long_the_model_writes_digits() {
         let tools = [tool(
             "f",
-            json!({"type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}),
+            json!({"type": "object", "properties": {
+                "x": {"type": "number"},
+                "h": {"type": "number", "maximum": 8},
+                "s": {"type": "number", "minimum": 0, "multipleOf": 0.125}},
+                "required": ["x", "h", "s"]}),
         )];
-        let digits = |t: &str| !t.is_empty() && t.bytes().all(|b| b.is_ascii_digit());
+        // Digits, and a point as soon as one may come.
+        let digits = |t: &str| t == "." || (!t.is_empty() && t.bytes().all(|b| b.is_ascii_digit()));
         for seed in 0..4 {
             let (text, turn) = forced_calls_preferring(&tools, None, seed, &digits);
             let call = turn
@@ -1247,15 +1456,24 @@ mod tests {
                 .unwrap_or_else(|| panic!("no call: {text}"));
             assert!(call.complete, "{text}");
             let args: Value = serde_json::from_str(&call.arguments).expect("JSON arguments");
-            let x = args["x"].to_string();
-            let significant = x
-                .split(['e', 'E'])
-                .next()
-                .unwrap_or_default()
-                .bytes()
-                .filter(u8::is_ascii_digit)
-                .count();
-            assert!(significant <= 17, "{x} in {text}");
+            assert!(args["h"].as_f64().is_some_and(|h| h <= 8.0), "{text}");
+            // The numbers as written (the parsed values drop trailing zeros).
+            let written = text
+                .split(|c: char| !(c.is_ascii_digit() || "-+.eE".contains(c)))
+                .filter(|s| s.starts_with(|c: char| c.is_ascii_digit() || c == '-'));
+            let mut longest = 0;
+            for n in written {
+                let significant = n
+                    .split(['e', 'E'])
+                    .next()
+                    .unwrap_or_default()
+                    .bytes()
+                    .filter(u8::is_ascii_digit)
+                    .count();
+                assert!(significant <= 17, "{n} in {text}");
+                longest = longest.max(significant);
+            }
+            assert!(longest >= 10, "digits were preferred: {text}");
         }
     }
 
@@ -1354,21 +1572,55 @@ mod tests {
                 ]
             }),
         )];
-        let e = tool_call_grammar(&tools, None, 16, fixture().markers).expect_err("maxProperties");
-        assert!(
-            e.message.contains("maxProperties") && e.message.contains("\"plan\""),
-            "{}",
-            e.message
-        );
-        let mut tools = tools;
-        let extra = &mut tools[0]["function"]["parameters"]["allOf"][1]["properties"]["extra"];
-        extra
-            .as_object_mut()
-            .expect("object")
-            .remove("maxProperties");
         for seed in 0..16 {
             check_calls(&tools, Some("plan"), seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
         }
+    }
+
+    #[test]
+    fn property_counts_and_patterns_hold() {
+        let tools = [
+            tool(
+                "tag",
+                json!({"type": "object",
+                    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                   "b": {"type": "boolean"}, "c": {"type": "null"}},
+                    "patternProperties": {"^x_": {"type": "integer", "minimum": 0, "maximum": 3},
+                                          "_n$": {"type": "null"}},
+                    "additionalProperties": {"type": "boolean"},
+                    "minProperties": 2, "maxProperties": 3}),
+            ),
+            tool(
+                "pick",
+                json!({"type": "object",
+                    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                   "b": {"type": "boolean"}, "x_1": {"type": "integer"}},
+                    "patternProperties": {"^x_": {"maximum": 2}},
+                    "additionalProperties": false,
+                    "required": ["x_1"], "minProperties": 2}),
+            ),
+            tool(
+                "open",
+                json!({"type": "object", "patternProperties": {"^[a-z]+$": {"type": "string", "maxLength": 2}},
+                       "additionalProperties": false, "minProperties": 1}),
+            ),
+        ];
+        for seed in 0..24 {
+            check_calls(&tools, None, seed).unwrap_or_else(|e| panic!("seed {seed}: {e}"));
+        }
+        // A count the properties cannot meet is refused, not a grammar that never ends.
+        let too_few = [tool(
+            "t",
+            json!({"type": "object", "properties": {"a": {}}, "additionalProperties": false, "minProperties": 2}),
+        )];
+        let e = tool_call_grammar(&too_few, None, 16, fixture().markers).expect_err("unmeetable");
+        assert!(e.message.contains("minProperties"), "{}", e.message);
+        let too_many = [tool(
+            "t",
+            json!({"type": "object", "properties": {"a": {}, "b": {}}, "required": ["a", "b"], "maxProperties": 1}),
+        )];
+        let e = tool_call_grammar(&too_many, None, 16, fixture().markers).expect_err("unmeetable");
+        assert!(e.message.contains("maxProperties"), "{}", e.message);
     }
 
     /// Every keyword that cannot be enforced is a 400 naming the keyword,
@@ -1616,7 +1868,11 @@ mod tests {
                 "not",
             ),
             (
-                json!({"type": "object", "patternProperties": {"^x": {}}}),
+                json!({"type": "object", "allOf": [{"patternProperties": {"^x": {}}}, {"additionalProperties": false}]}),
+                "patternProperties",
+            ),
+            (
+                json!({"type": "object", "patternProperties": {"(?=x)": {}}}),
                 "patternProperties",
             ),
             (json!({"type": "string"}), "must describe an object"),
