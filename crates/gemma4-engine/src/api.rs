@@ -108,28 +108,6 @@ impl Default for SamplingParams {
     }
 }
 
-/// Most stop strings a request may give; each is matched on every token.
-pub const MAX_STOP_STRINGS: usize = 16;
-/// Longest stop string in bytes; up to this much text is held back per token.
-pub const MAX_STOP_STRING_BYTES: usize = 256;
-
-/// Refuses stop strings past the limits, naming the limit.
-pub fn check_stop_strings(stops: &[String]) -> Result<(), String> {
-    if stops.len() > MAX_STOP_STRINGS {
-        return Err(format!(
-            "{} stop strings given; at most {MAX_STOP_STRINGS} are allowed",
-            stops.len()
-        ));
-    }
-    if let Some(long) = stops.iter().find(|s| s.len() > MAX_STOP_STRING_BYTES) {
-        return Err(format!(
-            "a stop string is {} bytes long; at most {MAX_STOP_STRING_BYTES} bytes are allowed",
-            long.len()
-        ));
-    }
-    Ok(())
-}
-
 /// One generation request.
 #[derive(Debug, Clone)]
 pub struct GenerationRequest {
@@ -288,19 +266,4 @@ pub struct EngineStats {
     /// Requests whose sampler the executor holds (0 once all have ended
     /// and the engine has stepped or idled since).
     pub executor_requests: usize,
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stop_strings_past_the_limits_are_refused() {
-        let ok: Vec<String> = vec!["x".repeat(MAX_STOP_STRING_BYTES); MAX_STOP_STRINGS];
-        assert!(check_stop_strings(&ok).is_ok());
-        let many = vec!["x".to_string(); MAX_STOP_STRINGS + 1];
-        assert!(check_stop_strings(&many).is_err_and(|e| e.contains("at most 16")));
-        let long = vec!["x".repeat(MAX_STOP_STRING_BYTES + 1)];
-        assert!(check_stop_strings(&long).is_err_and(|e| e.contains("256 bytes")));
-    }
 }

@@ -25,7 +25,8 @@ use crate::api::{EngineEvent, EngineStats, FinishReason, GenerationRequest, Subm
 use crate::executor::ScheduledChunk;
 use crate::executor::{Executor, KvLayout, NewRequest, SeqOutput, StepPlan};
 use crate::kv_manager::{KvEvent, KvManager};
-use crate::media::{EncoderInput, MediaFacts};
+use crate::limits::RequestLimits;
+use crate::media::MediaFacts;
 use crate::output_processor::{self, OutputMsg, StopNotice};
 use crate::panic_message;
 use crate::sampler::Sampler;
@@ -132,12 +133,7 @@ pub struct EngineHandle {
     shared: Arc<Shared>,
     config: Arc<EngineConfig>,
     tokenizer: Arc<Tokenizer>,
-    token_id_limit: usize,
-    /// The model's width: the length of each encoder row a request brings.
-    hidden_size: usize,
-    /// Images attend within themselves, so each must run in one step.
-    bidirectional_vision: bool,
-    media: Arc<MediaFacts>,
+    limits: Arc<RequestLimits>,
     kv_plan: Arc<KvPlanReport>,
 }
 
@@ -233,65 +229,14 @@ impl EngineHandle {
 
     /// The engine's own defence; the server checks the same limits first to name the field.
     fn validate(&self, r: &GenerationRequest) -> Result<(), SubmitError> {
-        let limit = self.config.max_model_len;
-        if r.prompt_ids.is_empty() {
-            return Err(SubmitError::Invalid("the prompt is empty".into()));
-        }
-        if r.prompt_ids.len() >= limit {
-            return Err(SubmitError::Invalid(format!(
-                "the prompt has {} tokens; the context length (max_model_len) is {limit}",
-                r.prompt_ids.len()
-            )));
-        }
-        if r.prompt_ids.len() + r.params.max_tokens > limit {
-            return Err(SubmitError::Invalid(format!(
-                "prompt ({} tokens) plus max_tokens ({}) exceeds the context length (max_model_len) of {limit}",
-                r.prompt_ids.len(),
-                r.params.max_tokens
-            )));
-        }
-        if let Some(soft) = &r.soft_prompt {
-            let step = self.config.max_batch_tokens;
-            let too_long = soft.blocks.iter().copied().find(|(s, e)| e - s > step);
-            if let Some((s, e)) = too_long.filter(|_| self.bidirectional_vision) {
-                return Err(SubmitError::Invalid(format!(
-                    "an image of {} soft tokens does not fit one step of {step} tokens; raise --max-batch-tokens or send fewer soft tokens per image",
-                    e - s
-                )));
-            }
-            soft.check(r.prompt_ids.len(), self.hidden_size)
-                .map_err(SubmitError::Invalid)?;
-            for item in &soft.items {
-                let missing = match item.input {
-                    EncoderInput::Image { .. } if self.media.image.is_none() => "vision",
-                    EncoderInput::Audio { .. } if self.media.audio.is_none() => "audio",
-                    _ => continue,
-                };
-                return Err(SubmitError::Invalid(format!(
-                    "this model has no {missing} encoder"
-                )));
-            }
-        }
-        self.check_token_ids(&r.prompt_ids)?;
-        self.check_token_ids(&r.params.stop_token_ids)?;
-        crate::api::check_stop_strings(&r.params.stop_strings).map_err(SubmitError::Invalid)
+        self.limits
+            .check(r)
+            .map_err(|e| SubmitError::Invalid(e.message))
     }
 
-    /// Token ids at or past [`EngineHandle::token_id_limit`] are refused, naming the first.
-    pub fn check_token_ids(&self, ids: &[u32]) -> Result<(), SubmitError> {
-        let limit = self.token_id_limit;
-        match ids.iter().find(|&&t| t as usize >= limit) {
-            Some(bad) => Err(SubmitError::Invalid(format!(
-                "token id {bad} is outside the vocabulary (valid ids are below {limit})"
-            ))),
-            None => Ok(()),
-        }
-    }
-
-    /// One past the largest valid token id: the smaller of the tokenizer's
-    /// vocabulary (added tokens included) and the model's embedding rows.
-    pub fn token_id_limit(&self) -> usize {
-        self.token_id_limit
+    /// What a request may hold.
+    pub fn limits(&self) -> &RequestLimits {
+        &self.limits
     }
 
     /// `Err` with the reason once the engine thread has failed or stopped.
@@ -346,7 +291,7 @@ impl EngineHandle {
 
     /// What the model's media encoders take and give.
     pub fn media_facts(&self) -> &MediaFacts {
-        &self.media
+        &self.limits.media
     }
 }
 
@@ -389,6 +334,14 @@ pub(crate) fn start_worker(
             "the tokenizer and the model disagree on the vocabulary size; token ids from {token_id_limit} on are refused"
         );
     }
+    let request_limits = RequestLimits {
+        max_model_len: config.max_model_len,
+        token_id_limit,
+        max_batch_tokens: config.max_batch_tokens,
+        hidden_size: facts.hidden_size,
+        bidirectional_vision: facts.bidirectional_vision,
+        media: facts.media.clone(),
+    };
     let groups = facts.kv_groups.clone();
     let bs = config.block_size.max(1);
     // Blocks per group: sized for max_num_seqs full-length sequences, or the memory budget.
@@ -502,10 +455,7 @@ pub(crate) fn start_worker(
         shared,
         config: Arc::new(config),
         tokenizer,
-        token_id_limit,
-        hidden_size: facts.hidden_size,
-        bidirectional_vision: facts.bidirectional_vision,
-        media: Arc::new(facts.media.clone()),
+        limits: Arc::new(request_limits),
         kv_plan: Arc::new(kv_plan),
     })
 }

@@ -18,6 +18,7 @@ pub mod executor;
 #[cfg(feature = "fault-injection")]
 pub mod fault;
 pub mod kv_manager;
+pub mod limits;
 pub mod media;
 mod output_processor;
 pub mod sampler;
@@ -25,9 +26,8 @@ pub mod scheduler;
 pub mod threaded_executor;
 
 pub use api::{
-    check_stop_strings, ConstraintFactory, EngineEvent, EngineStats, FinishReason,
-    GenerationRequest, SamplingParams, SubmitError, ThinkingBudget, TokenConstraint, TokenLogprob,
-    Usage, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES,
+    ConstraintFactory, EngineEvent, EngineStats, FinishReason, GenerationRequest, SamplingParams,
+    SubmitError, ThinkingBudget, TokenConstraint, TokenLogprob, Usage,
 };
 #[cfg(feature = "fault-injection")]
 pub use cpu_executor::start_with_fault;
@@ -39,6 +39,7 @@ pub use engine::{
 pub use executor::Executor;
 pub use gemma4_text::{OutputEvent, Reading};
 pub use kv_manager::KvEvent;
+pub use limits::{LimitError, RequestLimits, RequestPart, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};
 pub use media::{
     AudioFacts, EncoderInput, ImageFacts, MediaFacts, SoftItem, SoftPrompt, SoftWindow,
 };

@@ -179,7 +179,7 @@ fn token_ids_the_embedding_lacks_are_refused() {
     let model = load_hf_dir(&dir).expect("model");
     let engine = start(model, tokenizer, EngineConfig::default()).expect("engine");
     let _ = std::fs::remove_dir_all(&dir);
-    assert_eq!(engine.token_id_limit(), 512);
+    assert_eq!(engine.limits().token_id_limit, 512);
     match engine.submit(request(&[2, 512, 300])) {
         Err(SubmitError::Invalid(m)) => {
             assert!(m.contains("token id 512") && m.contains("below 512"), "{m}")

@@ -1,13 +1,12 @@
 //! Admission limits checked before a request is queued: body size (413) and
-//! arrival time (408),
-//! prompt and output length against the context (400 naming the limit),
-//! the number of choices, and the engine's own refusals (429 with
+//! arrival time (408), the engine's request limits as a 400 naming the
+//! field, the number of choices, and the engine's own refusals (429 with
 //! `Retry-After` when the wait queue is full, 503 while draining).
 
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
-use gemma4_engine::{EngineConfig, SubmitError};
+use gemma4_engine::{EngineConfig, LimitError, RequestPart, SubmitError};
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use crate::error::ApiError;
@@ -36,37 +35,25 @@ pub async fn read_body(body: Body, limit: usize, timeout: Duration) -> Result<By
     }
 }
 
-/// The output length of a request with a `prompt_len`-token prompt: the
-/// requested `max_tokens` if prompt and output fit the context, else a 400
-/// naming the limit; without a request, `default` bounded by what is left.
-pub fn max_tokens_for(
-    requested: Option<usize>,
-    prompt_len: usize,
-    max_model_len: usize,
-    default: usize,
-    prompt_param: &str,
-) -> Result<usize, ApiError> {
-    if prompt_len == 0 {
-        return Err(ApiError::bad_request("the prompt is empty").with_param(prompt_param));
-    }
-    if prompt_len >= max_model_len {
-        return Err(ApiError::bad_request(format!(
-            "the prompt has {prompt_len} tokens but the context length (max_model_len) is {max_model_len}, \
-             which leaves no room for output; shorten the prompt or start the server with a larger --max-model-len"
-        ))
-        .with_param(prompt_param)
-        .with_code("context_length_exceeded"));
-    }
-    let room = max_model_len - prompt_len;
-    match requested {
-        Some(m) if m > room => Err(ApiError::bad_request(format!(
-            "max_tokens is {m} but the prompt has {prompt_len} tokens and the context length (max_model_len) is \
-             {max_model_len}; set max_tokens to at most {room} or shorten the prompt"
-        ))
-        .with_param("max_tokens")
-        .with_code("context_length_exceeded")),
-        Some(m) => Ok(m),
-        None => Ok(default.clamp(1, room)),
+/// A request over one of the engine's limits as a 400 naming the field:
+/// the prompt's (`prompt_param`: `prompt`, `messages` or `input`) for the
+/// prompt and its media, else the field that set the part.
+pub fn limit_error(e: LimitError, prompt_param: &str) -> ApiError {
+    let param = match e.part {
+        RequestPart::Prompt | RequestPart::Media => prompt_param,
+        RequestPart::MaxTokens => "max_tokens",
+        RequestPart::StopTokenIds => "stop_token_ids",
+        RequestPart::StopStrings => "stop",
+        RequestPart::LogitBias => "logit_bias",
+    };
+    let message = match e.part {
+        RequestPart::Prompt | RequestPart::MaxTokens => e.message,
+        _ => format!("`{param}`: {}", e.message),
+    };
+    let error = ApiError::bad_request(message).with_param(param);
+    match e.context_length {
+        true => error.with_code("context_length_exceeded"),
+        false => error,
     }
 }
 
@@ -105,34 +92,37 @@ pub fn submit_error(e: SubmitError) -> ApiError {
 mod tests {
     use super::*;
 
+    fn limits() -> gemma4_engine::RequestLimits {
+        gemma4_engine::RequestLimits {
+            max_model_len: 100,
+            token_id_limit: 50,
+            max_batch_tokens: 64,
+            hidden_size: 8,
+            bidirectional_vision: false,
+            media: Default::default(),
+        }
+    }
+
     #[test]
-    fn prompt_over_the_context_names_the_limit() {
-        let e = max_tokens_for(None, 100, 100, 16, "prompt").expect_err("rejected");
+    fn a_limit_names_the_requests_field() {
+        let l = limits();
+        let e = limit_error(l.max_tokens(None, 100, 16).expect_err("full"), "messages");
+        assert!(e.message.contains("max_model_len"), "{}", e.message);
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        assert_eq!(e.code, Some("context_length_exceeded"));
+        let e = limit_error(l.max_tokens(Some(50), 60, 16).expect_err("over"), "prompt");
+        assert_eq!(e.param.as_deref(), Some("max_tokens"));
+        assert!(e.message.contains("at most 40"), "{}", e.message);
+        let mut r = gemma4_engine::GenerationRequest::new(vec![1], Default::default());
+        r.params.logit_bias = vec![(60, 1.0)];
+        let e = limit_error(l.check(&r).expect_err("outside"), "prompt");
+        assert_eq!(e.param.as_deref(), Some("logit_bias"));
         assert!(
-            e.message.contains("max_model_len") && e.message.contains("100"),
+            e.message.starts_with("`logit_bias`: token id 60"),
             "{}",
             e.message
         );
-        assert_eq!(e.code, Some("context_length_exceeded"));
-    }
-
-    #[test]
-    fn max_tokens_must_fit_the_remaining_context() {
-        let e = max_tokens_for(Some(50), 60, 100, 16, "prompt").expect_err("rejected");
-        assert!(e.message.contains("at most 40"), "{}", e.message);
-        assert_eq!(
-            max_tokens_for(Some(40), 60, 100, 16, "prompt").ok(),
-            Some(40)
-        );
-    }
-
-    #[test]
-    fn default_max_tokens_is_bounded_by_the_remaining_context() {
-        assert_eq!(max_tokens_for(None, 10, 100, 256, "prompt").ok(), Some(90));
-        assert_eq!(
-            max_tokens_for(None, 10, 1000, 256, "prompt").ok(),
-            Some(256)
-        );
+        assert_eq!(e.code, None);
     }
 
     #[test]

@@ -145,28 +145,13 @@ pub(crate) async fn engine_requests(
         .as_ref()
         .is_some_and(|c| matches!(c.tool_choice, ToolChoice::Required | ToolChoice::Named(_)));
     let structured = job.sampling.grammar.is_some() || forces_call;
-    let (mut requests, job) = {
-        let (state, model) = (Arc::clone(state), Arc::clone(model));
-        blocking(move || {
-            if structured {
-                model.grammars()?;
-            }
-            let requests = build_requests(
-                &state,
-                &model,
-                &job.prompts,
-                &job.sampling,
-                job.logprobs,
-                job.chat.as_ref(),
-                job.arrival,
-                job.prompt_param,
-            )?;
-            Ok((requests, job))
-        })
-        .await?
-    };
-    for (i, r) in requests.iter_mut().enumerate() {
-        r.soft_prompt = job.soft_prompts[i / job.sampling.n.max(1)].clone();
-    }
-    Ok((requests, job))
+    let (state, model) = (Arc::clone(state), Arc::clone(model));
+    blocking(move || {
+        if structured {
+            model.grammars()?;
+        }
+        let requests = build_requests(&state, &model, &job)?;
+        Ok((requests, job))
+    })
+    .await
 }

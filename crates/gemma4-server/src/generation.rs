@@ -8,14 +8,15 @@ use std::time::Instant;
 
 use futures_util::stream::{self, BoxStream, SelectAll, StreamExt};
 use gemma4_engine::{
-    check_stop_strings, ConstraintFactory, EngineEvent, FinishReason, GenerationRequest, Reading,
-    RequestStream, SamplingParams, SoftPrompt, ThinkingBudget, TokenConstraint, Usage,
+    ConstraintFactory, EngineEvent, FinishReason, GenerationRequest, Reading, RequestStream,
+    SamplingParams, SoftPrompt, ThinkingBudget, TokenConstraint, Usage,
 };
 
 use gemma4_text::{ChannelState, IncrementalDecoder, Marker, ProtocolTokens};
 
-use crate::admission::{check_choice_count, max_tokens_for, submit_error};
+use crate::admission::{check_choice_count, limit_error, submit_error};
 use crate::error::ApiError;
+use crate::front::OpenAiJob;
 use crate::grammar::{tool_call_grammar, CallMarkers, GrammarSpec, ThinkingGate};
 use crate::openai::fold::{EchoedPrompt, ReplyFold};
 use crate::openai::request::{MediaKind, ToolChoice};
@@ -307,21 +308,14 @@ fn logit_bias(
     sampling: &Sampling,
     chat: Option<&ChatControls>,
     tokens: &ProtocolTokens,
-    vocab: usize,
-) -> Result<Vec<(u32, f32)>, ApiError> {
+) -> Vec<(u32, f32)> {
     let mut bias = sampling.logit_bias.clone();
-    if let Some(&(id, _)) = bias.iter().find(|(id, _)| *id as usize >= vocab) {
-        return Err(ApiError::bad_request(format!(
-            "`logit_bias` has token id {id}, outside the vocabulary (size {vocab})"
-        ))
-        .with_param("logit_bias"));
-    }
     if chat.is_some_and(|c| c.tool_choice == ToolChoice::None) {
         if let Some(id) = tokens.id(Marker::ToolCallOpen) {
             bias.push((id, f32::NEG_INFINITY));
         }
     }
-    Ok(bias)
+    bias
 }
 
 /// The thinking budget of a chat turn (the request's, else the server's).
@@ -342,56 +336,49 @@ fn thinking_budget(
     })
 }
 
-/// One engine request per (prompt, choice), checked against the limits:
-/// the one place a request's lengths and token ids are validated before
-/// the engine (which checks them again in its own defence).
+/// One engine request per (prompt, choice), checked against the engine's
+/// [`RequestLimits`](gemma4_engine::RequestLimits) (the engine checks the
+/// same in its own defence), each error naming the request's field.
 /// Choice `j` of prompt `p` gets index `p * n + j` and, with a seed, `seed + j`.
-#[allow(clippy::too_many_arguments)]
-pub fn build_requests(
+pub(crate) fn build_requests(
     state: &AppState,
     model: &ModelContext,
-    prompts: &[Vec<u32>],
-    sampling: &Sampling,
-    logprobs: Option<usize>,
-    chat: Option<&ChatControls>,
-    arrival: Instant,
-    prompt_param: &str,
+    job: &OpenAiJob,
 ) -> Result<Vec<GenerationRequest>, ApiError> {
+    let OpenAiJob {
+        prompts,
+        soft_prompts,
+        sampling,
+        logprobs,
+        arrival,
+        prompt_param,
+        ..
+    } = job;
+    let (logprobs, chat) = (*logprobs, job.chat.as_ref());
     check_choice_count(prompts.len() * sampling.n, model.engine.config())?;
-    let vocab = model.engine.tokenizer().vocab_size();
     let tokens = ProtocolTokens::new(model.engine.tokenizer());
-    let logit_bias = logit_bias(sampling, chat, &tokens, vocab)?;
-    let engine = &model.engine;
+    let logit_bias = logit_bias(sampling, chat, &tokens);
+    let limits = model.engine.limits();
     let mut stop_token_ids = if sampling.ignore_eos {
         Vec::new()
     } else {
         model.stop_token_ids.clone()
     };
-    engine
-        .check_token_ids(&sampling.stop_token_ids)
-        .map_err(|e| {
-            ApiError::bad_request(format!("`stop_token_ids`: {e}")).with_param("stop_token_ids")
-        })?;
-    check_stop_strings(&sampling.stop)
-        .map_err(|e| ApiError::bad_request(format!("`stop`: {e}")).with_param("stop"))?;
     for &id in &sampling.stop_token_ids {
         if !stop_token_ids.contains(&id) {
             stop_token_ids.push(id);
         }
     }
-    let deadline = state.config.request_timeout.map(|t| arrival + t);
+    let deadline = state.config.request_timeout.map(|t| *arrival + t);
     let mut requests = Vec::with_capacity(prompts.len() * sampling.n);
-    for prompt in prompts {
-        engine.check_token_ids(prompt).map_err(|e| {
-            ApiError::bad_request(format!("the prompt: {e}")).with_param(prompt_param)
-        })?;
-        let max_tokens = max_tokens_for(
-            sampling.max_tokens,
-            prompt.len(),
-            model.max_model_len(),
-            state.config.default_max_tokens,
-            prompt_param,
-        )?;
+    for (prompt, soft_prompt) in prompts.iter().zip(soft_prompts) {
+        let max_tokens = limits
+            .max_tokens(
+                sampling.max_tokens,
+                prompt.len(),
+                state.config.default_max_tokens,
+            )
+            .map_err(|e| limit_error(e, prompt_param))?;
         let thinking_budget = thinking_budget(state, chat, &tokens, prompt);
         let max_calls = state.config.max_tool_calls;
         let constraint = constraint(model, sampling, chat, max_calls, &tokens, prompt)?;
@@ -418,7 +405,7 @@ pub fn build_requests(
                 prompt_ids: prompt.clone(),
                 params,
                 deadline,
-                soft_prompt: None,
+                soft_prompt: soft_prompt.clone(),
                 // A chat turn's calls get ids of their own.
                 reading: match chat {
                     Some(_) => Reading::Chat {
@@ -427,6 +414,11 @@ pub fn build_requests(
                     None => Reading::Text,
                 },
             });
+        }
+        if let Some(first) = requests.last() {
+            limits
+                .check(first)
+                .map_err(|e| limit_error(e, prompt_param))?;
         }
     }
     Ok(requests)

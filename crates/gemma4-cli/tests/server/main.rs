@@ -537,6 +537,8 @@ fn bad_requests_get_openai_errors_that_name_the_problem() {
         ("/v1/completions", json!({"prompt": "hi", "max_tokens": 1000}).to_string(), 400, "max_model_len", Some("max_tokens")),
         ("/v1/completions", json!({"prompt": long_prompt}).to_string(), 400, "--max-model-len", Some("prompt")),
         ("/v1/completions", json!({"prompt": [2, 999999]}).to_string(), 400, "outside the vocabulary", Some("prompt")),
+        ("/v1/completions", json!({"prompt": "hi", "logit_bias": {"999999": 1}}).to_string(), 400, "`logit_bias`: token id 999999 is outside the vocabulary", Some("logit_bias")),
+        ("/v1/chat/completions", json!({"messages": user, "stop_token_ids": [999999]}).to_string(), 400, "`stop_token_ids`: token id 999999", Some("stop_token_ids")),
         ("/v1/completions", json!({"prompt": "hi", "n": 100}).to_string(), 400, "--max-queue", Some("n")),
         ("/v1/completions", json!({"prompt": "hi", "top_p": 1.5}).to_string(), 400, "`top_p`", Some("top_p")),
         ("/v1/completions", json!({"prompt": 5}).to_string(), 400, "`prompt` must be", Some("prompt")),
