@@ -97,8 +97,8 @@ impl RequestLimits {
             Some(m) if m > room => Err(LimitError::context(
                 RequestPart::MaxTokens,
                 format!(
-                    "max_tokens is {m} but the prompt has {prompt_len} tokens and the context length (max_model_len) is \
-                     {limit}; set max_tokens to at most {room} or shorten the prompt"
+                    "`max_tokens` is {m} but the prompt has {prompt_len} tokens and the context length (max_model_len) is \
+                     {limit}; set `max_tokens` to at most {room} or shorten the prompt"
                 ),
             )),
             Some(m) => Ok(m),

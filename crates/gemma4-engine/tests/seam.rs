@@ -17,6 +17,7 @@ const ENGINE_FRONT: &[&str] = &[
     "executor.rs",
     "kv_manager.rs",
     "lib.rs",
+    "limits.rs",
     "media.rs",
     "output_processor.rs",
     "sampler.rs",

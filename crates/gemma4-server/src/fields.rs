@@ -61,6 +61,11 @@ impl Fields {
         }
     }
 
+    /// Fields already read as an object (a request restated as another).
+    pub fn from_object(obj: Map<String, Value>) -> Self {
+        Self { obj }
+    }
+
     /// Whether the body names the field, even as `null`.
     pub fn names(&self, name: &str) -> bool {
         self.obj.contains_key(name)

@@ -171,18 +171,39 @@ fn responses_errors_name_the_responses_fields() {
             "input[1].call_id",
         ),
     ];
-    for (input, param) in cases {
-        let r = server.post(
-            "/v1/responses",
-            &json!({"input": input, "max_output_tokens": 2}),
-        );
-        assert_eq!(r.status, 400, "{input}: {}", r.body);
+    let bodies = cases
+        .into_iter()
+        .map(|(input, param)| (json!({"input": input, "max_output_tokens": 2}), param))
+        .chain([
+            // Found by the chat path it is served by, named as sent.
+            (
+                json!({"input": [{"role": "user", "content": "hi"},
+                                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{oops"}],
+                       "max_output_tokens": 2}),
+                "input[1].arguments",
+            ),
+            (
+                json!({"input": [{"role": "user", "content": [
+                           {"type": "input_text", "text": "what is this?"},
+                           {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}],
+                       "max_output_tokens": 2}),
+                "input[0].content[1].image_url",
+            ),
+            (json!({"input": "hi", "max_output_tokens": 100000}), "max_output_tokens"),
+            (
+                json!({"input": "hi", "max_output_tokens": 2,
+                       "text": {"format": {"type": "json_schema", "name": "n",
+                                           "schema": {"type": "array", "uniqueItems": true}}}}),
+                "text.format",
+            ),
+        ]);
+    for (body, param) in bodies {
+        let r = server.post("/v1/responses", &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
         let err = openai_error(&r);
-        assert_eq!(err["param"], param, "{input}: {}", r.body);
-        assert!(
-            !r.body.contains("messages"),
-            "a chat field named: {}",
-            r.body
-        );
+        assert_eq!(err["param"], param, "{body}: {}", r.body);
+        for chat in ["messages", "max_tokens", "response_format", "function."] {
+            assert!(!r.body.contains(chat), "a chat field named: {}", r.body);
+        }
     }
 }

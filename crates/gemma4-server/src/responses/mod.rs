@@ -1,9 +1,11 @@
 //! `POST /v1/responses` (OpenAI's Responses API), whole or streamed: the
-//! request is translated into a chat request and served by the same path,
+//! request is translated into a chat request (its fields, never its text)
+//! and served by the same path, errors naming the Responses fields,
 //! and the turn comes back as output items: `reasoning` (the thought
 //! channel), `message` (the answer) and one `function_call` per tool call.
 
 mod assemble;
+mod names;
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -28,6 +30,7 @@ use crate::openai::ChatRequest;
 use crate::routes::{submit_chat, unix_now};
 use crate::server::AppState;
 use assemble::{Assembler, Ending, TurnUsage};
+use names::{restate, Origin};
 
 /// Responses fields this server does not implement.
 const UNSUPPORTED: [&str; 3] = ["previous_response_id", "conversation", "prompt"];
@@ -106,16 +109,19 @@ fn content_value(content: &Value, at: &str) -> Result<Value, ApiError> {
     }
 }
 
-/// `input` (and `instructions`) as chat messages.
-fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
+/// `input` (and `instructions`) as chat messages, and where each came from.
+fn messages(f: &Fields) -> Result<(Vec<Value>, Vec<Origin>), ApiError> {
     let mut out = Vec::new();
+    let mut origins = Vec::new();
     if let Some(instructions) = f.string("instructions")? {
         out.push(json!({"role": "system", "content": instructions}));
+        origins.push(Origin::Instructions);
     }
     let items = match f.get("input") {
         Some(Value::String(s)) => {
             out.push(json!({"role": "user", "content": s}));
-            return Ok(out);
+            origins.push(Origin::Input);
+            return Ok((out, origins));
         }
         Some(Value::Array(items)) => items,
         _ => {
@@ -138,6 +144,7 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
                 }
                 let content = content_value(item.get("content").unwrap_or(&Value::Null), &at)?;
                 out.push(json!({"role": role, "content": content}));
+                origins.push(Origin::Item(i));
             }
             Some("function_call") => {
                 for (field, ok) in [
@@ -164,15 +171,17 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
                     },
                 });
                 // Consecutive calls belong to one assistant turn.
-                match out.last_mut() {
-                    Some(last)
-                        if last["role"] == "assistant" && last.get("tool_calls").is_some() =>
-                    {
+                match (out.last_mut(), origins.last_mut()) {
+                    (Some(last), Some(Origin::Calls(items))) => {
                         if let Some(calls) = last["tool_calls"].as_array_mut() {
                             calls.push(call);
+                            items.push(i);
                         }
                     }
-                    _ => out.push(json!({"role": "assistant", "content": null, "tool_calls": [call]})),
+                    _ => {
+                        out.push(json!({"role": "assistant", "content": null, "tool_calls": [call]}));
+                        origins.push(Origin::Calls(vec![i]));
+                    }
                 }
             }
             Some("function_call_output") if !item.get("call_id").is_some_and(Value::is_string) => {
@@ -181,7 +190,9 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
                     &format!("{at}.call_id"),
                 ))
             }
-            Some("function_call_output") => out.push(json!({
+            Some("function_call_output") => {
+                origins.push(Origin::Item(i));
+                out.push(json!({
                 "role": "tool",
                 "tool_call_id": item.get("call_id").cloned().unwrap_or(Value::Null),
                 "content": match item.get("output") {
@@ -189,7 +200,8 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
                     Some(other) => other.to_string(),
                     None => String::new(),
                 },
-            })),
+                }))
+            }
             // Earlier reasoning is not shown to the model again (the template drops it).
             Some("reasoning") => {}
             Some(other) => {
@@ -206,11 +218,12 @@ fn messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
             "input",
         ));
     }
-    Ok(out)
+    Ok((out, origins))
 }
 
-/// The chat request body equivalent to a Responses request.
-fn chat_body(f: &Fields) -> Result<Value, ApiError> {
+/// The chat request equivalent to a Responses request, and where each of
+/// its messages came from.
+fn chat_body(f: &Fields) -> Result<(Fields, Vec<Origin>), ApiError> {
     f.refuse(&UNSUPPORTED, "/v1/responses")?;
     f.refuse_unless("background", "/v1/responses", |b| b == &Value::Bool(false))?;
     f.refuse_unless("include", "/v1/responses", |i| {
@@ -238,7 +251,8 @@ fn chat_body(f: &Fields) -> Result<Value, ApiError> {
     if let Some(parallel) = f.get("parallel_tool_calls") {
         body.insert("parallel_tool_calls".into(), parallel.clone());
     }
-    body.insert("messages".into(), Value::Array(messages(f)?));
+    let (messages, origins) = messages(f)?;
+    body.insert("messages".into(), Value::Array(messages));
     if let Some(tools) = f.array("tools")? {
         let mut chat_tools = Vec::new();
         for (i, tool) in tools.iter().enumerate() {
@@ -325,7 +339,7 @@ fn chat_body(f: &Fields) -> Result<Value, ApiError> {
             body.insert(key.into(), v.clone());
         }
     }
-    Ok(Value::Object(body))
+    Ok((Fields::from_object(body), origins))
 }
 
 /// The request's tools as a Response repeats them: each function tool with
@@ -373,12 +387,12 @@ pub async fn responses(
     let (model, guard) = state.admit()?;
     let f = Fields::parse(&bytes)?;
     let streamed = f.bool("stream")?.unwrap_or(false);
-    let chat = chat_body(&f)?;
+    let (chat, origins) = chat_body(&f)?;
     let settings = echoed_settings(&f)?;
-    let bytes = serde_json::to_vec(&chat)
-        .map_err(|e| ApiError::internal(format!("cannot restate the request: {e}")))?;
-    let req = ChatRequest::parse(&bytes)?;
-    let submitted = submit_chat(&state, &model, req, arrival).await?;
+    let req = ChatRequest::from_fields(&chat).map_err(|e| restate(e, &origins))?;
+    let submitted = submit_chat(&state, &model, req, arrival)
+        .await
+        .map_err(|e| restate(e, &origins))?;
     let turn = Turn {
         assembler: Assembler::new(
             state.response_id("resp"),
