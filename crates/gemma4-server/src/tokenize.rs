@@ -1,6 +1,9 @@
-//! `POST /tokenize` and `POST /detokenize` in vLLM's shapes: a prompt (or chat
-//! messages rendered by the template, exactly as chat completions render them)
-//! to token ids, and token ids back to text.
+//! `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info` in vLLM's
+//! shapes: a prompt (or chat messages rendered by the template, exactly as
+//! chat completions render them) to token ids, token ids back to text, and
+//! the tokenizer's special tokens and chat template, which evaluation
+//! harnesses (lm-evaluation-harness's remote tokenizer) read to tokenize
+//! through the server.
 
 use std::sync::Arc;
 
@@ -26,6 +29,20 @@ pub struct TokenizeResponse {
 #[derive(Debug, Serialize)]
 pub struct DetokenizeResponse {
     pub prompt: String,
+}
+
+#[derive(Debug, Serialize)]
+pub struct TokenizerInfo {
+    pub tokenizer_class: &'static str,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    /// Gemma's `<pad>`, where the vocabulary has it.
+    pub pad_token: Option<String>,
+    pub add_bos_token: bool,
+    /// The template chat requests are rendered with (none where chat is not served).
+    pub chat_template: Option<String>,
+    pub model_max_length: usize,
+    pub vocab_size: usize,
 }
 
 fn ready(state: &AppState) -> Result<Arc<ModelContext>, ApiError> {
@@ -104,4 +121,26 @@ pub async fn detokenize(
         .decode(&ids, false)
         .map_err(|e| ApiError::internal(format!("cannot decode the tokens: {e}")))?;
     Ok(Json(DetokenizeResponse { prompt }))
+}
+
+/// `GET /tokenizer_info`: the special tokens, the chat template and the lengths.
+pub async fn tokenizer_info(
+    State(state): State<Arc<AppState>>,
+) -> Result<Json<TokenizerInfo>, ApiError> {
+    let model = ready(&state)?;
+    let tokenizer = model.engine.tokenizer();
+    Ok(Json(TokenizerInfo {
+        tokenizer_class: "GemmaTokenizer",
+        bos_token: tokenizer.bos_token().map(str::to_owned),
+        eos_token: tokenizer.eos_token().map(str::to_owned),
+        pad_token: tokenizer.token_to_id("<pad>").map(|_| "<pad>".to_owned()),
+        add_bos_token: tokenizer.add_bos_token(),
+        chat_template: model
+            .chat_template
+            .as_ref()
+            .ok()
+            .map(|t| t.source().to_owned()),
+        model_max_length: model.max_model_len(),
+        vocab_size: tokenizer.vocab_size(),
+    }))
 }

@@ -38,6 +38,7 @@ const REASONING_KEYS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"]
 #[derive(Debug, Clone)]
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
     bos_token: Option<String>,
     eos_token: Option<String>,
 }
@@ -56,9 +57,11 @@ fn template_error(err: &Error) -> TextError {
 impl ChatTemplate {
     /// Compiles a template from its Jinja source.
     pub fn new(source: impl Into<String>) -> Result<Self> {
-        let env = build_environment(source.into())?;
+        let source = source.into();
+        let env = build_environment(source.clone())?;
         Ok(ChatTemplate {
             env,
+            source,
             bos_token: None,
             eos_token: None,
         })
@@ -84,6 +87,11 @@ impl ChatTemplate {
             tokenizer.bos_token().map(str::to_owned),
             tokenizer.eos_token().map(str::to_owned),
         ))
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Sets the `bos_token` and `eos_token` the template sees.

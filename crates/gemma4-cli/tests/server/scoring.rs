@@ -150,3 +150,87 @@ fn prompt_logprobs_are_refused_where_they_are_not_served() {
     assert_eq!(r.status, 400, "{}", r.body);
     assert_eq!(r.json()["error"]["param"], "prompt_logprobs");
 }
+
+/// lm-evaluation-harness's `local-completions` scores the committed
+/// multiple-choice task (tests/lm_eval) through the server, tokenizing
+/// through it too; the real demo weights pick the right capital. Each
+/// choice's log-likelihood is the one the server gives the same tokens.
+#[test]
+fn lm_evaluation_harness_scores_a_task_through_the_server() {
+    let Some(gguf) = std::env::var_os("GEMMA4_DEMO_GGUF").map(std::path::PathBuf::from) else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "GEMMA4_DEMO_GGUF must be set under CI (scripts/test sets it)"
+        );
+        eprintln!("SKIPPED the lm-evaluation-harness run: set GEMMA4_DEMO_GGUF");
+        return;
+    };
+    let server = ServerProc::start(&gguf, &["--max-num-seqs", "2"], &[]);
+    let model = server.get("/v1/models").json()["data"][0]["id"]
+        .as_str()
+        .expect("model id")
+        .to_string();
+    let root = crate::harness::root();
+    let Some(report) = crate::harness::python_script(
+        "lm_eval_task.py",
+        &["lm_eval"],
+        &[
+            "--base-url",
+            &server.url(),
+            "--model",
+            &model,
+            "--root",
+            root.to_str().expect("root path"),
+        ],
+    ) else {
+        return;
+    };
+    let docs = report["docs"].as_array().expect("docs");
+    assert_eq!(docs.len(), 8, "{report}");
+    for doc in docs {
+        let scores: Vec<f64> = doc["loglikelihoods"]
+            .as_array()
+            .expect("scores")
+            .iter()
+            .map(number)
+            .collect();
+        assert_eq!(scores.len(), 4, "{doc}");
+        assert!(scores.iter().all(|s| s.is_finite() && *s < 0.0), "{doc}");
+    }
+    // Chance is a quarter; the demo model misses none with a margin of
+    // at least 0.9 nats (measured), so one miss is room for other CPUs.
+    let acc = number(&report["acc"]);
+    assert!(acc >= 0.875, "accuracy {acc}: {report}");
+
+    // The harness's score of the first document's answer is the server's
+    // own: the sum of the answer's token log-probabilities after the question.
+    let first = &docs[0];
+    let tokenize = |text: &str| -> Vec<u32> {
+        let r = server.post(
+            "/tokenize",
+            &json!({"prompt": text, "add_special_tokens": false}),
+        );
+        serde_json::from_value(r.json()["tokens"].clone()).expect("token ids")
+    };
+    let context = tokenize(&format!(
+        "<bos>Question: {}\nAnswer:",
+        first["question"].as_str().expect("question")
+    ));
+    let answer = tokenize(" Paris");
+    let prompt: Vec<u32> = context.iter().chain(&answer).copied().collect();
+    let r = server.post(
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 0, "echo": true, "logprobs": 1, "temperature": 0}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let logprobs = &r.json()["choices"][0]["logprobs"]["token_logprobs"];
+    let ours: f64 = (context.len()..prompt.len())
+        .map(|i| number(&logprobs[i]))
+        .sum();
+    let theirs =
+        number(&first["loglikelihoods"][first["target"].as_u64().expect("target") as usize]);
+    assert!(
+        (ours - theirs).abs() < 1e-4,
+        "server {ours}, harness {theirs}"
+    );
+}
