@@ -409,6 +409,20 @@ impl EventStream {
     }
 }
 
+/// The demo model (`$GEMMA4_DEMO_GGUF`), required under CI; outside it,
+/// `None` with a line saying which test it skips.
+pub fn demo_gguf(test: &str) -> Option<PathBuf> {
+    let Some(gguf) = std::env::var_os("GEMMA4_DEMO_GGUF") else {
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "GEMMA4_DEMO_GGUF must be set under CI (scripts/test sets it)"
+        );
+        eprintln!("SKIPPED {test}: set GEMMA4_DEMO_GGUF (see `gemma4 fetch-demo`)");
+        return None;
+    };
+    Some(PathBuf::from(gguf))
+}
+
 /// The Python interpreter for the client tests: `$GEMMA4_PYTHON`, else `python3`.
 pub fn python() -> String {
     std::env::var("GEMMA4_PYTHON")

@@ -667,14 +667,7 @@ fn chat_without_a_template_names_the_chat_template_flag() {
 
 #[test]
 fn demo_model_answers_paris() {
-    let Some(gguf) = std::env::var_os("GEMMA4_DEMO_GGUF").map(std::path::PathBuf::from) else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "GEMMA4_DEMO_GGUF must be set under CI (scripts/test sets it)"
-        );
-        eprintln!(
-            "SKIPPED demo_model_answers_paris: set GEMMA4_DEMO_GGUF (see `gemma4 fetch-demo`)"
-        );
+    let Some(gguf) = harness::demo_gguf("demo_model_answers_paris") else {
         return;
     };
     let server = ServerProc::start(&gguf, &["--max-num-seqs", "2"], &[]);

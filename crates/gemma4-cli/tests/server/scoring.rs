@@ -157,12 +157,7 @@ fn prompt_logprobs_are_refused_where_they_are_not_served() {
 /// choice's log-likelihood is the one the server gives the same tokens.
 #[test]
 fn lm_evaluation_harness_scores_a_task_through_the_server() {
-    let Some(gguf) = std::env::var_os("GEMMA4_DEMO_GGUF").map(std::path::PathBuf::from) else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "GEMMA4_DEMO_GGUF must be set under CI (scripts/test sets it)"
-        );
-        eprintln!("SKIPPED the lm-evaluation-harness run: set GEMMA4_DEMO_GGUF");
+    let Some(gguf) = crate::harness::demo_gguf("the lm-evaluation-harness run") else {
         return;
     };
     let server = ServerProc::start(&gguf, &["--max-num-seqs", "2"], &[]);
