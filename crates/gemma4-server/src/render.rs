@@ -5,7 +5,6 @@
 //! indexes exactly the prefixes this server caches.
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::State;
@@ -23,23 +22,21 @@ pub async fn completions(
     State(state): State<Arc<AppState>>,
     body: Body,
 ) -> Result<Json<Value>, ApiError> {
-    let arrival = Instant::now();
-    let bytes = state.read_body(body).await?;
-    let (model, _guard) = state.admit()?;
-    let req = CompletionRequest::parse(&bytes)?;
-    let job = front::completion_job(&state, &model, req, arrival).await?;
-    let rendered = render(&state, &model, job, "cmpl").await?;
+    let admitted = state.admit_body(body).await?;
+    let model = &admitted.model;
+    let req = CompletionRequest::parse(&admitted.bytes)?;
+    let job = front::completion_job(&state, model, req, admitted.arrival).await?;
+    let rendered = render(&state, model, job, "cmpl").await?;
     Ok(Json(Value::Array(rendered)))
 }
 
 /// `POST /v1/chat/completions/render`: the rendered conversation.
 pub async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Json<Value>, ApiError> {
-    let arrival = Instant::now();
-    let bytes = state.read_body(body).await?;
-    let (model, _guard) = state.admit()?;
-    let req = ChatRequest::parse(&bytes)?;
-    let job = front::chat_job(&state, &model, req, arrival).await?;
-    let mut rendered = render(&state, &model, job, "chatcmpl").await?;
+    let admitted = state.admit_body(body).await?;
+    let model = &admitted.model;
+    let req = ChatRequest::parse(&admitted.bytes)?;
+    let job = front::chat_job(&state, model, req, admitted.arrival).await?;
+    let mut rendered = render(&state, model, job, "chatcmpl").await?;
     rendered
         .pop()
         .map(Json)

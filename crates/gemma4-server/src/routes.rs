@@ -40,8 +40,8 @@ use crate::openai::response::{
 use crate::openai::{ChatRequest, CompletionRequest, GenerateRequest};
 use crate::render;
 use crate::responses;
-use crate::server::AppState;
 use crate::server::ModelContext;
+use crate::server::{Admitted, AppState};
 use crate::sse::{self, StreamMeta};
 use crate::tokenize;
 
@@ -192,24 +192,18 @@ pub(crate) fn check_model_name(state: &AppState, requested: Option<&str>) -> Res
 }
 
 async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    // A request counts as running (and holds a drain) only once its body is in.
-    let bytes = state.read_body(body).await?;
-    let (model, guard) = state.admit()?;
-    let req = ChatRequest::parse(&bytes)?;
-    let submitted = submit_chat(&state, &model, req, arrival).await?;
+    let admitted = state.admit_body(body).await?;
+    let req = ChatRequest::parse(&admitted.bytes)?;
+    let submitted = submit_chat(&state, &admitted.model, req, admitted.arrival).await?;
     let Whole {
         id,
         served,
-        mut generation,
+        generation,
         fold,
-        guard,
-    } = match answer(&state, submitted, guard).await? {
+    } = match answer(&state, submitted, admitted.guard).await? {
         Ran::Streamed(response) => return Ok(response),
         Ran::Collected(whole) => whole,
     };
-    let fold = fold_to_end(&mut generation, fold, &state).await?;
-    drop(guard);
     let usage = UsageJson::new(generation.prompt_tokens, fold.completion_tokens())
         .with_media(&generation.prompt_media)
         .with_reasoning(generation.reasoning_tokens());
@@ -237,25 +231,20 @@ pub(crate) async fn submit_chat(
 }
 
 async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    // A request counts as running (and holds a drain) only once its body is in.
-    let bytes = state.read_body(body).await?;
-    let (model, guard) = state.admit()?;
-    let req = CompletionRequest::parse(&bytes)?;
-    let job = front::completion_job(&state, &model, req, arrival).await?;
-    let submitted = submit_openai(&state, &model, job, Format::Completion).await?;
+    let admitted = state.admit_body(body).await?;
+    let model = &admitted.model;
+    let req = CompletionRequest::parse(&admitted.bytes)?;
+    let job = front::completion_job(&state, model, req, admitted.arrival).await?;
+    let submitted = submit_openai(&state, model, job, Format::Completion).await?;
     let Whole {
         id,
         served,
-        mut generation,
+        generation,
         fold,
-        guard,
-    } = match answer(&state, submitted, guard).await? {
+    } = match answer(&state, submitted, admitted.guard).await? {
         Ran::Streamed(response) => return Ok(response),
         Ran::Collected(whole) => whole,
     };
-    let fold = fold_to_end(&mut generation, fold, &state).await?;
-    drop(guard);
     let usage = UsageJson::new(generation.prompt_tokens, fold.completion_tokens());
     Ok(Json(TextCompletion {
         id: &id,
@@ -270,10 +259,12 @@ async fn completions(State(state): State<Arc<AppState>>, body: Body) -> Result<R
 }
 
 async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    // A request counts as running (and holds a drain) only once its body is in.
-    let bytes = state.read_body(body).await?;
-    let (model, guard) = state.admit()?;
+    let Admitted {
+        bytes,
+        model,
+        guard,
+        arrival,
+    } = state.admit_body(body).await?;
     let req = GenerateRequest::parse(&bytes)?;
     // One plain completion, through the same front.
     let req = CompletionRequest {
@@ -311,13 +302,12 @@ pub(crate) enum Ran {
     Collected(Whole),
 }
 
-/// A generation to answer whole, and what its JSON response names.
+/// A generation answered whole: run to its end, and what its JSON response names.
 pub(crate) struct Whole {
     id: String,
     served: String,
     generation: Generation,
     fold: ReplyFold,
-    guard: ActiveGuard,
 }
 
 /// A submitted chat or completion job.
@@ -361,7 +351,7 @@ async fn submit_openai(
     })
 }
 
-/// Streams a submitted job, or hands it back to be answered whole.
+/// Streams a submitted job, or runs it to its end to be answered whole.
 async fn answer(
     state: &Arc<AppState>,
     submitted: Submitted,
@@ -389,12 +379,14 @@ async fn answer(
             guard,
         )));
     }
+    let mut generation = generation;
+    let fold = fold_to_end(&mut generation, fold, state).await?;
+    drop(guard);
     Ok(Ran::Collected(Whole {
         id,
         served,
         generation,
         fold,
-        guard,
     }))
 }
 

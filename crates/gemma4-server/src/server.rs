@@ -22,6 +22,15 @@ use crate::routes;
 /// How often the server looks at the engine's health.
 const ENGINE_POLL: Duration = Duration::from_millis(100);
 
+/// An admitted request: its body, the model, its place in the drain, and
+/// when it arrived.
+pub struct Admitted {
+    pub bytes: axum::body::Bytes,
+    pub model: Arc<ModelContext>,
+    pub guard: ActiveGuard,
+    pub arrival: std::time::Instant,
+}
+
 /// A loaded model, ready to serve.
 pub struct ModelContext {
     pub engine: EngineHandle,
@@ -120,6 +129,20 @@ impl AppState {
             self.config.body_read_timeout,
         )
         .await
+    }
+
+    /// A generating request's body read in full, then the request admitted:
+    /// it counts as running (and holds a drain) only once its body is in.
+    pub async fn admit_body(&self, body: axum::body::Body) -> Result<Admitted, ApiError> {
+        let arrival = std::time::Instant::now();
+        let bytes = self.read_body(body).await?;
+        let (model, guard) = self.admit()?;
+        Ok(Admitted {
+            bytes,
+            model,
+            guard,
+            arrival,
+        })
     }
 
     pub fn phase(&self) -> Phase {

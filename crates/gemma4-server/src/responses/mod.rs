@@ -10,7 +10,6 @@ mod names;
 use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Instant;
 
 use axum::body::Body;
 use axum::extract::State;
@@ -381,16 +380,13 @@ pub async fn responses(
     State(state): State<Arc<AppState>>,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let arrival = Instant::now();
-    // A request counts as running (and holds a drain) only once its body is in.
-    let bytes = state.read_body(body).await?;
-    let (model, guard) = state.admit()?;
-    let f = Fields::parse(&bytes)?;
+    let admitted = state.admit_body(body).await?;
+    let f = Fields::parse(&admitted.bytes)?;
     let streamed = f.bool("stream")?.unwrap_or(false);
     let (chat, origins) = chat_body(&f)?;
     let settings = echoed_settings(&f)?;
     let req = ChatRequest::from_fields(&chat).map_err(|e| restate(e, &origins))?;
-    let submitted = submit_chat(&state, &model, req, arrival)
+    let submitted = submit_chat(&state, &admitted.model, req, admitted.arrival)
         .await
         .map_err(|e| restate(e, &origins))?;
     let turn = Turn {
@@ -405,7 +401,7 @@ pub async fn responses(
         engine_usage: Usage::default(),
         ended: false,
         failure: None,
-        _guard: guard,
+        _guard: admitted.guard,
     };
     if streamed {
         return Ok(stream_turn(turn));
