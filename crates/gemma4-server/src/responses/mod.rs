@@ -108,6 +108,34 @@ fn content_value(content: &Value, at: &str) -> Result<Value, ApiError> {
     }
 }
 
+/// A `function_call` item as a chat assistant's tool call.
+fn chat_tool_call(item: &Value, at: &str) -> Result<Value, ApiError> {
+    for (field, ok) in [
+        ("name", item.get("name").is_some_and(Value::is_string)),
+        ("call_id", item.get("call_id").is_some_and(Value::is_string)),
+        (
+            "arguments",
+            item.get("arguments")
+                .is_none_or(|a| a.is_string() || a.is_object()),
+        ),
+    ] {
+        if !ok {
+            return Err(bad(
+                format!("`{at}.{field}` must be a string"),
+                &format!("{at}.{field}"),
+            ));
+        }
+    }
+    Ok(json!({
+        "id": item.get("call_id").cloned().unwrap_or(Value::Null),
+        "type": "function",
+        "function": {
+            "name": item.get("name").cloned().unwrap_or(Value::Null),
+            "arguments": item.get("arguments").cloned().unwrap_or(json!("{}")),
+        },
+    }))
+}
+
 /// `input` (and `instructions`) as chat messages, and where each came from.
 fn messages(f: &Fields) -> Result<(Vec<Value>, Vec<Origin>), ApiError> {
     let mut out = Vec::new();
@@ -146,29 +174,7 @@ fn messages(f: &Fields) -> Result<(Vec<Value>, Vec<Origin>), ApiError> {
                 origins.push(Origin::Item(i));
             }
             Some("function_call") => {
-                for (field, ok) in [
-                    ("name", item.get("name").is_some_and(Value::is_string)),
-                    ("call_id", item.get("call_id").is_some_and(Value::is_string)),
-                    (
-                        "arguments",
-                        item.get("arguments").is_none_or(|a| a.is_string() || a.is_object()),
-                    ),
-                ] {
-                    if !ok {
-                        return Err(bad(
-                            format!("`{at}.{field}` must be a string"),
-                            &format!("{at}.{field}"),
-                        ));
-                    }
-                }
-                let call = json!({
-                    "id": item.get("call_id").cloned().unwrap_or(Value::Null),
-                    "type": "function",
-                    "function": {
-                        "name": item.get("name").cloned().unwrap_or(Value::Null),
-                        "arguments": item.get("arguments").cloned().unwrap_or(json!("{}")),
-                    },
-                });
+                let call = chat_tool_call(item, &at)?;
                 // Consecutive calls belong to one assistant turn.
                 match (out.last_mut(), origins.last_mut()) {
                     (Some(last), Some(Origin::Calls(items))) => {
@@ -253,61 +259,10 @@ fn chat_body(f: &Fields) -> Result<(Fields, Vec<Origin>), ApiError> {
     let (messages, origins) = messages(f)?;
     body.insert("messages".into(), Value::Array(messages));
     if let Some(tools) = f.array("tools")? {
-        let mut chat_tools = Vec::new();
-        for (i, tool) in tools.iter().enumerate() {
-            if tool.get("type").and_then(Value::as_str) != Some("function") {
-                return Err(bad(
-                    format!("`tools[{i}]` must be a function tool"),
-                    &format!("tools[{i}]"),
-                ));
-            }
-            if tool
-                .get("parameters")
-                .is_some_and(|p| !p.is_object() && !p.is_null())
-            {
-                return Err(bad(
-                    format!("`tools[{i}].parameters` must be a JSON Schema object"),
-                    &format!("tools[{i}].parameters"),
-                ));
-            }
-            let mut function = tool.clone();
-            if let Some(obj) = function.as_object_mut() {
-                obj.remove("type");
-                obj.remove("strict");
-            }
-            chat_tools.push(json!({"type": "function", "function": function}));
-        }
-        body.insert("tools".into(), Value::Array(chat_tools));
+        body.insert("tools".into(), chat_tools(tools)?);
     }
-    match f.get("tool_choice") {
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("function") => {
-            body.insert(
-                "tool_choice".into(),
-                json!({"type": "function", "function": {"name": o.get("name").cloned().unwrap_or(Value::Null)}}),
-            );
-        }
-        // Responses spell an allowed tool `{"type": "function", "name"}`.
-        Some(Value::Object(o))
-            if o.get("type").and_then(Value::as_str) == Some("allowed_tools") =>
-        {
-            let tools: Vec<Value> = o
-                .get("tools")
-                .and_then(Value::as_array)
-                .map(|ts| {
-                    ts.iter()
-                        .map(|t| json!({"type": "function", "function": {"name": t.get("name").cloned().unwrap_or(Value::Null)}}))
-                        .collect()
-                })
-                .unwrap_or_default();
-            body.insert(
-                "tool_choice".into(),
-                json!({"type": "allowed_tools", "allowed_tools": {"mode": o.get("mode").cloned().unwrap_or(Value::Null), "tools": tools}}),
-            );
-        }
-        Some(other) => {
-            body.insert("tool_choice".into(), other.clone());
-        }
-        None => {}
+    if let Some(choice) = f.get("tool_choice") {
+        body.insert("tool_choice".into(), chat_tool_choice(choice));
     }
     if let Some(effort) = f.object("reasoning")?.and_then(|r| r.get("effort")) {
         body.insert("reasoning_effort".into(), effort.clone());
@@ -339,6 +294,59 @@ fn chat_body(f: &Fields) -> Result<(Fields, Vec<Origin>), ApiError> {
         }
     }
     Ok((Fields::from_object(body), origins))
+}
+
+/// Responses function tools (`{"type": "function", "name", "parameters", …}`)
+/// as chat tools (the same under `function`).
+fn chat_tools(tools: &[Value]) -> Result<Value, ApiError> {
+    let mut chat_tools = Vec::new();
+    for (i, tool) in tools.iter().enumerate() {
+        if tool.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(bad(
+                format!("`tools[{i}]` must be a function tool"),
+                &format!("tools[{i}]"),
+            ));
+        }
+        if tool
+            .get("parameters")
+            .is_some_and(|p| !p.is_object() && !p.is_null())
+        {
+            return Err(bad(
+                format!("`tools[{i}].parameters` must be a JSON Schema object"),
+                &format!("tools[{i}].parameters"),
+            ));
+        }
+        let mut function = tool.clone();
+        if let Some(obj) = function.as_object_mut() {
+            obj.remove("type");
+            obj.remove("strict");
+        }
+        chat_tools.push(json!({"type": "function", "function": function}));
+    }
+    Ok(Value::Array(chat_tools))
+}
+
+/// A Responses `tool_choice` in chat's spelling: a function is named at
+/// `function.name`, and `allowed_tools` nests its mode and tools.
+fn chat_tool_choice(choice: &Value) -> Value {
+    let name = |t: &Value| t.get("name").cloned().unwrap_or(Value::Null);
+    match choice.get("type").and_then(Value::as_str) {
+        Some("function") => json!({"type": "function", "function": {"name": name(choice)}}),
+        Some("allowed_tools") => {
+            let tools: Vec<Value> = choice
+                .get("tools")
+                .and_then(Value::as_array)
+                .map(|ts| {
+                    ts.iter()
+                        .map(|t| json!({"type": "function", "function": {"name": name(t)}}))
+                        .collect()
+                })
+                .unwrap_or_default();
+            let mode = choice.get("mode").cloned().unwrap_or(Value::Null);
+            json!({"type": "allowed_tools", "allowed_tools": {"mode": mode, "tools": tools}})
+        }
+        _ => choice.clone(),
+    }
 }
 
 /// The request's tools as a Response repeats them: each function tool with
