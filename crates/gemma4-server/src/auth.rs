@@ -1,5 +1,6 @@
 //! Optional API key: with `--api-key`, the model routes need
-//! `Authorization: Bearer KEY`, compared in constant time.
+//! `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`), compared
+//! in constant time.
 
 use std::sync::Arc;
 
@@ -12,8 +13,12 @@ use subtle::ConstantTimeEq;
 use crate::error::ApiError;
 use crate::server::AppState;
 
-/// Whether the headers carry `key` as a bearer token.
+/// Whether the headers carry `key` as a bearer token or an `x-api-key`.
 pub fn authorized(headers: &HeaderMap, key: &str) -> bool {
+    let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+    if x_api_key.is_some_and(|k| bool::from(k.trim().as_bytes().ct_eq(key.as_bytes()))) {
+        return true;
+    }
     let Some(value) = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -35,11 +40,14 @@ pub async fn require_key(
 ) -> Response {
     if let Some(key) = &state.config.api_key {
         if !authorized(request.headers(), key) {
-            return ApiError::unauthorized(
-                "missing or wrong API key: send the header `Authorization: Bearer KEY` with the key the server was \
-                 started with (--api-key or GEMMA4_API_KEY)",
-            )
-            .into_response();
+            let e = ApiError::unauthorized(
+                "missing or wrong API key: send the header `Authorization: Bearer KEY` (or `x-api-key: KEY`) with \
+                 the key the server was started with (--api-key or GEMMA4_API_KEY)",
+            );
+            if request.uri().path().starts_with("/v1/messages") {
+                return crate::anthropic::AnthropicError(e).into_response();
+            }
+            return e.into_response();
         }
     }
     next.run(request).await
@@ -68,5 +76,10 @@ mod tests {
         assert!(!authorized(&headers("Basic s3cret"), "s3cret"));
         assert!(!authorized(&headers("s3cret"), "s3cret"));
         assert!(!authorized(&HeaderMap::new(), "s3cret"));
+        let mut anthropic = HeaderMap::new();
+        anthropic.insert("x-api-key", HeaderValue::from_static("s3cret"));
+        assert!(authorized(&anthropic, "s3cret"));
+        anthropic.insert("x-api-key", HeaderValue::from_static("s3cre"));
+        assert!(!authorized(&anthropic, "s3cret"));
     }
 }

@@ -113,6 +113,29 @@ impl ApiError {
         self
     }
 
+    /// The error with every field it names (its `param`, and each name
+    /// between backticks in its message) renamed: a request served as
+    /// another API's request names the fields the client sent.
+    pub fn renamed(mut self, rename: impl Fn(&str) -> String) -> Self {
+        self.param = self.param.map(|p| rename(&p));
+        let mut message = String::with_capacity(self.message.len());
+        let mut parts = self.message.split('`');
+        if let Some(first) = parts.next() {
+            message.push_str(first);
+        }
+        // Odd pieces sit between backticks.
+        for (i, part) in parts.enumerate() {
+            message.push('`');
+            if i % 2 == 0 {
+                message.push_str(&rename(part));
+            } else {
+                message.push_str(part);
+            }
+        }
+        self.message = message;
+        self
+    }
+
     /// The JSON body.
     pub fn body(&self) -> serde_json::Value {
         json!({

@@ -7,7 +7,9 @@
 //! until [`Server::set_ready`].
 //!
 //! * [`routes`]: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
-//!   `/v1/models/{id}`, `/v1/responses`, `/tokenize`, `/detokenize`, `/generate`, `/health`, `/ready`, `/metrics`.
+//!   `/v1/models/{id}`, `/v1/responses`, Anthropic's `/v1/messages` and
+//!   `/v1/messages/count_tokens`, `/tokenize`, `/detokenize`,
+//!   `/tokenizer_info`, `/generate`, `/health`, `/ready`, `/metrics`.
 //! * [`openai`]: request parsing (unknown fields ignored, wrong types a 400
 //!   naming the field) and response and chunk shapes.
 //! * [`grammar`]: structured output enforced with llguidance token masks.
@@ -21,9 +23,11 @@
 //!   requests up to a timeout, then return.
 //!
 //! Every error is OpenAI's error JSON, `{"error": {"message", "type", "param",
-//! "code"}}`, with a message that says how to fix the request.
+//! "code"}}` (Anthropic's on its routes), with a message that says how to
+//! fix the request.
 
 pub mod admission;
+mod anthropic;
 pub mod auth;
 pub mod config;
 pub mod connections;
@@ -44,6 +48,7 @@ pub mod routes;
 pub mod server;
 pub mod sse;
 mod tokenize;
+mod turn;
 
 pub use config::ServerConfig;
 pub use drain::serve;

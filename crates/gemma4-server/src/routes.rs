@@ -26,6 +26,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 
+use crate::anthropic;
 use crate::auth;
 use crate::drain::ActiveGuard;
 use crate::error::ApiError;
@@ -45,8 +46,11 @@ use crate::server::{Admitted, AppState};
 use crate::sse::{self, StreamMeta};
 use crate::tokenize;
 
-const ROUTES: [&str; 12] = [
+const ROUTES: [&str; 15] = [
     "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/tokenizer_info",
     "/v1/chat/completions/render",
     "/v1/completions/render",
     "/v1/responses",
@@ -59,7 +63,7 @@ const ROUTES: [&str; 12] = [
     "/ready",
     "/metrics",
 ];
-const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, POST /generate, GET /health, GET /ready, GET /metrics";
+const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/messages, POST /v1/messages/count_tokens, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, POST /generate, GET /health, GET /ready, GET /metrics";
 
 pub fn router(state: Arc<AppState>) -> Router {
     let keyed = Router::new()
@@ -70,6 +74,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_card))
         .route("/v1/responses", post(responses::responses))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/tokenizer_info", get(tokenize::tokenizer_info))

@@ -4,6 +4,7 @@
 //! greedy token ids, and each prompt's solo run. The `openai` Python client
 //! checks run `tests/python/openai_client.py`.
 
+mod anthropic;
 mod conformance;
 mod harness;
 mod images;

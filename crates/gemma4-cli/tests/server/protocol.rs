@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use crate::harness::{fixture, golden, openai_client, ServerProc};
 
 /// The ids of special tokens in a checkpoint's `tokenizer.json`, as decimal strings.
-fn token_ids(checkpoint: &Path, tokens: &[&str]) -> Vec<String> {
+pub(crate) fn token_ids(checkpoint: &Path, tokens: &[&str]) -> Vec<String> {
     let path = checkpoint.join("tokenizer.json");
     let text = std::fs::read_to_string(&path).expect("tokenizer.json");
     let json: Value = serde_json::from_str(&text).expect("tokenizer JSON");
@@ -45,7 +45,7 @@ fn template_opening_a_channel(checkpoint: &Path, find: &str, replace: &str) -> P
 }
 
 /// The e-style template opening a channel when thinking.
-fn e_style_opening_a_channel() -> PathBuf {
+pub(crate) fn e_style_opening_a_channel() -> PathBuf {
     template_opening_a_channel(
         &fixture("e-style"),
         "{{- '<|turn>model\\n' -}}{%- endif -%}",

@@ -7,7 +7,8 @@ use gemma4_text::OutputEvent;
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::openai::response::{PromptTokensDetails, SYSTEM_FINGERPRINT};
+use crate::openai::response::SYSTEM_FINGERPRINT;
+use crate::turn::{Ending, TurnFold, TurnUsage};
 
 #[derive(Debug)]
 enum Kind {
@@ -74,28 +75,6 @@ impl Item {
     }
 }
 
-/// How the turn ended.
-pub enum Ending {
-    Completed,
-    /// Out of tokens (`max_output_tokens`).
-    Incomplete,
-    Failed(ApiError),
-}
-
-/// Token counts of the turn.
-#[derive(Debug, Clone, Default)]
-pub struct TurnUsage {
-    pub input: usize,
-    /// Input tokens whose KV came from the prefix cache, and those the turn
-    /// added to it.
-    pub cached: usize,
-    pub cache_written: usize,
-    pub output: usize,
-    pub reasoning: usize,
-    /// The input's media, item by item (`None` without media).
-    pub media: Option<PromptTokensDetails>,
-}
-
 /// The turn being assembled.
 pub struct Assembler {
     id: String,
@@ -110,6 +89,8 @@ pub struct Assembler {
     /// Item index of each tool call, by the call's position in the turn.
     calls: Vec<usize>,
     sequence: u64,
+    /// The response object as the last event showed it.
+    last: Value,
 }
 
 impl Assembler {
@@ -123,6 +104,7 @@ impl Assembler {
             held: String::new(),
             calls: Vec::new(),
             sequence: 0,
+            last: Value::Null,
         }
     }
 
@@ -134,8 +116,8 @@ impl Assembler {
     }
 
     /// The opening events: the response exists and is in progress.
-    pub fn start(&mut self) -> Vec<Value> {
-        let snapshot = self.response("in_progress", None, TurnUsage::default());
+    fn opening(&mut self) -> Vec<Value> {
+        let snapshot = self.response("in_progress", None, &TurnUsage::default());
         vec![
             self.event("response.created", json!({"response": snapshot.clone()})),
             self.event("response.in_progress", json!({"response": snapshot})),
@@ -143,7 +125,7 @@ impl Assembler {
     }
 
     /// The events that one output event causes.
-    pub fn apply(&mut self, e: &OutputEvent) -> Vec<Value> {
+    fn event_of(&mut self, e: &OutputEvent) -> Vec<Value> {
         let mut out = Vec::new();
         match e {
             OutputEvent::Reasoning(text) => self.text(Kind::Reasoning, text, &mut out),
@@ -305,7 +287,7 @@ impl Assembler {
 
     /// Closes every item and returns the last events: `response.completed`,
     /// `response.incomplete` or `response.failed`, each with the whole response.
-    pub fn finish(&mut self, ending: &Ending, usage: TurnUsage) -> Vec<Value> {
+    fn closing(&mut self, ending: &Ending, usage: &TurnUsage) -> Vec<Value> {
         let mut out = Vec::new();
         let cut = matches!(ending, Ending::Incomplete);
         let has_answer = self
@@ -323,7 +305,7 @@ impl Assembler {
             self.close(index, cut || unfinished_call, &mut out);
         }
         let (name, response) = match ending {
-            Ending::Completed => (
+            Ending::Completed | Ending::ToolCalls => (
                 "response.completed",
                 self.response("completed", None, usage),
             ),
@@ -333,12 +315,13 @@ impl Assembler {
             ),
             Ending::Failed(e) => ("response.failed", self.response("failed", Some(e), usage)),
         };
+        self.last = response.clone();
         out.push(self.event(name, json!({ "response": response })));
         out
     }
 
     /// The response object with the items so far.
-    pub fn response(&self, status: &str, error: Option<&ApiError>, usage: TurnUsage) -> Value {
+    pub fn response(&self, status: &str, error: Option<&ApiError>, usage: &TurnUsage) -> Value {
         let mut usage_json = json!({
             "input_tokens": usage.input,
             "output_tokens": usage.output,
@@ -349,7 +332,7 @@ impl Assembler {
             "cached_tokens": usage.cached,
             "cache_write_tokens": usage.cache_written,
         });
-        if let (Some(media), Some(d)) = (usage.media, details.as_object_mut()) {
+        if let (Some(media), Some(d)) = (&usage.media, details.as_object_mut()) {
             // Each image's, clip's and video's soft tokens, as chat's
             // `prompt_tokens_details` has them.
             if let Value::Object(media) = json!(media) {
@@ -380,16 +363,34 @@ impl Assembler {
     }
 }
 
+impl TurnFold for Assembler {
+    fn start(&mut self, _usage: &TurnUsage) -> Vec<Value> {
+        self.opening()
+    }
+
+    fn apply(&mut self, e: &OutputEvent) -> Vec<Value> {
+        self.event_of(e)
+    }
+
+    fn finish(&mut self, ending: &Ending, usage: &TurnUsage) -> Vec<Value> {
+        self.closing(ending, usage)
+    }
+
+    fn whole(&mut self) -> Value {
+        self.last.clone()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn events(a: &mut Assembler, input: &[OutputEvent], ending: Ending) -> Vec<Value> {
-        let mut out = a.start();
+        let mut out = a.start(&TurnUsage::default());
         for e in input {
             out.extend(a.apply(e));
         }
-        out.extend(a.finish(&ending, TurnUsage::default()));
+        out.extend(a.finish(&ending, &TurnUsage::default()));
         out
     }
 

@@ -7,28 +7,21 @@
 mod assemble;
 mod names;
 
-use std::collections::VecDeque;
-use std::convert::Infallible;
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use futures_util::stream;
-use gemma4_engine::{EngineEvent, FinishReason, Usage};
 use serde_json::{json, Map, Value};
 
-use crate::drain::ActiveGuard;
 use crate::error::ApiError;
 use crate::fields::Fields;
-use crate::generation::{finish_error, Generation};
-use crate::openai::response::PromptTokensDetails;
 use crate::openai::ChatRequest;
 use crate::routes::{submit_chat, unix_now};
 use crate::server::AppState;
-use assemble::{Assembler, Ending, TurnUsage};
+use crate::turn::Turn;
+use assemble::Assembler;
 use names::{restate, Origin};
 
 /// Responses fields this server does not implement.
@@ -397,125 +390,17 @@ pub async fn responses(
     let submitted = submit_chat(&state, &admitted.model, req, admitted.arrival)
         .await
         .map_err(|e| restate(e, &origins))?;
-    let turn = Turn {
-        assembler: Assembler::new(
-            state.response_id("resp"),
-            submitted.served,
-            unix_now(),
-            settings,
-        ),
-        generation: submitted.generation,
-        state,
-        engine_usage: Usage::default(),
-        ended: false,
-        failure: None,
-        _guard: admitted.guard,
-    };
+    let assembler = Assembler::new(
+        state.response_id("resp"),
+        submitted.served,
+        unix_now(),
+        settings,
+    );
+    let turn = Turn::new(assembler, submitted.generation, state, admitted.guard);
     if streamed {
-        return Ok(stream_turn(turn));
+        return Ok(turn.stream());
     }
     turn.whole().await.map(|v| Json(v).into_response())
-}
-
-/// A submitted turn and its assembler.
-struct Turn {
-    assembler: Assembler,
-    generation: Generation,
-    state: Arc<AppState>,
-    /// The engine's counts, once the turn has finished.
-    engine_usage: Usage,
-    ended: bool,
-    /// Why the turn failed, for a whole reply's error status.
-    failure: Option<ApiError>,
-    _guard: ActiveGuard,
-}
-
-impl Turn {
-    /// The next events of the turn, or `None` after the last.
-    async fn next_events(&mut self) -> Option<Vec<Value>> {
-        if self.ended {
-            return None;
-        }
-        let Some(next) = self.generation.next().await else {
-            // Every choice ends with `Finished`; a stream that stops short is an engine failure.
-            self.ended = true;
-            let e = ApiError::internal("the engine stopped before finishing the request");
-            let events = self
-                .assembler
-                .finish(&Ending::Failed(e.clone()), self.usage());
-            self.failure = Some(e);
-            return Some(events);
-        };
-        let mut events = Vec::new();
-        for e in next.event.turn_events() {
-            events.extend(self.assembler.apply(e));
-        }
-        if let EngineEvent::Finished { reason, usage, .. } = &next.event {
-            self.engine_usage = *usage;
-            self.ended = true;
-            let ending = self.ending(reason);
-            events.extend(self.assembler.finish(&ending, self.usage()));
-            if let Ending::Failed(e) = ending {
-                tracing::info!("response ended early: {}", e.message);
-                self.failure = Some(e);
-            }
-        }
-        Some(events)
-    }
-
-    fn ending(&mut self, reason: &FinishReason) -> Ending {
-        if let Some(e) = finish_error(reason, &self.state) {
-            self.generation.cancel();
-            return Ending::Failed(e);
-        }
-        match reason {
-            FinishReason::Length => Ending::Incomplete,
-            _ => Ending::Completed,
-        }
-    }
-
-    fn usage(&self) -> TurnUsage {
-        TurnUsage {
-            input: self.generation.prompt_tokens,
-            cached: self.engine_usage.cached_prompt_tokens,
-            cache_written: self.engine_usage.cache_written_prompt_tokens,
-            output: self.engine_usage.completion_tokens,
-            reasoning: self.engine_usage.reasoning_tokens,
-            media: PromptTokensDetails::of(&self.generation.prompt_media),
-        }
-    }
-
-    /// Runs the turn to its end and returns the response object; a failed
-    /// turn is the request's error.
-    async fn whole(mut self) -> Result<Value, ApiError> {
-        let mut last = Value::Null;
-        while let Some(events) = self.next_events().await {
-            if let Some(e) = events.into_iter().last() {
-                last = e;
-            }
-        }
-        match self.failure {
-            Some(e) => Err(e),
-            None => Ok(last["response"].take()),
-        }
-    }
-}
-
-/// The turn as server-sent events, each named by its `type`; the stream
-/// ends after `response.completed`, `response.incomplete` or `response.failed`.
-fn stream_turn(mut turn: Turn) -> Response {
-    let pending: VecDeque<Value> = turn.assembler.start().into();
-    let events = stream::unfold((turn, pending), |(mut turn, mut pending)| async move {
-        loop {
-            if let Some(v) = pending.pop_front() {
-                let kind = v["type"].as_str().unwrap_or("message").to_owned();
-                let event = Event::default().event(kind).data(v.to_string());
-                return Some((Ok::<_, Infallible>(event), (turn, pending)));
-            }
-            pending.extend(turn.next_events().await?);
-        }
-    });
-    Sse::new(events).into_response()
 }
 
 #[cfg(test)]

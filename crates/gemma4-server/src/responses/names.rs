@@ -30,26 +30,9 @@ const SETTINGS: &[(&str, &str)] = &[
     ("tool_choice.allowed_tools", "tool_choice"),
 ];
 
-/// `e` with every chat field it names (its `param`, and each name between
-/// backticks in its message) given its Responses name.
-pub(super) fn restate(mut e: ApiError, origins: &[Origin]) -> ApiError {
-    e.param = e.param.map(|p| responses_name(&p, origins));
-    let mut message = String::with_capacity(e.message.len());
-    let mut parts = e.message.split('`');
-    if let Some(first) = parts.next() {
-        message.push_str(first);
-    }
-    // Odd pieces sit between backticks.
-    for (i, part) in parts.enumerate() {
-        message.push('`');
-        if i % 2 == 0 {
-            message.push_str(&responses_name(part, origins));
-        } else {
-            message.push_str(part);
-        }
-    }
-    e.message = message;
-    e
+/// `e` with every chat field it names given its Responses name.
+pub(super) fn restate(e: ApiError, origins: &[Origin]) -> ApiError {
+    e.renamed(|name| responses_name(name, origins))
 }
 
 /// The Responses name of a chat field (unchanged when it has none).

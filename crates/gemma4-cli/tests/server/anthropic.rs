@@ -1,0 +1,177 @@
+//! Anthropic's Messages API through the official `anthropic` SDK: whole,
+//! streamed and through the SDK's stream helper (all three the same
+//! message), structured output, forced and free tool calls, thinking under a
+//! budget, a tool round trip, token counting, and errors in Anthropic's shape.
+
+use serde_json::Value;
+
+use crate::harness::{fixture, python_script, ServerProc};
+use crate::protocol::{e_style_opening_a_channel, token_ids};
+
+const KEY: &str = "k-anthropic";
+
+fn run(server: &ServerProc, scenario: &str, extra: &[&str]) -> Option<Value> {
+    let url = server.url();
+    let mut args = vec![
+        "--base-url",
+        url.as_str(),
+        "--model",
+        "e-style",
+        "--scenario",
+        scenario,
+        "--api-key",
+        KEY,
+    ];
+    args.extend_from_slice(extra);
+    python_script("anthropic_client.py", &["anthropic"], &args)
+}
+
+/// Content blocks without their call ids (each request numbers its own).
+fn without_ids(content: &Value) -> Value {
+    let mut content = content.clone();
+    for block in content.as_array_mut().into_iter().flatten() {
+        if let Some(b) = block.as_object_mut() {
+            b.remove("id");
+        }
+    }
+    content
+}
+
+fn blocks<'a>(message: &'a Value, kind: &str) -> Vec<&'a Value> {
+    message["content"]
+        .as_array()
+        .expect("content")
+        .iter()
+        .filter(|b| b["type"] == kind)
+        .collect()
+}
+
+#[test]
+fn messages_through_the_anthropic_sdk() {
+    let template = e_style_opening_a_channel();
+    let server = ServerProc::start(
+        &fixture("e-style"),
+        &[
+            "--chat-template",
+            template.to_str().expect("utf-8 path"),
+            "--api-key",
+            KEY,
+        ],
+        &[],
+    );
+    // Random weights would leave the thought channel, or call a tool, at
+    // random; banning those markers leaves the budget as the only way out.
+    let ban = token_ids(
+        &fixture("e-style"),
+        &["<|channel>", "<channel|>", "<|tool_call>"],
+    );
+    let mut extra = vec!["--budget", "12"];
+    for id in &ban {
+        extra.extend(["--ban", id.as_str()]);
+    }
+    let Some(out) = run(&server, "messages", &extra) else {
+        return;
+    };
+    for case in ["plain", "json_schema", "named_call", "any_call", "thinking"] {
+        let r = &out[case];
+        let (whole, stream, helper) = (&r["whole"], &r["stream"], &r["helper"]);
+        assert_eq!(
+            without_ids(&helper["content"]),
+            without_ids(&whole["content"]),
+            "{case}: {r}"
+        );
+        assert_eq!(helper["stop_reason"], whole["stop_reason"], "{case}: {r}");
+        assert_eq!(stream["stop_reason"], whole["stop_reason"], "{case}: {r}");
+        assert_eq!(
+            stream["output_tokens"], whole["usage"]["output_tokens"],
+            "{case}: {r}"
+        );
+        let types: Vec<&str> = stream["types"]
+            .as_array()
+            .expect("types")
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        assert_eq!(types.first(), Some(&"message_start"), "{case}: {r}");
+        assert_eq!(types.last(), Some(&"message_stop"), "{case}: {r}");
+        assert!(
+            whole["usage"]["input_tokens"].as_u64() > Some(0),
+            "{case}: {r}"
+        );
+    }
+    let answer = &out["json_schema"]["whole"];
+    let text = blocks(answer, "text")[0]["text"]
+        .as_str()
+        .unwrap_or_default();
+    let parsed: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    assert!(
+        parsed["city"]
+            .as_str()
+            .is_some_and(|c| c.chars().count() <= 8),
+        "{parsed}"
+    );
+    let named = &out["named_call"]["whole"];
+    let calls = blocks(named, "tool_use");
+    assert_eq!(calls.len(), 1, "{named}");
+    assert_eq!(calls[0]["name"], "get_time");
+    assert!(
+        calls[0]["input"]["zone"] == "utc" || calls[0]["input"]["zone"] == "cet",
+        "{named}"
+    );
+    assert_eq!(named["stop_reason"], "tool_use");
+    let any = &out["any_call"]["whole"];
+    assert_eq!(
+        blocks(any, "tool_use").len(),
+        1,
+        "one call when parallel use is off: {any}"
+    );
+    assert_eq!(any["stop_reason"], "tool_use");
+    let thinking = &out["thinking"]["whole"];
+    assert_eq!(thinking["content"][0]["type"], "thinking", "{thinking}");
+    assert!(
+        !thinking["content"][0]["thinking"]
+            .as_str()
+            .unwrap_or_default()
+            .is_empty(),
+        "{thinking}"
+    );
+    // Counting the same prompt gives what the turn was charged.
+    assert_eq!(
+        out["count_tokens"], out["plain"]["whole"]["usage"]["input_tokens"],
+        "{out}"
+    );
+    let _ = std::fs::remove_file(&template);
+
+    let Some(trip) = run(&server, "round_trip", &[]) else {
+        return;
+    };
+    assert_eq!(trip["first"]["stop_reason"], "tool_use", "{trip}");
+    assert_eq!(blocks(&trip["first"], "tool_use")[0]["name"], "get_weather");
+    assert!(trip["second"]["stop_reason"].is_string(), "{trip}");
+    assert_eq!(
+        trip["counted"], trip["second"]["usage"]["input_tokens"],
+        "{trip}"
+    );
+
+    let Some(errors) = run(&server, "errors", &[]) else {
+        return;
+    };
+    for (case, status, kind) in [
+        ("bad_role", 400, "invalid_request_error"),
+        ("bad_model", 404, "not_found_error"),
+        ("bad_key", 401, "authentication_error"),
+    ] {
+        let e = &errors[case];
+        assert_eq!(e["status"], status, "{case}: {errors}");
+        assert_eq!(e["body"]["type"], "error", "{case}: {errors}");
+        assert_eq!(e["body"]["error"]["type"], kind, "{case}: {errors}");
+        let message = e["body"]["error"]["message"].as_str().unwrap_or_default();
+        assert!(!message.is_empty(), "{case}: {errors}");
+    }
+    assert!(
+        errors["bad_role"]["body"]["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("messages[0].role")),
+        "{errors}"
+    );
+}

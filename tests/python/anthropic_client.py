@@ -1,0 +1,142 @@
+"""Drives the server's Anthropic Messages routes with the official `anthropic`
+SDK and prints what the SDK parsed as one JSON object on stdout.
+
+    python anthropic_client.py --base-url http://127.0.0.1:PORT --model M \
+        --prompt "Weather in Paris?" --max-tokens 40 [--ban ID ...] [--api-key K]
+
+Every reply is parsed by the SDK's own types; a reply they reject raises.
+"""
+
+import argparse
+import json
+
+import anthropic
+
+
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city.",
+    "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                     "required": ["city"]},
+}
+TIME = {
+    "name": "get_time",
+    "description": "The time in a zone.",
+    "input_schema": {"type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+                     "required": ["zone"]},
+}
+
+
+def client(args, key=None):
+    return anthropic.Anthropic(base_url=args.base_url, api_key=key or args.api_key or "none", max_retries=0)
+
+
+def dump(message):
+    return message.model_dump(mode="json", exclude_none=True)
+
+
+def three_ways(c, kw):
+    """The same request whole, as raw stream events, and through the stream helper."""
+    whole = c.messages.create(**kw)
+    types, last_delta = [], None
+    for event in c.messages.create(stream=True, **kw):
+        types.append(event.type)
+        if event.type == "message_delta":
+            last_delta = event
+    with c.messages.stream(**kw) as s:
+        for _ in s:
+            pass
+        helper = s.get_final_message()
+    return {
+        "whole": dump(whole),
+        "stream": {"types": types, "stop_reason": last_delta.delta.stop_reason,
+                   "output_tokens": last_delta.usage.output_tokens},
+        "helper": dump(helper),
+    }
+
+
+def scenario_messages(args):
+    c = client(args)
+    user = [{"role": "user", "content": args.prompt}]
+    base = {"model": args.model, "max_tokens": args.max_tokens, "messages": user,
+            "extra_body": {"temperature": 0}}
+    ban = {str(t): -100 for t in args.ban}
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+              "required": ["city"], "additionalProperties": False}
+    cases = {
+        "plain": dict(base, system=[{"type": "text", "text": "Answer briefly."}], stop_sequences=["\n\n\n"]),
+        "json_schema": dict(base, output_config={"format": {"type": "json_schema", "schema": schema}}),
+        "named_call": dict(base, tools=[WEATHER, TIME], tool_choice={"type": "tool", "name": "get_time"}),
+        "any_call": dict(base, tools=[WEATHER, TIME],
+                         tool_choice={"type": "any", "disable_parallel_tool_use": True}),
+        "thinking": dict(base, thinking={"type": "enabled", "budget_tokens": args.budget},
+                         extra_body={"temperature": 0, "logit_bias": ban}),
+    }
+    out = {name: three_ways(c, kw) for name, kw in cases.items()}
+    out["count_tokens"] = c.messages.count_tokens(
+        model=args.model, messages=user, system=[{"type": "text", "text": "Answer briefly."}],
+    ).input_tokens
+    return out
+
+
+def scenario_round_trip(args):
+    """A tool round trip as an agent runs it: the call, its result, the answer."""
+    c = client(args)
+    messages = [{"role": "user", "content": args.prompt}]
+    first = c.messages.create(model=args.model, max_tokens=args.max_tokens, messages=messages,
+                              tools=[WEATHER], tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                              extra_body={"temperature": 0})
+    calls = [b for b in first.content if b.type == "tool_use"]
+    messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]})
+    messages.append({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": b.id, "content": [{"type": "text", "text": "21 C, sunny"}]}
+        for b in calls]})
+    second = c.messages.create(model=args.model, max_tokens=args.max_tokens, messages=messages,
+                               tools=[WEATHER], extra_body={"temperature": 0})
+    counted = c.messages.count_tokens(model=args.model, messages=messages, tools=[WEATHER]).input_tokens
+    return {"first": dump(first), "second": dump(second), "counted": counted}
+
+
+def scenario_errors(args):
+    """Bad requests and a wrong key, as the SDK's typed errors."""
+    out = {}
+    c = client(args)
+    try:
+        c.messages.create(model=args.model, max_tokens=8, messages=[{"role": "robot", "content": "x"}])
+        out["bad_role"] = "accepted"
+    except anthropic.BadRequestError as e:
+        out["bad_role"] = {"status": e.status_code, "body": e.body}
+    try:
+        c.messages.create(model="no-such-model", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+        out["bad_model"] = "accepted"
+    except anthropic.NotFoundError as e:
+        out["bad_model"] = {"status": e.status_code, "body": e.body}
+    if args.api_key:
+        try:
+            client(args, key="wrong").messages.create(
+                model=args.model, max_tokens=8, messages=[{"role": "user", "content": "x"}])
+            out["bad_key"] = "accepted"
+        except anthropic.AuthenticationError as e:
+            out["bad_key"] = {"status": e.status_code, "body": e.body}
+    return out
+
+
+SCENARIOS = {"messages": scenario_messages, "round_trip": scenario_round_trip, "errors": scenario_errors}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--base-url", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
+    p.add_argument("--prompt", default="Weather in Paris?")
+    p.add_argument("--max-tokens", type=int, default=40)
+    p.add_argument("--budget", type=int, default=12)
+    p.add_argument("--ban", action="append", default=[])
+    p.add_argument("--api-key")
+    args = p.parse_args()
+    print(json.dumps(SCENARIOS[args.scenario](args)))
+
+
+if __name__ == "__main__":
+    main()
