@@ -121,7 +121,27 @@ def scenario_errors(args):
     return out
 
 
-SCENARIOS = {"messages": scenario_messages, "round_trip": scenario_round_trip, "errors": scenario_errors}
+def scenario_image(args):
+    """A user turn of text and PNG images (base64 blocks), greedy."""
+    import base64
+
+    content = [{"type": "text", "text": args.prompt}]
+    for path in args.image:
+        with open(path, "rb") as f:
+            data = base64.b64encode(f.read()).decode()
+        content.append({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}})
+    kw = {"model": args.model, "max_tokens": args.max_tokens, "messages": [{"role": "user", "content": content}],
+          "extra_body": {"temperature": 0}}
+    c = client(args)
+    whole = c.messages.create(**kw)
+    with c.messages.stream(**kw) as s:
+        streamed = "".join(s.text_stream)
+    counted = c.messages.count_tokens(model=args.model, messages=kw["messages"]).input_tokens
+    return {"whole": dump(whole), "streamed": streamed, "counted": counted}
+
+
+SCENARIOS = {"messages": scenario_messages, "round_trip": scenario_round_trip, "errors": scenario_errors,
+             "image": scenario_image}
 
 
 def main():
@@ -134,6 +154,7 @@ def main():
     p.add_argument("--budget", type=int, default=12)
     p.add_argument("--ban", action="append", default=[])
     p.add_argument("--api-key")
+    p.add_argument("--image", action="append", default=[], help="PNG path, repeatable (image scenario)")
     args = p.parse_args()
     print(json.dumps(SCENARIOS[args.scenario](args)))
 

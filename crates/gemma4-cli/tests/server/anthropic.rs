@@ -3,9 +3,10 @@
 //! message), structured output, forced and free tool calls, thinking under a
 //! budget, a tool round trip, token counting, and errors in Anthropic's shape.
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use crate::harness::{fixture, python_script, ServerProc};
+use crate::images::{chat_golden_of, fixture_of};
 use crate::protocol::{e_style_opening_a_channel, token_ids};
 
 const KEY: &str = "k-anthropic";
@@ -174,4 +175,72 @@ fn messages_through_the_anthropic_sdk() {
             .is_some_and(|m| m.contains("messages[0].role")),
         "{errors}"
     );
+}
+
+/// An image block reads as the chat route's `image_url` part does: the
+/// reply to the vision fixture's two-image turn is the reference's greedy
+/// text, and the prompt is the reference's length, counted and charged.
+#[test]
+fn image_blocks_keep_the_reference_tokens() {
+    let dir = fixture_of("e-style");
+    let golden = chat_golden_of("e-style");
+    let server = ServerProc::start(&dir, &["--max-soft-tokens", "70"], &[]);
+    // A reply's text never holds the thought-channel or tool-declaration
+    // markers (the output processor reads them out).
+    let marker = |m: &str| {
+        server
+            .post(
+                "/tokenize",
+                &json!({"prompt": m, "add_special_tokens": false}),
+            )
+            .json()["tokens"][0]
+            .clone()
+    };
+    let markers = ["<channel|>", "<|channel>", "<|tool>", "<tool|>"].map(marker);
+    let greedy: Vec<&Value> = golden["greedy"]
+        .as_array()
+        .expect("greedy")
+        .iter()
+        .filter(|id| !markers.contains(id))
+        .collect();
+    let expected = server.post("/detokenize", &json!({"tokens": greedy}));
+    assert_eq!(expected.status, 200, "{}", expected.body);
+    let expected = expected.json()["prompt"].as_str().expect("text").to_owned();
+    let paths: Vec<String> = golden["images"]
+        .as_array()
+        .expect("images")
+        .iter()
+        .map(|i| dir.join(format!("../images/{i}.png")).display().to_string())
+        .collect();
+    let url = server.url();
+    let mut args = vec![
+        "--base-url",
+        url.as_str(),
+        "--model",
+        "e-style",
+        "--scenario",
+        "image",
+        "--prompt",
+        golden["messages_text"].as_str().expect("text"),
+        "--max-tokens",
+        "12",
+    ];
+    for p in &paths {
+        args.extend(["--image", p.as_str()]);
+    }
+    let Some(out) = python_script("anthropic_client.py", &["anthropic"], &args) else {
+        return;
+    };
+    let text: String = blocks(&out["whole"], "text")
+        .iter()
+        .filter_map(|b| b["text"].as_str())
+        .collect();
+    assert_eq!(text, expected, "{out}");
+    assert_eq!(out["streamed"], expected.as_str(), "{out}");
+    let prompt_tokens = golden["ids"].as_array().expect("ids").len() as u64;
+    assert_eq!(
+        out["whole"]["usage"]["input_tokens"], prompt_tokens,
+        "{out}"
+    );
+    assert_eq!(out["counted"], prompt_tokens, "{out}");
 }

@@ -14,11 +14,11 @@ fn vision_fixture() -> std::path::PathBuf {
     fixture_of("e-style")
 }
 
-fn fixture_of(variant: &str) -> std::path::PathBuf {
+pub(crate) fn fixture_of(variant: &str) -> std::path::PathBuf {
     root().join("tests/fixtures/vision").join(variant)
 }
 
-fn chat_golden_of(variant: &str) -> Value {
+pub(crate) fn chat_golden_of(variant: &str) -> Value {
     let text =
         std::fs::read_to_string(fixture_of(variant).join("golden.json")).expect("golden.json");
     serde_json::from_str::<Value>(&text).expect("json")["chat"].clone()
