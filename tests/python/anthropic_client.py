@@ -73,6 +73,13 @@ def scenario_messages(args):
                          extra_body={"temperature": 0, "logit_bias": ban}),
     }
     out = {name: three_ways(c, kw) for name, kw in cases.items()}
+    # Greedy decoding writes the same text again, so a stop sequence taken
+    # from the plain reply must end the second one there.
+    plain = "".join(b["text"] for b in out["plain"]["whole"]["content"] if b["type"] == "text")
+    stop = next((ch for ch in plain if ch.isascii() and ch.isalnum()), None)
+    if stop:
+        stopped = c.messages.create(**dict(cases["plain"], stop_sequences=[stop]))
+        out["stopped"] = {"stop": stop, "plain": plain, "whole": dump(stopped)}
     out["count_tokens"] = c.messages.count_tokens(
         model=args.model, messages=user, system=[{"type": "text", "text": "Answer briefly."}],
     ).input_tokens

@@ -150,8 +150,10 @@ pub struct TokenLogprob {
 /// Why a request ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FinishReason {
-    /// A stop token or stop string.
+    /// A stop token.
     Stop,
+    /// One of the request's stop strings (this one) matched.
+    StopString(String),
     /// As `Stop`, in a chat turn that completed at least one tool call.
     ToolCalls,
     /// `max_tokens` or the context length was reached.
@@ -168,7 +170,7 @@ impl FinishReason {
     /// The OpenAI `finish_reason` string.
     pub fn as_openai(&self) -> &'static str {
         match self {
-            FinishReason::Stop => "stop",
+            FinishReason::Stop | FinishReason::StopString(_) => "stop",
             FinishReason::ToolCalls => "tool_calls",
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",

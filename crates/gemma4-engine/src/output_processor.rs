@@ -184,7 +184,7 @@ impl Processor {
                     logprob,
                     events: step.events,
                 });
-                step.stopped.then_some(FinishReason::Stop)
+                step.stopped.map(FinishReason::StopString)
             }
             Err(failed) => Some(failed),
         };

@@ -392,7 +392,7 @@ fn stop_strings_cut_the_text() {
                 ..
             } => {
                 text.push_str(&t);
-                assert_eq!(reason, FinishReason::Stop);
+                assert_eq!(reason, FinishReason::StopString(stop.clone()));
                 break usage;
             }
         }

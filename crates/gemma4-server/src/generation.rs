@@ -587,7 +587,10 @@ impl Generation {
 /// The error a client sees for a request that ended abnormally.
 pub fn finish_error(reason: &FinishReason, state: &AppState) -> Option<ApiError> {
     match reason {
-        FinishReason::Stop | FinishReason::ToolCalls | FinishReason::Length => None,
+        FinishReason::Stop
+        | FinishReason::StopString(_)
+        | FinishReason::ToolCalls
+        | FinishReason::Length => None,
         FinishReason::Timeout => {
             let limit = state
                 .config

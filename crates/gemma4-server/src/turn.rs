@@ -26,6 +26,8 @@ pub enum Ending {
     Completed,
     /// The model ended its turn after calling tools.
     ToolCalls,
+    /// One of the request's stop strings (this one) ended the turn.
+    StopString(String),
     /// Out of tokens (`max_tokens` or the context).
     Incomplete,
     Failed(ApiError),
@@ -122,6 +124,7 @@ impl<F: TurnFold> Turn<F> {
         match reason {
             FinishReason::Length => Ending::Incomplete,
             FinishReason::ToolCalls => Ending::ToolCalls,
+            FinishReason::StopString(s) => Ending::StopString(s.clone()),
             _ => Ending::Completed,
         }
     }

@@ -61,9 +61,11 @@ impl StopStrings {
         })
     }
 
-    /// Where the earliest stop string starts in `text`.
-    fn find(&self, text: &str) -> Option<usize> {
-        self.matcher.find(text).map(|m| m.start())
+    /// Where the earliest stop string starts in `text`, and which it is.
+    fn find(&self, text: &str) -> Option<(usize, &str)> {
+        self.matcher
+            .find(text)
+            .map(|m| (m.start(), self.sorted[m.pattern().as_usize()].as_str()))
     }
 
     /// The byte length of the longest suffix of `text` that is a proper prefix of a stop string.
@@ -88,8 +90,8 @@ pub struct Released {
     pub text: String,
     /// The same text as answer stretches and markers.
     pub pieces: Vec<Piece>,
-    /// A stop string matched: nothing more will be released.
-    pub stopped: bool,
+    /// The stop string that matched: nothing more will be released.
+    pub stopped: Option<String>,
 }
 
 /// Detokenizes one request's ids and applies its stop strings.
@@ -127,10 +129,7 @@ impl TextOutput {
     /// As [`push`](Self::push), for an id whose marker the caller has looked up.
     fn push_read(&mut self, id: u32, marker: Option<Marker>) -> Result<Released> {
         if self.stopped {
-            return Ok(Released {
-                stopped: true,
-                ..Released::default()
-            });
+            return Ok(Released::default());
         }
         match marker {
             Some(marker) => {
@@ -153,7 +152,7 @@ impl TextOutput {
             return Ok(Released::default());
         }
         self.flush_decoder()?;
-        Ok(self.cut(self.held.len(), false))
+        Ok(self.cut(self.held.len(), None))
     }
 
     fn flush_decoder(&mut self) -> Result<()> {
@@ -166,18 +165,20 @@ impl TextOutput {
 
     fn release(&mut self) -> Released {
         let Some(stops) = &self.stops else {
-            return self.cut(self.held.len(), false);
+            return self.cut(self.held.len(), None);
         };
-        if let Some(at) = stops.find(&self.held) {
-            return self.cut(at, true);
+        if let Some((at, stop)) = stops.find(&self.held) {
+            let stop = stop.to_owned();
+            return self.cut(at, Some(stop));
         }
         // Hold back the longest tail that could still grow into a stop string.
         let at = self.held.len() - stops.pending_tail(&self.held);
-        self.cut(at, false)
+        self.cut(at, None)
     }
 
-    /// Releases `held[..at]`, never part of a marker; with `stop`, drops the rest.
-    fn cut(&mut self, at: usize, stop: bool) -> Released {
+    /// Releases `held[..at]`, never part of a marker; with the `stop` string
+    /// that matched there, drops the rest.
+    fn cut(&mut self, at: usize, stop: Option<String>) -> Released {
         let at = self
             .markers
             .iter()
@@ -200,7 +201,7 @@ impl TextOutput {
         for (start, _) in self.markers.iter_mut() {
             *start -= at;
         }
-        if stop {
+        if stop.is_some() {
             self.held.clear();
             self.markers.clear();
             self.stopped = true;
@@ -219,8 +220,8 @@ pub struct OutputStep {
     pub text: String,
     /// The chat turn's events (none when the output is read as plain text).
     pub events: Vec<OutputEvent>,
-    /// A stop string matched.
-    pub stopped: bool,
+    /// The stop string that matched.
+    pub stopped: Option<String>,
 }
 
 /// How a request's output is read.
@@ -287,7 +288,7 @@ impl RequestOutput {
             for piece in &released.pieces {
                 parser.push(piece, &mut events);
             }
-            if end || released.stopped {
+            if end || released.stopped.is_some() {
                 parser.finish(&mut events);
             }
         }
@@ -321,7 +322,7 @@ mod tests {
     #[test]
     fn the_earliest_match_wins_and_tails_are_held() {
         let s = stops(&["world", "lo w", "xyz"]);
-        assert_eq!(s.find("hello world"), Some(3));
+        assert_eq!(s.find("hello world"), Some((3, "lo w")));
         assert_eq!(s.find("hello"), None);
         // "lo" could become "lo w"; "wor" could become "world"; "xy" could become "xyz".
         assert_eq!(s.pending_tail("hello"), 2);
@@ -337,6 +338,6 @@ mod tests {
     fn multibyte_tails_are_cut_on_character_boundaries() {
         let s = stops(&["é!"]);
         assert_eq!(s.pending_tail("café"), "é".len());
-        assert_eq!(s.find("café!"), Some(3));
+        assert_eq!(s.find("café!"), Some((3, "é!")));
     }
 }

@@ -136,6 +136,18 @@ fn messages_through_the_anthropic_sdk() {
             .is_empty(),
         "{thinking}"
     );
+    let stopped = &out["stopped"];
+    assert_eq!(stopped["whole"]["stop_reason"], "stop_sequence", "{out}");
+    assert_eq!(stopped["whole"]["stop_sequence"], stopped["stop"], "{out}");
+    let cut: String = blocks(&stopped["whole"], "text")
+        .iter()
+        .filter_map(|b| b["text"].as_str())
+        .collect();
+    let plain = stopped["plain"].as_str().expect("the plain reply");
+    let stop = stopped["stop"].as_str().expect("the stop sequence");
+    // White space before the first text is held until text follows it.
+    let before = &plain[..plain.find(stop).expect("the stop is in the reply")];
+    assert_eq!(cut.trim_start(), before.trim_start(), "{out}");
     // Counting the same prompt gives what the turn was charged.
     assert_eq!(
         out["count_tokens"], out["plain"]["whole"]["usage"]["input_tokens"],

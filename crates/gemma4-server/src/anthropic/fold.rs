@@ -221,19 +221,21 @@ impl TurnFold for MessageFold {
         for index in 0..self.blocks.len() {
             self.close(index, &mut out);
         }
-        let stop_reason = match ending {
+        let (stop_reason, stop_sequence) = match ending {
             Ending::Failed(e) => {
                 out.push(error_body(e));
                 return out;
             }
-            Ending::Completed => "end_turn",
-            Ending::ToolCalls => "tool_use",
-            Ending::Incomplete => "max_tokens",
+            Ending::Completed => ("end_turn", None),
+            Ending::ToolCalls => ("tool_use", None),
+            Ending::StopString(s) => ("stop_sequence", Some(s.as_str())),
+            Ending::Incomplete => ("max_tokens", None),
         };
         self.message = self.message(Some(stop_reason), usage);
+        self.message["stop_sequence"] = json!(stop_sequence);
         out.push(json!({
             "type": "message_delta",
-            "delta": {"stop_reason": stop_reason, "stop_sequence": null},
+            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
             "usage": usage_json(usage),
         }));
         out.push(json!({"type": "message_stop"}));

@@ -305,7 +305,7 @@ impl Assembler {
             self.close(index, cut || unfinished_call, &mut out);
         }
         let (name, response) = match ending {
-            Ending::Completed | Ending::ToolCalls => (
+            Ending::Completed | Ending::ToolCalls | Ending::StopString(_) => (
                 "response.completed",
                 self.response("completed", None, usage),
             ),
