@@ -407,6 +407,38 @@ struct MediaArgs {
 }
 
 /// Loads the model and tokenizer and starts the engine.
+/// The checkpoint as model listings show it: its format, family, bytes on
+/// disk and when it was written (a folder: its safetensors files).
+fn model_info(checkpoint: &Path, family: &str) -> gemma4_server::ModelInfo {
+    let files: Vec<std::path::PathBuf> = if checkpoint.is_dir() {
+        std::fs::read_dir(checkpoint)
+            .map(|d| {
+                d.filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    } else {
+        vec![checkpoint.to_path_buf()]
+    };
+    let meta: Vec<std::fs::Metadata> = files.iter().filter_map(|f| f.metadata().ok()).collect();
+    gemma4_server::ModelInfo {
+        format: if checkpoint.is_dir() {
+            "safetensors"
+        } else {
+            "gguf"
+        }
+        .into(),
+        family: family.to_owned(),
+        size_bytes: meta.iter().map(std::fs::Metadata::len).sum(),
+        modified: meta
+            .iter()
+            .filter_map(|m| m.modified().ok())
+            .max()
+            .unwrap_or(std::time::UNIX_EPOCH),
+    }
+}
+
 fn load(
     model_args: &ModelArgs,
     media: &MediaArgs,
@@ -433,6 +465,7 @@ fn load(
         None => ChatTemplate::for_tokenizer(&loaded.tokenizer, None),
     };
     let eos_ids = loaded.model.config().eos_token_ids.clone();
+    let info = model_info(&checkpoint, &loaded.model.config().model_type);
     let mut loaded_encoders: Vec<String> = images.iter().map(|e| e.describe()).collect();
     loaded_encoders.extend(audio.iter().map(|a| a.describe()));
     // The executor runs the encoders; the server only prepares their inputs.
@@ -446,7 +479,7 @@ fn load(
     )
     .context("cannot start the engine")?;
     let facts = engine.media_facts().clone();
-    let context = ModelContext::new(engine, template, &eos_ids);
+    let context = ModelContext::new(engine, template, &eos_ids).with_info(info);
     if loaded_encoders.is_empty() {
         return Ok(context);
     }

@@ -32,6 +32,7 @@ use crate::drain::ActiveGuard;
 use crate::error::ApiError;
 use crate::front::{self, OpenAiJob};
 use crate::generation::{fold_to_end, Generation};
+use crate::ollama;
 use crate::openai::fold::{Format, PromptOutput, ReplyFold};
 use crate::openai::request::Streaming;
 use crate::openai::response::{
@@ -46,8 +47,14 @@ use crate::server::{Admitted, AppState};
 use crate::sse::{self, StreamMeta};
 use crate::tokenize;
 
-const ROUTES: [&str; 15] = [
+const ROUTES: [&str; 21] = [
     "/v1/chat/completions",
+    "/api/chat",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/api/ps",
+    "/api/version",
     "/v1/messages",
     "/v1/messages/count_tokens",
     "/tokenizer_info",
@@ -63,7 +70,7 @@ const ROUTES: [&str; 15] = [
     "/ready",
     "/metrics",
 ];
-const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/messages, POST /v1/messages/count_tokens, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, POST /generate, GET /health, GET /ready, GET /metrics";
+const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/messages, POST /v1/messages/count_tokens, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, POST /generate, Ollama's POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, GET /health, GET /ready, GET /metrics";
 
 pub fn router(state: Arc<AppState>) -> Router {
     let keyed = Router::new()
@@ -76,6 +83,12 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/responses", post(responses::responses))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/api/chat", post(ollama::chat))
+        .route("/api/generate", post(ollama::generate))
+        .route("/api/tags", get(ollama::tags))
+        .route("/api/show", post(ollama::show))
+        .route("/api/ps", get(ollama::ps))
+        .route("/api/version", get(ollama::version))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/tokenizer_info", get(tokenize::tokenizer_info))

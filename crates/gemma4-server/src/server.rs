@@ -31,6 +31,30 @@ pub struct Admitted {
     pub arrival: std::time::Instant,
 }
 
+/// What the served checkpoint is, as model listings show it.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    /// `gguf` or `safetensors`.
+    pub format: String,
+    /// The config's `model_type` (`gemma4`, `gemma3`, …).
+    pub family: String,
+    /// The weights' bytes on disk.
+    pub size_bytes: u64,
+    /// When the weights were written.
+    pub modified: std::time::SystemTime,
+}
+
+impl Default for ModelInfo {
+    fn default() -> Self {
+        Self {
+            format: String::new(),
+            family: String::new(),
+            size_bytes: 0,
+            modified: UNIX_EPOCH,
+        }
+    }
+}
+
 /// A loaded model, ready to serve.
 pub struct ModelContext {
     pub engine: EngineHandle,
@@ -43,6 +67,7 @@ pub struct ModelContext {
     /// The checkpoint's media encoders, when it has any (image and audio
     /// parts are refused otherwise).
     pub media: Option<Arc<crate::media::Media>>,
+    pub info: ModelInfo,
 }
 
 impl ModelContext {
@@ -65,7 +90,14 @@ impl ModelContext {
             stop_token_ids,
             grammars: OnceLock::new(),
             media: None,
+            info: ModelInfo::default(),
         }
+    }
+
+    /// Describes the checkpoint for model listings.
+    pub fn with_info(mut self, info: ModelInfo) -> Self {
+        self.info = info;
+        self
     }
 
     /// Serves images and audio with these encoders and settings.

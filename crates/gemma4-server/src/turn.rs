@@ -7,9 +7,10 @@ use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::Arc;
 
+use axum::http::header;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
-use futures_util::stream;
+use futures_util::{stream, StreamExt};
 use gemma4_engine::{EngineEvent, FinishReason, Usage};
 use gemma4_text::OutputEvent;
 use serde_json::Value;
@@ -151,20 +152,38 @@ impl<F: TurnFold> Turn<F> {
         }
     }
 
-    /// The turn as server-sent events, each named by its `type`; the stream
-    /// ends after the fold's closing events.
-    pub fn stream(mut self) -> Response {
+    /// The fold's events as they come, the opening ones first.
+    fn events(mut self) -> impl futures_util::Stream<Item = Value> + Send {
         let pending: VecDeque<Value> = self.fold.start(&self.usage()).into();
-        let events = stream::unfold((self, pending), |(mut turn, mut pending)| async move {
+        stream::unfold((self, pending), |(mut turn, mut pending)| async move {
             loop {
                 if let Some(v) = pending.pop_front() {
-                    let kind = v["type"].as_str().unwrap_or("message").to_owned();
-                    let event = Event::default().event(kind).data(v.to_string());
-                    return Some((Ok::<_, Infallible>(event), (turn, pending)));
+                    return Some((v, (turn, pending)));
                 }
                 pending.extend(turn.next_events().await?);
             }
+        })
+    }
+
+    /// The turn as server-sent events, each named by its `type`; the stream
+    /// ends after the fold's closing events.
+    pub fn stream(self) -> Response {
+        let events = self.events().map(|v| {
+            let kind = v["type"].as_str().unwrap_or("message").to_owned();
+            Ok::<_, Infallible>(Event::default().event(kind).data(v.to_string()))
         });
         Sse::new(events).into_response()
+    }
+
+    /// The turn as newline-delimited JSON, one event a line.
+    pub fn ndjson(self) -> Response {
+        let lines = self
+            .events()
+            .map(|v| Ok::<_, Infallible>(axum::body::Bytes::from(format!("{v}\n"))));
+        (
+            [(header::CONTENT_TYPE, "application/x-ndjson")],
+            axum::body::Body::from_stream(lines),
+        )
+            .into_response()
     }
 }

@@ -8,6 +8,7 @@ mod anthropic;
 mod conformance;
 mod harness;
 mod images;
+mod ollama;
 mod protocol;
 mod real_vocab;
 mod render;
