@@ -8,7 +8,8 @@
 //!
 //! * [`routes`]: `/v1/chat/completions`, `/v1/completions`, `/v1/models`,
 //!   `/v1/models/{id}`, `/v1/responses`, Anthropic's `/v1/messages` and
-//!   `/v1/messages/count_tokens`, `/tokenize`, `/detokenize`,
+//!   `/v1/messages/count_tokens`, Ollama's `/api/chat`, `/api/generate`,
+//!   `/api/tags`, `/api/show`, `/api/ps`, `/api/version`, `/tokenize`, `/detokenize`,
 //!   `/tokenizer_info`, `/generate`, `/health`, `/ready`, `/metrics`.
 //! * [`openai`]: request parsing (unknown fields ignored, wrong types a 400
 //!   naming the field) and response and chunk shapes.
@@ -23,7 +24,7 @@
 //!   requests up to a timeout, then return.
 //!
 //! Every error is OpenAI's error JSON, `{"error": {"message", "type", "param",
-//! "code"}}` (Anthropic's on its routes), with a message that says how to
+//! "code"}}` (Anthropic's and Ollama's on theirs), with a message that says how to
 //! fix the request.
 
 pub mod admission;
