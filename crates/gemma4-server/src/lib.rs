@@ -28,7 +28,7 @@
 //! fix the request.
 
 pub mod admission;
-mod anthropic;
+pub mod anthropic;
 pub mod auth;
 pub mod config;
 pub mod connections;
@@ -41,7 +41,7 @@ pub mod grammar;
 pub mod kv_events;
 pub mod media;
 pub mod metrics;
-mod ollama;
+pub mod ollama;
 pub mod openai;
 pub mod remote_media;
 mod render;

@@ -1,9 +1,10 @@
-//! Property tests of request parsing: arbitrary bytes, and JSON objects
-//! whose known fields hold values of any type, never panic and are either
-//! accepted or refused with a 4xx that says why.
+//! Property tests of request parsing on every API (OpenAI's, Anthropic's,
+//! Ollama's): arbitrary bytes, and JSON objects whose known fields hold
+//! values of any type, never panic and are either accepted or refused with
+//! a 4xx that says why.
 
 use gemma4_server::openai::{ChatRequest, CompletionRequest, GenerateRequest};
-use gemma4_server::ApiError;
+use gemma4_server::{anthropic, ollama, ApiError};
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 
@@ -65,6 +66,19 @@ const FIELDS: &[&str] = &[
     "suffix",
     "tool_choice",
     "logit_bias",
+    // Anthropic's.
+    "system",
+    "stop_sequences",
+    "thinking",
+    "output_config",
+    "metadata",
+    // Ollama's.
+    "options",
+    "format",
+    "think",
+    "images",
+    "raw",
+    "keep_alive",
 ];
 
 /// An object with some of the known fields, each holding anything.
@@ -94,7 +108,10 @@ fn check(result: Result<(), ApiError>) -> Result<(), TestCaseError> {
 fn parse_all(body: &[u8]) -> Result<(), TestCaseError> {
     check(ChatRequest::parse(body).map(drop))?;
     check(CompletionRequest::parse(body).map(drop))?;
-    check(GenerateRequest::parse(body).map(drop))
+    check(GenerateRequest::parse(body).map(drop))?;
+    check(anthropic::chat_request(body).map(drop))?;
+    check(ollama::chat_request(body, false, 512).map(drop))?;
+    check(ollama::chat_request(body, true, 512).map(drop))
 }
 
 proptest! {
@@ -122,5 +139,7 @@ proptest! {
             .collect();
         let body = json!({"messages": messages}).to_string();
         check(ChatRequest::parse(body.as_bytes()).map(drop))?;
+        check(anthropic::chat_request(body.as_bytes()).map(drop))?;
+        check(ollama::chat_request(body.as_bytes(), false, 512).map(drop))?;
     }
 }

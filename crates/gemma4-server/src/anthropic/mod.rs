@@ -81,6 +81,17 @@ fn bad(message: impl Into<String>, param: &str) -> ApiError {
     ApiError::bad_request(message).with_param(param)
 }
 
+/// A Messages request body as the chat request it is served as; errors
+/// name the Messages fields.
+pub fn chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
+    chat_request_of(&Fields::parse(body)?)
+}
+
+fn chat_request_of(f: &Fields) -> Result<ChatRequest, ApiError> {
+    let (chat, origins) = chat_fields(f)?;
+    ChatRequest::from_fields(&chat).map_err(|e| e.renamed(|name| anthropic_name(name, &origins)))
+}
+
 /// `POST /v1/messages`.
 pub async fn messages(
     State(state): State<Arc<AppState>>,
@@ -95,13 +106,12 @@ pub async fn messages(
         )
         .into());
     }
-    let (chat, origins) = chat_fields(&f)?;
-    let rename = |e: ApiError| e.renamed(|name| anthropic_name(name, &origins));
-    let req = ChatRequest::from_fields(&chat).map_err(rename)?;
+    let req = chat_request_of(&f)?;
     let streamed = req.streaming.stream;
+    let (_, origins) = chat_fields(&f)?;
     let submitted = submit_chat(&state, &admitted.model, req, admitted.arrival)
         .await
-        .map_err(rename)?;
+        .map_err(|e| e.renamed(|name| anthropic_name(name, &origins)))?;
     let fold = MessageFold::new(state.response_id("msg"), submitted.served);
     let turn = Turn::new(fold, submitted.generation, state, admitted.guard);
     if streamed {
@@ -118,12 +128,11 @@ pub async fn count_tokens(
 ) -> Result<Json<Value>, AnthropicError> {
     let admitted = state.admit_body(body).await?;
     let f = Fields::parse(&admitted.bytes)?;
-    let (chat, origins) = chat_fields(&f)?;
-    let rename = |e: ApiError| e.renamed(|name| anthropic_name(name, &origins));
-    let req = ChatRequest::from_fields(&chat).map_err(rename)?;
+    let req = chat_request_of(&f)?;
+    let (_, origins) = chat_fields(&f)?;
     let job = front::chat_job(&state, &admitted.model, req, admitted.arrival)
         .await
-        .map_err(rename)?;
+        .map_err(|e| e.renamed(|name| anthropic_name(name, &origins)))?;
     let tokens = job.prompts.first().map_or(0, Vec::len);
     Ok(Json(json!({ "input_tokens": tokens })))
 }

@@ -58,6 +58,21 @@ pub async fn generate(
     turn(state, body, Route::Generate).await
 }
 
+/// An `/api/chat` (or, with `generate`, `/api/generate`) body as the chat
+/// request it is served as, for a server of `max_model_len` tokens.
+pub fn chat_request(
+    body: &[u8],
+    generate: bool,
+    max_model_len: usize,
+) -> Result<ChatRequest, ApiError> {
+    let route = if generate {
+        Route::Generate
+    } else {
+        Route::Chat
+    };
+    ChatRequest::from_fields(&chat_fields(&Fields::parse(body)?, route, max_model_len)?)
+}
+
 async fn turn(state: Arc<AppState>, body: Body, route: Route) -> Result<Response, OllamaError> {
     let admitted = state.admit_body(body).await?;
     let f = Fields::parse(&admitted.bytes)?;
