@@ -147,7 +147,44 @@ def scenario_image(args):
     return {"whole": dump(whole), "streamed": streamed, "counted": counted}
 
 
-SCENARIOS = {"messages": scenario_messages, "round_trip": scenario_round_trip, "errors": scenario_errors,
+def scenario_agent(args):
+    """The SDK's own agent loop (the beta tool runner) with two tools: it
+    calls the model, runs each tool it asks for, and sends the results back."""
+    from typing import Literal
+
+    from anthropic import beta_tool
+
+    called = []
+
+    @beta_tool
+    def get_weather(city: Literal["Paris", "Rome"]) -> str:
+        """The weather in a city.
+
+        Args:
+            city: The city's name.
+        """
+        called.append(["get_weather", city])
+        return "21 C, sunny"
+
+    @beta_tool
+    def get_time(zone: Literal["utc", "cet"]) -> str:
+        """The time in a time zone.
+
+        Args:
+            zone: The zone's name.
+        """
+        called.append(["get_time", zone])
+        return "12:00"
+
+    runner = client(args).beta.messages.tool_runner(
+        model=args.model, max_tokens=args.max_tokens, max_iterations=3, thread=False,
+        messages=[{"role": "user", "content": args.prompt}], tools=[get_weather, get_time],
+        tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"temperature": 0})
+    turns = [m.model_dump(mode="json", exclude_none=True) for m in runner]
+    return {"turns": turns, "called": called}
+
+
+SCENARIOS = {"messages": scenario_messages, "agent": scenario_agent, "round_trip": scenario_round_trip, "errors": scenario_errors,
              "image": scenario_image}
 
 

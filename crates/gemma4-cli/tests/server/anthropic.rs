@@ -1,7 +1,8 @@
 //! Anthropic's Messages API through the official `anthropic` SDK: whole,
 //! streamed and through the SDK's stream helper (all three the same
 //! message), structured output, forced and free tool calls, thinking under a
-//! budget, a tool round trip, token counting, and errors in Anthropic's shape.
+//! budget, a tool round trip, the SDK's tool-runner agent loop, token
+//! counting, and errors in Anthropic's shape.
 
 use serde_json::{json, Value};
 
@@ -165,6 +166,25 @@ fn messages_through_the_anthropic_sdk() {
         trip["counted"], trip["second"]["usage"]["input_tokens"],
         "{trip}"
     );
+
+    // The SDK's own agent loop: each turn calls a declared tool, which the
+    // loop runs and answers, up to its three iterations.
+    let Some(agent) = run(&server, "agent", &["--max-tokens", "60"]) else {
+        return;
+    };
+    let turns = agent["turns"].as_array().expect("turns");
+    assert_eq!(turns.len(), 3, "{agent}");
+    assert!(
+        turns.iter().all(|t| t["stop_reason"] == "tool_use"),
+        "{agent}"
+    );
+    let called = agent["called"].as_array().expect("called");
+    assert_eq!(called.len(), 3, "{agent}");
+    for call in called {
+        let ok = (call[0] == "get_weather" && (call[1] == "Paris" || call[1] == "Rome"))
+            || (call[0] == "get_time" && (call[1] == "utc" || call[1] == "cet"));
+        assert!(ok, "{agent}");
+    }
 
     let Some(errors) = run(&server, "errors", &[]) else {
         return;

@@ -141,6 +141,13 @@ pub async fn count_tokens(
 /// message the Messages message it came from (`None`: `system`).
 fn chat_fields(f: &Fields) -> Result<(Fields, Vec<Option<usize>>), ApiError> {
     f.refuse(&UNSUPPORTED, "/v1/messages")?;
+    if f.get("thread").is_some() {
+        return Err(bad(
+            "`thread` (conversations kept by the server) is not supported: send the whole conversation \
+             in `messages` (the SDK's tool runner does with `thread=False`)",
+            "thread",
+        ));
+    }
     let mut body = Map::new();
     let (messages, origins) = chat_messages(f)?;
     body.insert("messages".into(), Value::Array(messages));
