@@ -37,8 +37,17 @@ def main():
     p.add_argument("--model", required=True)
     p.add_argument("--prompt", default="Weather in Paris?")
     p.add_argument("--max-tokens", type=int, default=24)
+    p.add_argument("--image", action="append", default=[], help="image path: only a chat turn with these")
     args = p.parse_args()
     c = ollama.Client(host=args.host)
+    if args.image:
+        kw = {"model": args.model, "options": {"temperature": 0, "num_predict": args.max_tokens},
+              "messages": [{"role": "user", "content": args.prompt, "images": args.image}]}
+        whole = c.chat(**kw)
+        streamed = merged(list(c.chat(stream=True, **kw)), "content")
+        print(json.dumps({"content": whole.message.content, "streamed": streamed,
+                          "prompt_eval_count": whole.prompt_eval_count}))
+        return
     user = [{"role": "user", "content": args.prompt}]
     options = {"temperature": 0, "num_predict": args.max_tokens}
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},

@@ -209,9 +209,10 @@ fn messages_through_the_anthropic_sdk() {
     );
 }
 
-/// An image block reads as the chat route's `image_url` part does: the
-/// reply to the vision fixture's two-image turn is the reference's greedy
-/// text, and the prompt is the reference's length, counted and charged.
+/// An image block (and an Ollama message's `images`) reads as the chat
+/// route's `image_url` part does: the reply to the vision fixture's
+/// two-image turn is the reference's greedy text, and the prompt is the
+/// reference's length, counted and charged.
 #[test]
 fn image_blocks_keep_the_reference_tokens() {
     let dir = fixture_of("e-style");
@@ -275,4 +276,25 @@ fn image_blocks_keep_the_reference_tokens() {
         "{out}"
     );
     assert_eq!(out["counted"], prompt_tokens, "{out}");
+
+    // The same turn through Ollama's client, its images as files.
+    let mut args = vec![
+        "--host",
+        url.as_str(),
+        "--model",
+        "e-style",
+        "--prompt",
+        golden["messages_text"].as_str().expect("text"),
+        "--max-tokens",
+        "12",
+    ];
+    for p in &paths {
+        args.extend(["--image", p.as_str()]);
+    }
+    let Some(out) = python_script("ollama_client.py", &["ollama"], &args) else {
+        return;
+    };
+    assert_eq!(out["content"], expected.as_str(), "{out}");
+    assert_eq!(out["streamed"], expected.as_str(), "{out}");
+    assert_eq!(out["prompt_eval_count"], prompt_tokens, "{out}");
 }

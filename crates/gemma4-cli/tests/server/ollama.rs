@@ -3,7 +3,7 @@
 //! thinking and tools, a tool round trip by tool name, a templated
 //! generation, the model listings, and an unknown model in Ollama's error shape.
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use crate::harness::{fixture, python_script, ServerProc};
 use crate::protocol::e_style_opening_a_channel;
@@ -96,6 +96,32 @@ fn ollama_routes_through_the_ollama_client() {
         out["ps"]["models"][0]["context_length"].as_u64() > Some(0),
         "{out}"
     );
+    // Bad input is a 400 in Ollama's shape, naming the field.
+    for (body, field) in [
+        (
+            json!({"model": "e-style", "messages": [], "format": 5}),
+            "format",
+        ),
+        (
+            json!({"model": "e-style", "prompt": "x", "raw": true}),
+            "raw",
+        ),
+        (json!({"messages": []}), "model"),
+        (
+            json!({"model": "e-style", "messages": [], "options": {"num_ctx": 1_000_000}}),
+            "num_ctx",
+        ),
+    ] {
+        let path = if body.get("prompt").is_some() {
+            "/api/generate"
+        } else {
+            "/api/chat"
+        };
+        let r = server.post(path, &body);
+        assert_eq!(r.status, 400, "{body}: {}", r.body);
+        let error = r.json()["error"].as_str().unwrap_or_default().to_owned();
+        assert!(error.contains(field), "{body}: {}", r.body);
+    }
     assert_eq!(out["unknown_model"]["status"], 404, "{out}");
     assert!(
         text(&out["unknown_model"]["error"]).contains("no-such-model"),
