@@ -298,3 +298,54 @@ fn image_blocks_keep_the_reference_tokens() {
     assert_eq!(out["streamed"], expected.as_str(), "{out}");
     assert_eq!(out["prompt_eval_count"], prompt_tokens, "{out}");
 }
+
+/// Agents on the real-vocabulary checkpoint (Gemma 4's real tokenizer and
+/// chat template): the anthropic SDK's tool-runner loop with two tools, and
+/// Ollama's client with tools and a tool round trip; every turn parses.
+#[test]
+fn agents_run_on_the_real_vocabulary_checkpoint() {
+    let dir = crate::real_vocab::dir();
+    let server = ServerProc::start(dir, &[], &[]);
+    let model = server.get("/v1/models").json()["data"][0]["id"]
+        .as_str()
+        .expect("model id")
+        .to_owned();
+    let url = server.url();
+    let args = [
+        "--base-url",
+        url.as_str(),
+        "--model",
+        model.as_str(),
+        "--scenario",
+        "agent",
+        "--max-tokens",
+        "60",
+    ];
+    let Some(agent) = python_script("anthropic_client.py", &["anthropic"], &args) else {
+        return;
+    };
+    let turns = agent["turns"].as_array().expect("turns");
+    assert!(!turns.is_empty(), "{agent}");
+    for (turn, call) in turns
+        .iter()
+        .zip(agent["called"].as_array().expect("called"))
+    {
+        let uses = blocks(turn, "tool_use");
+        assert_eq!(uses.len(), 1, "{agent}");
+        assert_eq!(uses[0]["name"], call[0], "{agent}");
+        assert_eq!(turn["stop_reason"], "tool_use", "{agent}");
+    }
+    let args = [
+        "--host",
+        url.as_str(),
+        "--model",
+        model.as_str(),
+        "--max-tokens",
+        "24",
+    ];
+    let Some(out) = python_script("ollama_client.py", &["ollama"], &args) else {
+        return;
+    };
+    assert_eq!(out["tools"]["whole"]["done"], true, "{out}");
+    assert_eq!(out["round_trip"]["done"], true, "{out}");
+}
