@@ -84,12 +84,24 @@ fn bad(message: impl Into<String>, param: &str) -> ApiError {
 /// A Messages request body as the chat request it is served as; errors
 /// name the Messages fields.
 pub fn chat_request(body: &[u8]) -> Result<ChatRequest, ApiError> {
-    chat_request_of(&Fields::parse(body)?)
+    Ok(chat_request_of(&Fields::parse(body)?)?.0)
 }
 
-fn chat_request_of(f: &Fields) -> Result<ChatRequest, ApiError> {
+/// The chat request, and the renaming its later errors need.
+fn chat_request_of(f: &Fields) -> Result<(ChatRequest, Renamer), ApiError> {
     let (chat, origins) = chat_fields(f)?;
-    ChatRequest::from_fields(&chat).map_err(|e| e.renamed(|name| anthropic_name(name, &origins)))
+    let renamer = Renamer(origins);
+    let req = ChatRequest::from_fields(&chat).map_err(|e| renamer.rename(e))?;
+    Ok((req, renamer))
+}
+
+/// Names the chat path's errors by the Messages fields they came from.
+struct Renamer(Vec<Option<usize>>);
+
+impl Renamer {
+    fn rename(&self, e: ApiError) -> ApiError {
+        e.renamed(|name| anthropic_name(name, &self.0))
+    }
 }
 
 /// `POST /v1/messages`.
@@ -106,12 +118,11 @@ pub async fn messages(
         )
         .into());
     }
-    let req = chat_request_of(&f)?;
+    let (req, renamer) = chat_request_of(&f)?;
     let streamed = req.streaming.stream;
-    let (_, origins) = chat_fields(&f)?;
     let submitted = submit_chat(&state, &admitted.model, req, admitted.arrival)
         .await
-        .map_err(|e| e.renamed(|name| anthropic_name(name, &origins)))?;
+        .map_err(|e| renamer.rename(e))?;
     let fold = MessageFold::new(state.response_id("msg"), submitted.served);
     let turn = Turn::new(fold, submitted.generation, state, admitted.guard);
     if streamed {
@@ -128,11 +139,10 @@ pub async fn count_tokens(
 ) -> Result<Json<Value>, AnthropicError> {
     let admitted = state.admit_body(body).await?;
     let f = Fields::parse(&admitted.bytes)?;
-    let req = chat_request_of(&f)?;
-    let (_, origins) = chat_fields(&f)?;
+    let (req, renamer) = chat_request_of(&f)?;
     let job = front::chat_job(&state, &admitted.model, req, admitted.arrival)
         .await
-        .map_err(|e| e.renamed(|name| anthropic_name(name, &origins)))?;
+        .map_err(|e| renamer.rename(e))?;
     let tokens = job.prompts.first().map_or(0, Vec::len);
     Ok(Json(json!({ "input_tokens": tokens })))
 }
