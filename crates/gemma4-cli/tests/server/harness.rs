@@ -174,11 +174,13 @@ impl ServerProc {
     /// A metric's value from `/metrics` (the first sample whose line starts with `prefix`).
     pub fn metric(&self, prefix: &str) -> f64 {
         let text = self.get("/metrics").body;
-        text.lines()
-            .find(|l| l.starts_with(prefix) && l[prefix.len()..].starts_with([' ', '{']))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no metric {prefix} in\n{text}"))
+        metric_in(&text, prefix).unwrap_or_else(|| panic!("no metric {prefix} in\n{text}"))
+    }
+
+    /// A metric's value, or 0 while it has no line (a labelled counter
+    /// appears with its first count).
+    pub fn metric_or_zero(&self, prefix: &str) -> f64 {
+        metric_in(&self.get("/metrics").body, prefix).unwrap_or(0.0)
     }
 
     /// Waits until a metric has `value`: the engine publishes its figures
@@ -197,6 +199,14 @@ impl ServerProc {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
+}
+
+/// The value on the line of `text` that names the metric `prefix`.
+fn metric_in(text: &str, prefix: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(prefix) && l[prefix.len()..].starts_with([' ', '{']))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
 }
 
 impl Drop for ServerProc {
