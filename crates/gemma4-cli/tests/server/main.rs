@@ -284,6 +284,14 @@ fn full_queue_answers_429_with_retry_after() {
         &["--max-num-seqs", "1", "--max-queue", "1"],
         &[],
     );
+    // The one running slot and the one queue place taken by long requests,
+    // seen taken, so every request the client sends finds the queue full.
+    let long = json!({"prompt": "Hello world", "max_tokens": 4000, "temperature": 0, "ignore_eos": true, "stream": true});
+    let mut running = EventStream::open(server.port, "/v1/completions", &long);
+    assert!(running.next_data().is_some());
+    server.wait_metric("gemma4_running_sequences", 1.0, Duration::from_secs(5));
+    let queued = EventStream::open(server.port, "/v1/completions", &long);
+    server.wait_metric("gemma4_queue_depth", 1.0, Duration::from_secs(5));
     let Some(out) = openai_client(
         &server.url(),
         &[
@@ -300,18 +308,11 @@ fn full_queue_answers_429_with_retry_after() {
         return;
     };
     let outcomes = out["outcomes"].as_array().expect("outcomes");
-    let ok = outcomes.iter().filter(|o| o["status"] == 200).count();
     let limited: Vec<&Value> = outcomes.iter().filter(|o| o["status"] == 429).collect();
-    assert_eq!(
-        ok + limited.len(),
-        6,
-        "only 200 and 429 expected: {outcomes:?}"
-    );
-    assert!(ok >= 1, "{outcomes:?}");
-    assert!(
-        limited.len() >= 4,
-        "one running and one queued request at most: {outcomes:?}"
-    );
+    assert_eq!(limited.len(), 6, "all refused while full: {outcomes:?}");
+    drop((running, queued));
+    server.wait_metric("gemma4_queue_depth", 0.0, Duration::from_secs(5));
+    server.wait_metric("gemma4_running_sequences", 0.0, Duration::from_secs(5));
     for o in limited {
         assert_eq!(o["class"], "RateLimitError");
         assert_eq!(o["retry_after"], "1");
