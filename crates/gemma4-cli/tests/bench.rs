@@ -389,7 +389,7 @@ fn local_bench_reports_generation_against_the_measured_bandwidth() {
         .map(|a| a.iter().filter_map(Value::as_f64).collect())
         .unwrap_or_default();
     assert_eq!(rates.len(), 2, "{roof}");
-    assert!(rates.iter().all(|&r| r.is_finite() && r > 0.1), "{roof}");
+    assert!(rates.iter().all(|&r| r.is_finite() && r > 0.0), "{roof}");
     let bytes = roof["bytes_per_token"].as_f64().unwrap_or(0.0);
     assert!(bytes > 0.0, "{roof}");
     let tok_s = roof["roofline_tok_s"].as_f64().unwrap_or(0.0);
