@@ -149,6 +149,16 @@ impl ApiError {
     }
 }
 
+/// `name` with the first of `fields`' chat names that starts it (the whole
+/// name, or a name followed by `.` or `[`) replaced by the other API's
+/// name for that field; `None` when none starts it.
+pub fn rename_field(name: &str, fields: &[(&str, &str)]) -> Option<String> {
+    fields.iter().find_map(|(chat, theirs)| {
+        let rest = name.strip_prefix(chat)?;
+        (rest.is_empty() || rest.starts_with(['.', '['])).then(|| format!("{theirs}{rest}"))
+    })
+}
+
 impl std::fmt::Display for ApiError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} {}", self.status.as_u16(), self.message)

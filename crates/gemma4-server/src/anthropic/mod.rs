@@ -16,7 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
 
-use crate::error::ApiError;
+use crate::error::{rename_field, ApiError};
 use crate::fields::Fields;
 use crate::front;
 use crate::openai::ChatRequest;
@@ -528,14 +528,7 @@ fn anthropic_name(name: &str, origins: &[Option<usize>]) -> String {
         ("thinking_token_budget", "thinking.budget_tokens"),
         ("tool_choice.function.name", "tool_choice.name"),
     ];
-    for (chat, ours) in settings {
-        if let Some(rest) = name.strip_prefix(chat) {
-            if rest.is_empty() || rest.starts_with(['.', '[']) {
-                return format!("{ours}{rest}");
-            }
-        }
-    }
-    name.to_string()
+    rename_field(name, &settings).unwrap_or_else(|| name.to_string())
 }
 
 #[cfg(test)]

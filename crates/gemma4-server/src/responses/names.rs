@@ -5,7 +5,7 @@
 //! `tool_calls[j]` the `function_call` item of that call, and the settings
 //! their Responses spelling.
 
-use crate::error::ApiError;
+use crate::error::{rename_field, ApiError};
 
 /// Where a chat message came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -52,14 +52,7 @@ fn responses_name(name: &str, origins: &[Origin]) -> String {
             return format!("tools[{i}]{rest}");
         }
     }
-    for (chat, responses) in SETTINGS {
-        if let Some(rest) = name.strip_prefix(chat) {
-            if rest.is_empty() || rest.starts_with(['.', '[']) {
-                return format!("{responses}{rest}");
-            }
-        }
-    }
-    name.to_string()
+    rename_field(name, SETTINGS).unwrap_or_else(|| name.to_string())
 }
 
 /// `messages[` `rest`: the input item the message came from.
