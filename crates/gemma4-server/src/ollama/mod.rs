@@ -17,7 +17,7 @@ use axum::Json;
 use base64::Engine as _;
 use serde_json::{json, Map, Value};
 
-use crate::error::ApiError;
+use crate::error::{rename_field, ApiError};
 use crate::fields::Fields;
 use crate::openai::ChatRequest;
 use crate::routes::{check_model_name, submit_chat};
@@ -71,6 +71,50 @@ pub fn chat_request(
         Route::Chat
     };
     ChatRequest::from_fields(&chat_fields(&Fields::parse(body)?, route, max_model_len)?)
+        .map_err(|e| e.renamed(|name| ollama_name(name, route)))
+}
+
+/// Ollama's name of a chat field (unchanged when it has none): sampling
+/// settings live in `options`, a message's images in its `images` (its text
+/// is part 0), and `/api/generate`'s one turn is its `prompt` and `images`.
+fn ollama_name(name: &str, route: Route) -> String {
+    let settings = [
+        ("max_tokens", "options.num_predict"),
+        ("repetition_penalty", "options.repeat_penalty"),
+        ("temperature", "options.temperature"),
+        ("top_p", "options.top_p"),
+        ("top_k", "options.top_k"),
+        ("min_p", "options.min_p"),
+        ("seed", "options.seed"),
+        ("stop", "options.stop"),
+        ("presence_penalty", "options.presence_penalty"),
+        ("frequency_penalty", "options.frequency_penalty"),
+        ("response_format", "format"),
+        ("chat_template_kwargs", "think"),
+    ];
+    if let Some(renamed) = rename_field(name, &settings) {
+        return renamed;
+    }
+    let Some((message, rest)) = name
+        .strip_prefix("messages[")
+        .and_then(|r| r.split_once(']'))
+    else {
+        return match (name, route) {
+            ("messages", Route::Generate) => "prompt".into(),
+            _ => name.to_string(),
+        };
+    };
+    let image = rest
+        .strip_prefix(".content[")
+        .and_then(|r| r.split_once(']'))
+        .and_then(|(j, _)| j.parse::<usize>().ok())
+        .filter(|j| *j > 0);
+    match (route, image) {
+        (Route::Chat, Some(j)) => format!("messages[{message}].images[{}]", j - 1),
+        (Route::Chat, None) => name.to_string(),
+        (Route::Generate, Some(j)) => format!("images[{}]", j - 1),
+        (Route::Generate, None) => "prompt".into(),
+    }
 }
 
 async fn turn(state: Arc<AppState>, body: Body, route: Route) -> Result<Response, OllamaError> {
@@ -79,8 +123,11 @@ async fn turn(state: Arc<AppState>, body: Body, route: Route) -> Result<Response
     let model = check_model(&state, &f)?;
     let streamed = f.bool("stream")?.unwrap_or(true);
     let chat = chat_fields(&f, route, admitted.model.max_model_len())?;
-    let req = ChatRequest::from_fields(&chat)?;
-    let submitted = submit_chat(&state, &admitted.model, req, admitted.arrival).await?;
+    let rename = |e: ApiError| e.renamed(|name| ollama_name(name, route));
+    let req = ChatRequest::from_fields(&chat).map_err(rename)?;
+    let submitted = submit_chat(&state, &admitted.model, req, admitted.arrival)
+        .await
+        .map_err(rename)?;
     let fold = OllamaFold::new(route, model, rfc3339(SystemTime::now()), admitted.arrival);
     let turn = Turn::new(fold, submitted.generation, state, admitted.guard);
     if streamed {
@@ -230,6 +277,10 @@ fn chat_messages(f: &Fields) -> Result<Vec<Value>, ApiError> {
         let mut message = obj.clone();
         for key in ["images", "thinking", "tool_name"] {
             message.remove(key);
+        }
+        // Ollama's clients may leave a message's content out, or send null.
+        if obj.get("content").is_none_or(Value::is_null) {
+            message.insert("content".into(), json!(""));
         }
         let text = obj
             .get("content")
@@ -489,5 +540,19 @@ mod tests {
         );
         let e = chat_fields(&too_long, Route::Chat, 512).expect_err("past the context");
         assert_eq!(e.param.as_deref(), Some("options.num_ctx"));
+        // The chat path's names become Ollama's.
+        let hot = br#"{"messages": [{"role": "user", "content": null}], "options": {"temperature": "hot"}}"#;
+        let e = chat_request(hot, false, 512).expect_err("a string temperature");
+        assert_eq!(e.param.as_deref(), Some("options.temperature"));
+        assert!(e.message.contains("`options.temperature`"), "{}", e.message);
+        assert_eq!(
+            ollama_name("messages[2].content[1].image_url.url", Route::Chat),
+            "messages[2].images[0]"
+        );
+        assert_eq!(
+            ollama_name("messages[1].content[2].image_url.url", Route::Generate),
+            "images[1]"
+        );
+        assert_eq!(ollama_name("messages", Route::Generate), "prompt");
     }
 }
