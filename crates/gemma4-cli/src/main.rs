@@ -15,6 +15,7 @@ mod chat;
 mod demo;
 mod doctor;
 mod generate;
+mod mcp;
 mod model_io;
 mod plan;
 mod serve;
@@ -45,6 +46,8 @@ struct Cli {
 enum Command {
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(Box<serve::Args>),
+    /// Serve the model as MCP tools over stdin and stdout (for agents).
+    Mcp(Box<mcp::Args>),
     /// Generate a greedy continuation of a prompt.
     Generate(generate::Args),
     /// Compare the model's logits and greedy tokens with a reference golden file.
@@ -110,6 +113,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Serve(a) => serve::run(*a),
         Command::Bench(c) => bench::run(c),
+        Command::Mcp(a) => mcp::run(*a),
         Command::Generate(a) => generate::run(a),
         Command::Verify(a) => verify::run(a),
         Command::FetchDemo(a) => demo::run(a),

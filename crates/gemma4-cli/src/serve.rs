@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use gemma4_engine::EngineConfig;
+use gemma4_server::mcp::AllowedHosts;
 use gemma4_server::media::MaxItems;
 use gemma4_server::{ModelContext, Server, ServerConfig, ServerError};
 use gemma4_text::ChatTemplate;
@@ -163,6 +164,13 @@ pub struct Args {
     /// The topic of every KV-event message (default `kv@<host name>@<served model name>`).
     #[arg(long, requires = "kv_events_endpoint")]
     kv_events_topic: Option<String>,
+    /// Also serve the model as MCP tools (Streamable HTTP) at /mcp, behind --api-key when set.
+    #[arg(long)]
+    mcp: bool,
+    /// `Host` headers /mcp answers (repeatable; a name or host:port; `*` for
+    /// any, behind a proxy that checks them) [default: localhost, 127.0.0.1, ::1].
+    #[arg(long = "mcp-allowed-host", value_name = "HOST", requires = "mcp")]
+    mcp_allowed_hosts: Vec<String>,
 }
 
 /// This machine's name, for the default KV-event topic.
@@ -175,7 +183,15 @@ fn host_name() -> String {
         .unwrap_or_else(|| "localhost".to_owned())
 }
 
-fn seconds(flag: &str, value: f64) -> Result<Duration> {
+fn mcp_hosts(hosts: &[String]) -> AllowedHosts {
+    match hosts {
+        [] => AllowedHosts::Loopback,
+        _ if hosts.iter().any(|h| h == "*") => AllowedHosts::Any,
+        _ => AllowedHosts::Only(hosts.to_vec()),
+    }
+}
+
+pub(crate) fn seconds(flag: &str, value: f64) -> Result<Duration> {
     Duration::try_from_secs_f64(value)
         .with_context(|| format!("{flag} must be a non-negative number of seconds"))
 }
@@ -189,7 +205,7 @@ fn positive_seconds(flag: &str, value: f64) -> Result<Duration> {
 }
 
 /// The model id: a GGUF file's stem or a checkpoint folder's name.
-fn model_name(path: &Path) -> String {
+pub(crate) fn model_name(path: &Path) -> String {
     let path = path.canonicalize().unwrap_or_else(|_| path.to_path_buf());
     let name = if path.is_dir() {
         path.file_name()
@@ -200,7 +216,8 @@ fn model_name(path: &Path) -> String {
         .unwrap_or_else(|| "gemma4".into())
 }
 
-pub fn run(args: Args) -> Result<ExitCode> {
+/// Logs to stderr (`RUST_LOG` filters; `info` by default).
+pub(crate) fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -209,11 +226,22 @@ pub fn run(args: Args) -> Result<ExitCode> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .try_init();
+}
+
+pub fn run(args: Args) -> Result<ExitCode> {
+    init_logging();
+    run_async(serve(args))
+}
+
+/// Runs a server to its end on a multi-threaded runtime.
+pub(crate) fn run_async(
+    server: impl std::future::Future<Output = Result<ExitCode>>,
+) -> Result<ExitCode> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    let result = runtime.block_on(serve(args));
+    let result = runtime.block_on(server);
     // A model still loading when a signal arrived is abandoned, not awaited.
     runtime.shutdown_timeout(Duration::from_millis(200));
     result
@@ -243,6 +271,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         default_max_tokens: args.default_max_tokens.max(1),
         default_thinking_budget: args.thinking_token_budget,
         max_tool_calls: args.max_tool_calls,
+        mcp: args.mcp.then(|| mcp_hosts(&args.mcp_allowed_hosts)),
     };
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");
@@ -392,15 +421,15 @@ fn parse_mm_limit(s: &str) -> std::result::Result<MaxItems, String> {
 }
 
 /// Media settings for the loading thread.
-struct MediaArgs {
+pub(crate) struct MediaArgs {
     /// The multimodal projector file the towers come from, if one is named.
-    mmproj: Option<std::path::PathBuf>,
+    pub mmproj: Option<std::path::PathBuf>,
     /// `--max-soft-tokens`, if given.
-    max_soft_tokens: Option<usize>,
-    max_items: MaxItems,
+    pub max_soft_tokens: Option<usize>,
+    pub max_items: MaxItems,
     /// Bounds of image fetches by URL and the hosts they may reach, when
     /// they are allowed.
-    remote: Option<(
+    pub remote: Option<(
         gemma4_server::remote_media::RemoteMediaLimits,
         gemma4_server::remote_media::HostPolicy,
     )>,
@@ -439,7 +468,7 @@ fn model_info(checkpoint: &Path, family: &str) -> gemma4_server::ModelInfo {
     }
 }
 
-fn load(
+pub(crate) fn load(
     model_args: &ModelArgs,
     media: &MediaArgs,
     mut engine_config: EngineConfig,

@@ -30,6 +30,8 @@ pub struct ServerConfig {
     /// Calls at most in one turn forced by `tool_choice: "required"` with
     /// parallel calls (the model may end the turn after any of them).
     pub max_tool_calls: usize,
+    /// Serve MCP's Streamable HTTP at `/mcp`, answering these `Host` headers.
+    pub mcp: Option<crate::mcp::AllowedHosts>,
 }
 
 impl Default for ServerConfig {
@@ -47,6 +49,7 @@ impl Default for ServerConfig {
             default_max_tokens: 256,
             default_thinking_budget: None,
             max_tool_calls: 16,
+            mcp: None,
         }
     }
 }

@@ -11,6 +11,7 @@
 //!   `/v1/messages/count_tokens`, Ollama's `/api/chat`, `/api/generate`,
 //!   `/api/tags`, `/api/show`, `/api/ps`, `/api/version`, `/tokenize`, `/detokenize`,
 //!   `/tokenizer_info`, `/generate`, `/health`, `/ready`, `/metrics`.
+//! * [`mcp`]: the model as MCP tools, over stdio or at `/mcp` (`--mcp`).
 //! * [`openai`]: request parsing (unknown fields ignored, wrong types a 400
 //!   naming the field) and response and chunk shapes.
 //! * [`grammar`]: structured output enforced with llguidance token masks.
@@ -39,6 +40,7 @@ mod front;
 pub mod generation;
 pub mod grammar;
 pub mod kv_events;
+pub mod mcp;
 pub mod media;
 pub mod metrics;
 pub mod ollama;

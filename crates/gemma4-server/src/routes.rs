@@ -14,6 +14,7 @@
 //! | `GET /health` | open | liveness: 200 loading, ready or draining; 503 failed (with the reason) |
 //! | `GET /ready` | open | readiness: 200 ready; 503 loading, draining or failed |
 //! | `GET /metrics` | open | Prometheus text |
+//! | `POST/GET/DELETE /mcp` | key | MCP's Streamable HTTP, with `--mcp` ([`crate::mcp`]) |
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -47,8 +48,9 @@ use crate::server::{Admitted, AppState};
 use crate::sse::{self, StreamMeta};
 use crate::tokenize;
 
-const ROUTES: [&str; 21] = [
+const ROUTES: [&str; 22] = [
     "/v1/chat/completions",
+    "/mcp",
     "/api/chat",
     "/api/generate",
     "/api/tags",
@@ -70,10 +72,10 @@ const ROUTES: [&str; 21] = [
     "/ready",
     "/metrics",
 ];
-const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/messages, POST /v1/messages/count_tokens, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, POST /generate, Ollama's POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, GET /health, GET /ready, GET /metrics";
+const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/messages, POST /v1/messages/count_tokens, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, POST /generate, Ollama's POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, GET /health, GET /ready, GET /metrics, and MCP at /mcp when started with --mcp";
 
 pub fn router(state: Arc<AppState>) -> Router {
-    let keyed = Router::new()
+    let mut keyed = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions/render", post(render::chat))
@@ -92,11 +94,14 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/tokenizer_info", get(tokenize::tokenizer_info))
-        .route("/generate", post(generate))
-        .route_layer(middleware::from_fn_with_state(
-            state.clone(),
-            auth::require_key,
-        ));
+        .route("/generate", post(generate));
+    if let Some(hosts) = &state.config.mcp {
+        keyed = keyed.nest_service("/mcp", crate::mcp::http_endpoint(state.clone(), hosts));
+    }
+    let keyed = keyed.route_layer(middleware::from_fn_with_state(
+        state.clone(),
+        auth::require_key,
+    ));
     Router::new()
         .route("/health", get(health))
         .route("/ready", get(ready))

@@ -8,6 +8,7 @@ mod anthropic;
 mod conformance;
 mod harness;
 mod images;
+mod mcp;
 mod ollama;
 mod protocol;
 mod real_vocab;
