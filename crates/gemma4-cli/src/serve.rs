@@ -164,6 +164,9 @@ pub struct Args {
     /// The topic of every KV-event message (default `kv@<host name>@<served model name>`).
     #[arg(long, requires = "kv_events_endpoint")]
     kv_events_topic: Option<String>,
+    /// Do not serve the chat page at `/`.
+    #[arg(long)]
+    no_webui: bool,
     /// Also serve the model as MCP tools (Streamable HTTP) at /mcp, behind --api-key when set.
     #[arg(long)]
     mcp: bool,
@@ -272,6 +275,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         default_thinking_budget: args.thinking_token_budget,
         max_tool_calls: args.max_tool_calls,
         mcp: args.mcp.then(|| mcp_hosts(&args.mcp_allowed_hosts)),
+        webui: !args.no_webui,
     };
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");

@@ -32,6 +32,8 @@ pub struct ServerConfig {
     pub max_tool_calls: usize,
     /// Serve MCP's Streamable HTTP at `/mcp`, answering these `Host` headers.
     pub mcp: Option<crate::mcp::AllowedHosts>,
+    /// Serve the chat page at `/`.
+    pub webui: bool,
 }
 
 impl Default for ServerConfig {
@@ -50,6 +52,7 @@ impl Default for ServerConfig {
             default_thinking_budget: None,
             max_tool_calls: 16,
             mcp: None,
+            webui: true,
         }
     }
 }

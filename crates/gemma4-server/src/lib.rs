@@ -11,6 +11,7 @@
 //!   `/v1/messages/count_tokens`, Ollama's `/api/chat`, `/api/generate`,
 //!   `/api/tags`, `/api/show`, `/api/ps`, `/api/version`, `/tokenize`, `/detokenize`,
 //!   `/tokenizer_info`, `/generate`, `/health`, `/ready`, `/metrics`.
+//! * [`webui`]: the chat page at `/`.
 //! * [`mcp`]: the model as MCP tools, over stdio or at `/mcp` (`--mcp`).
 //! * [`openai`]: request parsing (unknown fields ignored, wrong types a 400
 //!   naming the field) and response and chunk shapes.
@@ -53,6 +54,7 @@ pub mod server;
 pub mod sse;
 mod tokenize;
 mod turn;
+pub mod webui;
 
 pub use config::ServerConfig;
 pub use drain::serve;

@@ -14,6 +14,8 @@
 //! | `GET /health` | open | liveness: 200 loading, ready or draining; 503 failed (with the reason) |
 //! | `GET /ready` | open | readiness: 200 ready; 503 loading, draining or failed |
 //! | `GET /metrics` | open | Prometheus text |
+//! | `GET /`, `GET /webui/app.js`, `GET /webui/style.css` | open | the chat page ([`crate::webui`]), unless `--no-webui` |
+//! | `GET /webui/info` | key | what the chat page may offer (chat, thinking, attachments) |
 //! | `POST/GET/DELETE /mcp` | key | MCP's Streamable HTTP, with `--mcp` ([`crate::mcp`]) |
 
 use std::sync::Arc;
@@ -47,10 +49,15 @@ use crate::server::ModelContext;
 use crate::server::{Admitted, AppState};
 use crate::sse::{self, StreamMeta};
 use crate::tokenize;
+use crate::webui;
 
-const ROUTES: [&str; 22] = [
+const ROUTES: [&str; 26] = [
     "/v1/chat/completions",
     "/mcp",
+    "/",
+    "/webui/app.js",
+    "/webui/style.css",
+    "/webui/info",
     "/api/chat",
     "/api/generate",
     "/api/tags",
@@ -72,7 +79,7 @@ const ROUTES: [&str; 22] = [
     "/ready",
     "/metrics",
 ];
-const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/messages, POST /v1/messages/count_tokens, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, POST /generate, Ollama's POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, GET /health, GET /ready, GET /metrics, and MCP at /mcp when started with --mcp";
+const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/messages, POST /v1/messages/count_tokens, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, POST /generate, Ollama's POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, GET /health, GET /ready, GET /metrics, the chat page at GET / (unless --no-webui), and MCP at /mcp when started with --mcp";
 
 pub fn router(state: Arc<AppState>) -> Router {
     let mut keyed = Router::new()
@@ -95,6 +102,17 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/detokenize", post(tokenize::detokenize))
         .route("/tokenizer_info", get(tokenize::tokenizer_info))
         .route("/generate", post(generate));
+    let mut open = Router::new()
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics));
+    if state.config.webui {
+        keyed = keyed.route("/webui/info", get(webui::info));
+        open = open
+            .route("/", get(webui::index))
+            .route("/webui/app.js", get(webui::script))
+            .route("/webui/style.css", get(webui::style));
+    }
     if let Some(hosts) = &state.config.mcp {
         keyed = keyed.nest_service("/mcp", crate::mcp::http_endpoint(state.clone(), hosts));
     }
@@ -102,11 +120,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         state.clone(),
         auth::require_key,
     ));
-    Router::new()
-        .route("/health", get(health))
-        .route("/ready", get(ready))
-        .route("/metrics", get(metrics))
-        .merge(keyed)
+    open.merge(keyed)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(
