@@ -1,6 +1,10 @@
 """The official MCP Python SDK against gemma4's MCP server.
 
 Usage: mcp_client.py stdio|http TARGET MODE [EXTRA]
+       mcp_client.py config MCP_JSON BINARY
+  config: starts the `gemma4` server an `.mcp.json` names, with this
+         process's environment (as an agent host does) and GEMMA4_BIN=BINARY,
+         and lists its tools and models.
   stdio: TARGET is the gemma4 binary, started as
          `gemma4 mcp --model $GEMMA4_DEMO_GGUF --chat-template EXTRA`.
   http:  TARGET is the server's /mcp URL; EXTRA, when given, is the API key:
@@ -175,5 +179,19 @@ async def main(kind, target, mode, extra=None):
     print(json.dumps(seen))
 
 
+async def from_config(path, binary):
+    entry = json.load(open(path))["mcpServers"]["gemma4"]
+    env = {**os.environ, "GEMMA4_BIN": binary, **entry.get("env", {})}
+    server = StdioServerParameters(command=entry["command"], args=entry.get("args", []), env=env)
+    async with Client(server) as client:
+        tools = [t.name for t in (await client.list_tools()).tools]
+        check(tools == TOOLS, f"tools are {tools}")
+        models = (await client.call_tool("list_models", {})).structured_content["models"]
+    print(json.dumps({"tools": tools, "model": models[0]["id"]}))
+
+
 if __name__ == "__main__":
-    anyio.run(main, *sys.argv[1:5])
+    if sys.argv[1] == "config":
+        anyio.run(from_config, sys.argv[2], sys.argv[3])
+    else:
+        anyio.run(main, *sys.argv[1:5])

@@ -16,6 +16,7 @@ mod render;
 mod routing;
 mod schemas;
 mod scoring;
+mod skill;
 mod webui;
 
 use std::time::{Duration, Instant};
