@@ -1,6 +1,7 @@
 """The chat page in a real browser: Debian's chromium driven by Playwright.
 
 Usage: webui_check.py BASE_URL API_KEY [CHROMIUM]
+       webui_check.py attach BASE_URL CHROMIUM FILE...
 
 The server must run with `--api-key API_KEY` and a long `--default-max-tokens`.
 Checks, in one tab: the page asks for the key and then names the model; a
@@ -10,6 +11,10 @@ the request cancelled); and, with the server's reply replaced by a stream
 carrying markup, reasoning and a tool call, the markup renders as text (no
 element, no script run), markdown as elements, the reasoning collapsed and
 the call shown. Prints one JSON line; exits non-zero on the first failure.
+
+`attach` (a server whose model has image and audio encoders, no key): the
+page offers attachments, and the files sent with a prompt reach the server
+as `image_url` and `input_audio` parts of one user message, which it answers.
 """
 
 import json
@@ -153,5 +158,33 @@ def main(base, key, chromium="/usr/bin/chromium"):
     print(json.dumps(seen))
 
 
+def attach(base, chromium, *files):
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True)
+        page = browser.new_context(bypass_csp=True).new_page()
+        sent = []
+        page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None)
+        page.goto(base + "/")
+        page.wait_for_selector("#send:enabled", timeout=30000)
+        check(page.locator("#attach-label").is_visible(), "no attachments offered by a model with encoders")
+        page.set_input_files("#attach", list(files))
+        page.fill("#temperature", "0")
+        send(page, "What is in these?")
+        page.wait_for_selector("#stop:enabled", timeout=10000)
+        page.wait_for_selector("#stop:disabled", timeout=120000)
+        reply = page.locator(".message.assistant").last
+        check("error" not in (reply.get_attribute("class") or ""), f"the reply failed: {reply.inner_text()}")
+        parts = sent[-1]["messages"][-1]["content"]
+        kinds = [part["type"] for part in parts]
+        check(kinds == ["text", "image_url", "input_audio"], f"the message's parts are {kinds}")
+        check(parts[1]["image_url"]["url"].startswith("data:image/png;base64,"), "the image is not a data URI")
+        check(parts[2]["input_audio"]["format"] == "wav", "the audio's format is not wav")
+        browser.close()
+    print(json.dumps({"parts": kinds}))
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    if sys.argv[1] == "attach":
+        attach(*sys.argv[2:])
+    else:
+        main(*sys.argv[1:4])

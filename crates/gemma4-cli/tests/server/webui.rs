@@ -57,6 +57,32 @@ fn the_chat_page_in_chromium() {
 }
 
 #[test]
+fn the_page_sends_image_and_audio_attachments() {
+    let Some(browser) = chromium() else {
+        return;
+    };
+    let server = ServerProc::start(&fixture_of("e-audio"), &["--max-num-seqs", "2"], &[]);
+    let url = server.url();
+    let image = fixture_of("images").join("0.png");
+    let audio = fixture_of("audio").join("0.wav");
+    let args = [
+        "attach",
+        url.as_str(),
+        browser.as_str(),
+        image.to_str().expect("utf-8 path"),
+        audio.to_str().expect("utf-8 path"),
+    ];
+    let Some(out) = python_script("webui_check.py", &["playwright"], &args) else {
+        return;
+    };
+    assert_eq!(
+        out["parts"],
+        json!(["text", "image_url", "input_audio"]),
+        "{out}"
+    );
+}
+
+#[test]
 fn the_page_routes_answer_in_the_error_shape() {
     // A checkpoint with both towers: the page offers image and audio attachments.
     let server = ServerProc::start(&fixture_of("e-audio"), &["--api-key", "k"], &[]);
