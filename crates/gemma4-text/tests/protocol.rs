@@ -447,3 +447,170 @@ fn reasoning_tokens_are_counted() {
     assert_eq!(output.reasoning_tokens(), inside);
     assert!(thinking[0] && !thinking[ids.len() - 1]);
 }
+
+/// The assistant turns transformers rendered in a template fixture, each
+/// with the text before it and the message it came from: each model turn
+/// up to its end, split at the tool responses written into it; the open
+/// turn a generation prompt leaves is not a message.
+fn rendered_turns(case: &Value) -> Vec<(String, String, Value)> {
+    let text = case["text"].as_str().expect("text");
+    let messages: Vec<&Value> = case["messages"]
+        .as_array()
+        .expect("messages")
+        .iter()
+        .filter(|m| m["role"] == "assistant")
+        .collect();
+    let open = "<|turn>model\n";
+    let (mut turns, mut used) = (Vec::new(), 0);
+    let mut answer_after_responses: Option<Value> = None;
+    for (start, _) in text.match_indices(open) {
+        let body_start = start + open.len();
+        let ends_turn = text[body_start..].contains("<turn|>");
+        let body_end = text[body_start..]
+            .find("<turn|>")
+            .map_or(text.len(), |i| body_start + i);
+        for (piece_start, piece) in split_at_tool_responses(text, body_start, body_end) {
+            let generation_prompt = !ends_turn
+                && !piece.contains("<|tool_call>")
+                && piece
+                    .replace("<|channel>thought\n<channel|>", "")
+                    .trim()
+                    .is_empty();
+            if piece.is_empty() || generation_prompt {
+                continue;
+            }
+            // A message with native `tool_responses` is two generations: its calls,
+            // then, after the responses, its content.
+            if let Some(content) = answer_after_responses.take() {
+                turns.push((text[..piece_start].to_owned(), piece.to_owned(), content));
+                continue;
+            }
+            let Some(&message) = messages.get(used) else {
+                panic!(
+                    "{}: a rendered turn without its message: {piece:?}",
+                    case["name"]
+                );
+            };
+            used += 1;
+            let mut message = message.clone();
+            if message.get("tool_responses").is_some() {
+                answer_after_responses = Some(json!({"content": message["content"].take()}));
+            }
+            turns.push((text[..piece_start].to_owned(), piece.to_owned(), message));
+        }
+    }
+    assert_eq!(
+        used,
+        messages.len(),
+        "{}: one turn per assistant message",
+        case["name"]
+    );
+    turns
+}
+
+/// `text[start..end]` in the pieces between its tool responses, each with
+/// where it starts.
+fn split_at_tool_responses(text: &str, start: usize, end: usize) -> Vec<(usize, &str)> {
+    let (open, close) = ("<|tool_response>", "<tool_response|>");
+    let mut pieces = Vec::new();
+    let mut at = start;
+    while let Some(i) = text[at..end].find(open) {
+        pieces.push((at, &text[at..at + i]));
+        let after = at + i + open.len();
+        at = text[after..end]
+            .find(close)
+            .map_or(end, |j| after + j + close.len());
+    }
+    pieces.push((at, &text[at..end]));
+    pieces
+}
+
+/// A message's calls as (name, arguments as a JSON value).
+fn expected_calls(message: &Value) -> Vec<(String, Value)> {
+    let calls = message["tool_calls"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    calls
+        .iter()
+        .map(|c| {
+            let f = &c["function"];
+            let args = match &f["arguments"] {
+                Value::String(s) => serde_json::from_str(s).expect("arguments as JSON text"),
+                other => other.clone(),
+            };
+            (f["name"].as_str().expect("name").to_owned(), args)
+        })
+        .collect()
+}
+
+#[test]
+fn every_transformers_rendered_turn_parses_back_to_its_message() {
+    let tok = tokenizer();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/text/templates");
+    let mut checked = 0;
+    for file in ["gemma4-31b-it.json", "gemma4-31b-it-interleaved.json"] {
+        let fixture: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(file)).expect("fixture"))
+                .expect("JSON");
+        for case in fixture["cases"].as_array().expect("cases") {
+            // The template writes arguments sent as JSON text inside braces of its own
+            // (`{{"city": "Lima"}}`), a form no model turn takes; the server renders such
+            // arguments as objects.
+            // A case whose rendering failed (`error`) has no turns.
+            if case["name"] == "arguments-as-json-string" || case.get("text").is_none() {
+                continue;
+            }
+            for (before, turn, message) in rendered_turns(case) {
+                let name = format!("{file} {}: {turn:?}", case["name"]);
+                let prompt = tok.encode(&before, false).expect("encodes");
+                let (_, released, rest) = engine_view(&tok, &turn);
+                for (way, parsed) in [
+                    (
+                        "whole",
+                        run(
+                            &tok,
+                            &prompt,
+                            &[],
+                            &[released.concat(), rest.clone()].concat(),
+                        )
+                        .0,
+                    ),
+                    ("streamed", run(&tok, &prompt, &released, &rest).0),
+                ] {
+                    // A thought written into the content is dropped from history, as the template drops it.
+                    let content = message["content"].as_str().unwrap_or_default();
+                    let content = content.rsplit("<channel|>").next().unwrap_or_default();
+                    assert_eq!(
+                        parsed.content.trim(),
+                        content.trim(),
+                        "{way} content of {name}"
+                    );
+                    let reasoning = match turn.contains("<|channel>") {
+                        true => message["reasoning_content"].as_str().unwrap_or_default(),
+                        false => "",
+                    };
+                    assert_eq!(
+                        parsed.reasoning.trim(),
+                        reasoning.trim(),
+                        "{way} reasoning of {name}"
+                    );
+                    let calls: Vec<(String, Value)> = parsed
+                        .tool_calls
+                        .iter()
+                        .map(|c| {
+                            assert!(c.complete, "{way}: an incomplete call in {name}");
+                            let args = serde_json::from_str(&c.arguments)
+                                .unwrap_or_else(|e| panic!("{way}: arguments of {name}: {e}"));
+                            (c.name.clone(), args)
+                        })
+                        .collect();
+                    assert_eq!(calls, expected_calls(&message), "{way} calls of {name}");
+                }
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 20, "only {checked} rendered turns found");
+}

@@ -229,3 +229,52 @@ fn lm_evaluation_harness_scores_a_task_through_the_server() {
         "server {ours}, harness {theirs}"
     );
 }
+
+/// The first generated token's log-probability, and those listed beside
+/// it, are the reference's log-softmax at the prompt's last position, on
+/// every variant and golden prompt (`/v1/completions` on the prompt's ids).
+#[test]
+fn generated_logprobs_are_the_references_log_softmax() {
+    for variant in crate::VARIANTS {
+        let server = ServerProc::start(&fixture(variant), &[], &[]);
+        let g = golden(variant);
+        for (index, prompt) in g["prompts"].as_array().expect("prompts").iter().enumerate() {
+            let n = ids(&prompt["input_ids"]).len();
+            let reference = &reference_logprobs(variant, index, n)[n - 1];
+            let body = json!({"prompt": prompt["input_ids"], "max_tokens": 1, "temperature": 0,
+                "logprobs": 5, "ignore_eos": true});
+            let reply = server.post("/v1/completions", &body);
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            let lp = reply.json()["choices"][0]["logprobs"].clone();
+            let token = golden_ids(prompt)[0] as usize;
+            let at = format!("{variant} {}", prompt["name"]);
+            let chosen = number(&lp["token_logprobs"][0]);
+            assert!(
+                (chosen - reference[token]).abs() < TOLERANCE,
+                "{at}: {chosen} vs {}",
+                reference[token]
+            );
+            // Keyed by text, so tokens that decode alike (`�`) share an entry.
+            let listed = lp["top_logprobs"][0]
+                .as_object()
+                .expect("top_logprobs")
+                .clone();
+            let mut best: Vec<f64> = reference.clone();
+            best.sort_by(|a, b| b.total_cmp(a));
+            let top = &best[..5];
+            assert!(!listed.is_empty(), "{at}: nothing listed");
+            for v in listed.values().map(number) {
+                let near = top.iter().any(|r| (v - r).abs() < TOLERANCE);
+                assert!(
+                    near,
+                    "{at}: {v} is none of the reference's top five {top:?}"
+                );
+            }
+            let first = listed.values().map(number).fold(f64::MIN, f64::max);
+            assert!(
+                (first - top[0]).abs() < TOLERANCE,
+                "{at}: {listed:?} vs {top:?}"
+            );
+        }
+    }
+}
