@@ -48,6 +48,7 @@ pub mod softcap;
 
 pub use acts::{ActBlock, QuantizedActs};
 pub use bytes::Bytes;
+pub use dispatch::{level, Level};
 
 use std::mem::MaybeUninit;
 use std::ops::Range;

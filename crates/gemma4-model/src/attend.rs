@@ -61,11 +61,20 @@ impl PoolValue for half::bf16 {
 fn dots<T: PoolValue, const H: usize>(qs: [&[f32]; H], k: &[T]) -> [f32; H] {
     assert!(qs.iter().all(|q| q.len() == k.len()));
     #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") {
+    if avx2() {
         // SAFETY: AVX2 was detected; every query is as long as the key.
         return unsafe { dots_avx2(qs, k) };
     }
     dots_portable(qs, k)
+}
+
+/// Whether the AVX2 paths may run: the CPU has AVX2 and FMA, and
+/// `GEMMA4_KERNEL_LEVEL` does not hold the kernels to portable code (both
+/// paths give the same bits; the cap lets the portable one run here too).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn avx2() -> bool {
+    gemma4_kernels::level() != gemma4_kernels::Level::Portable
 }
 
 /// [`dots`] in portable code.
@@ -378,7 +387,7 @@ impl InPlace<'_> {
         out: &mut [f32],
     ) {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        if avx2() {
             // SAFETY: the features were detected on this CPU.
             return unsafe { self.units_avx2::<K, V, H>(k, v, q, heads, queries, units, out) };
         }
