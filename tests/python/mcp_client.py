@@ -133,8 +133,11 @@ async def cancel_long_call(client, seen):
         group.start_soon(long_call)
         with anyio.fail_after(60):
             await started.wait()
-        now = await status(client)
-        check(now["running"] == 1, f"the long call is not running: {now}")
+        # The engine publishes its counts after each step: wait for the step.
+        deadline = time.monotonic() + 30
+        while (now := await status(client))["running"] != 1:
+            check(time.monotonic() < deadline, f"the long call is not running: {now}")
+            await anyio.sleep(0.02)
         group.cancel_scope.cancel()
     deadline = time.monotonic() + 10
     while True:

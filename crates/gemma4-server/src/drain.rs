@@ -129,6 +129,7 @@ pub async fn serve(
             );
         }
     }
+    server.close_streams();
     let _ = stop_tx.send(true);
     match http.await {
         Ok(r) => r?,

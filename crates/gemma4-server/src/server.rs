@@ -150,6 +150,9 @@ pub struct AppState {
     draining: AtomicBool,
     active: Arc<Active>,
     next_id: AtomicU64,
+    /// Cancelled once the drain has let running requests finish: ends the
+    /// streams that outlive requests (MCP sessions' event streams).
+    pub(crate) closing: tokio_util::sync::CancellationToken,
 }
 
 impl AppState {
@@ -293,6 +296,7 @@ impl Server {
                 draining: AtomicBool::new(false),
                 active: Arc::new(Active::default()),
                 next_id: AtomicU64::new(1),
+                closing: tokio_util::sync::CancellationToken::new(),
             }),
         })
     }
@@ -348,6 +352,12 @@ impl Server {
         if let Some(m) = self.state.model.get() {
             m.engine.cancel_all();
         }
+    }
+
+    /// Ends the streams that outlive requests (MCP sessions), so that their
+    /// connections close at once.
+    pub fn close_streams(&self) {
+        self.state.closing.cancel();
     }
 
     /// Requests being handled, response streams included.

@@ -305,7 +305,8 @@ fn http_service(
     hosts: &AllowedHosts,
 ) -> StreamableHttpService<McpServer, LocalSessionManager> {
     let mut config = StreamableHttpServerConfig::default()
-        .with_max_request_body_bytes(state.config.max_body_bytes);
+        .with_max_request_body_bytes(state.config.max_body_bytes)
+        .with_cancellation_token(state.closing.child_token());
     config = match hosts {
         AllowedHosts::Loopback => config,
         AllowedHosts::Only(list) => config.with_allowed_hosts(list.clone()),
