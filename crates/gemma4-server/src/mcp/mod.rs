@@ -84,8 +84,12 @@ impl McpServer {
             "chat" => self.chat(args, cx).await,
             "complete" => self.complete(args, cx).await,
             "count_tokens" => self.count_tokens(args).await.map_err(Ended::Failed),
-            "list_models" => Ok(self.list_models()),
-            _ => Ok(self.server_status()),
+            "list_models" => tools::no_arguments(args)
+                .map(|()| self.list_models())
+                .map_err(Ended::Failed),
+            _ => tools::no_arguments(args)
+                .map(|()| self.server_status())
+                .map_err(Ended::Failed),
         }
     }
 

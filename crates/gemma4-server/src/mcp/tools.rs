@@ -107,7 +107,7 @@ pub fn declarations() -> Vec<Tool> {
                 "prompt": {"type": "string", "description": "The text to continue."},
                 "max_tokens": {"type": "integer", "minimum": 1},
                 "temperature": {"type": "number", "minimum": 0, "maximum": 2},
-                "stop": {"type": "array", "items": {"type": "string"}, "maxItems": 4,
+                "stop": {"type": ["string", "array"], "items": {"type": "string"}, "maxItems": 4,
                     "description": "Strings that end the text (not included)."},
                 "model": {"type": "string"}
             },
@@ -160,6 +160,18 @@ fn only(args: &Map<String, Value>, known: &[&str]) -> Result<(), ApiError> {
         .with_param(k.clone())),
         None => Ok(()),
     }
+}
+
+/// The bounds the tools' schemas declare for `max_tokens` and `temperature`.
+fn sampling_bounds(f: &Fields) -> Result<(), ApiError> {
+    f.integer("max_tokens", 1, i64::MAX)?;
+    f.number("temperature", 0.0, 2.0)?;
+    Ok(())
+}
+
+/// A tool without arguments takes none.
+pub fn no_arguments(args: &Map<String, Value>) -> Result<(), ApiError> {
+    only(args, &[])
 }
 
 /// `system` and `messages` as chat messages; the offset of the first
@@ -240,7 +252,7 @@ pub fn chat_request(args: &Map<String, Value>) -> Result<(ChatRequest, usize), A
             "model",
         ],
     )?;
-    f.integer("max_tokens", 1, i64::MAX)?;
+    sampling_bounds(&f)?;
     let (messages, offset) = chat_messages(&f)?;
     let mut body = Map::new();
     body.insert("messages".into(), Value::Array(messages));
@@ -273,7 +285,10 @@ pub fn completion_request(args: &Map<String, Value>) -> Result<CompletionRequest
         args,
         &["prompt", "max_tokens", "temperature", "stop", "model"],
     )?;
-    f.integer("max_tokens", 1, i64::MAX)?;
+    sampling_bounds(&f)?;
+    if f.strings("stop")?.len() > 4 {
+        return Err(ApiError::bad_request("`stop` takes at most 4 strings").with_param("stop"));
+    }
     if f.string("prompt")?.is_none() {
         return Err(
             ApiError::bad_request("`prompt` is required: the text to continue")
@@ -371,6 +386,10 @@ mod tests {
                 "temperature",
             ),
             (
+                json!({"messages": [{"role": "user", "content": "x"}], "temperature": 5}),
+                "temperature",
+            ),
+            (
                 json!({"messages": [{"role": "user", "content": "x"}], "thinking": "yes"}),
                 "thinking",
             ),
@@ -388,6 +407,20 @@ mod tests {
         }
         let e = completion_request(&args(json!({"max_tokens": 3}))).expect_err("no prompt");
         assert_eq!(e.param.as_deref(), Some("prompt"));
+        for (body, param) in [
+            (
+                json!({"prompt": "a", "stop": ["x", "x", "x", "x", "x"]}),
+                "stop",
+            ),
+            (json!({"prompt": "a", "temperature": 5}), "temperature"),
+        ] {
+            let e = completion_request(&args(body.clone())).expect_err("refused");
+            assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);
+        }
+        completion_request(&args(json!({"prompt": "a", "stop": "b"})))
+            .expect("a single stop string");
+        let e = no_arguments(&args(json!({"x": 1}))).expect_err("refused");
+        assert_eq!(e.param.as_deref(), Some("x"));
         assert!(counted(&args(json!({"text": "a", "messages": []}))).is_err());
     }
 
