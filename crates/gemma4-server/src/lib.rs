@@ -59,4 +59,4 @@ pub mod webui;
 pub use config::ServerConfig;
 pub use drain::serve;
 pub use error::{ApiError, ServerError};
-pub use server::{ModelContext, ModelInfo, Phase, Server};
+pub use server::{Capabilities, ModelContext, ModelInfo, Phase, Server};

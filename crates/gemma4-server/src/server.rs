@@ -55,6 +55,21 @@ impl Default for ModelInfo {
     }
 }
 
+/// What a loaded model can be asked for, as listings and the chat page show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capabilities {
+    /// It has a chat template.
+    pub chat: bool,
+    /// Its template declares tools.
+    pub tools: bool,
+    /// Its template can open a thought channel (`enable_thinking`).
+    pub thinking: bool,
+    /// It has a vision encoder (images and video).
+    pub images: bool,
+    /// It has an audio encoder.
+    pub audio: bool,
+}
+
 /// A loaded model, ready to serve.
 pub struct ModelContext {
     pub engine: EngineHandle,
@@ -113,6 +128,18 @@ impl ModelContext {
             .get_or_init(|| Grammars::new(self.engine.tokenizer().clone()))
             .as_ref()
             .map_err(|e| ApiError::internal(format!("structured output is unavailable: {e}")))
+    }
+
+    pub fn capabilities(&self) -> Capabilities {
+        let template = self.chat_template.as_ref().ok().map(|t| t.source());
+        let facts = self.media.as_ref().map(|m| &m.facts);
+        Capabilities {
+            chat: template.is_some(),
+            tools: template.is_some_and(|t| t.contains("tools")),
+            thinking: template.is_some_and(|t| t.contains("enable_thinking")),
+            images: facts.is_some_and(|f| f.image.is_some()),
+            audio: facts.is_some_and(|f| f.audio.is_some()),
+        }
     }
 
     pub fn max_model_len(&self) -> usize {

@@ -155,7 +155,7 @@ impl McpServer {
         let Some(model) = self.state.model() else {
             return json!({"models": [{"id": name, "status": self.state.phase().as_str()}]});
         };
-        let info = &model.info;
+        let (info, can) = (&model.info, model.capabilities());
         json!({"models": [{
             "id": name,
             "status": self.state.phase().as_str(),
@@ -163,8 +163,8 @@ impl McpServer {
             "format": info.format,
             "size_bytes": info.size_bytes,
             "max_model_len": model.max_model_len(),
-            "chat": model.chat_template.is_ok(),
-            "images": model.media.is_some(),
+            "chat": can.chat,
+            "images": can.images,
         }]})
     }
 

@@ -295,9 +295,7 @@ pub fn completion_request(args: &Map<String, Value>) -> Result<CompletionRequest
                 .with_param("prompt"),
         );
     }
-    let body = serde_json::to_vec(args)
-        .map_err(|e| ApiError::bad_request(format!("cannot read the arguments: {e}")))?;
-    CompletionRequest::parse(&body)
+    CompletionRequest::from_fields(&f)
 }
 
 /// What `count_tokens` counts.

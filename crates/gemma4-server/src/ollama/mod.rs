@@ -421,18 +421,16 @@ pub async fn show(
         .as_ref()
         .ok()
         .map(|t| t.source().to_owned());
+    let can = model.capabilities();
     let mut capabilities = vec!["completion"];
-    if template.as_deref().is_some_and(|t| t.contains("tools")) {
-        capabilities.push("tools");
-    }
-    if template
-        .as_deref()
-        .is_some_and(|t| t.contains("enable_thinking"))
-    {
-        capabilities.push("thinking");
-    }
-    if model.media.is_some() {
-        capabilities.push("vision");
+    for (has, name) in [
+        (can.tools, "tools"),
+        (can.thinking, "thinking"),
+        (can.images, "vision"),
+    ] {
+        if has {
+            capabilities.push(name);
+        }
     }
     let family = &model.info.family;
     Ok(Json(json!({

@@ -57,14 +57,13 @@ pub async fn style() -> Response {
 /// image and audio attachments (the model's encoders).
 pub async fn info(State(state): State<Arc<AppState>>) -> Result<Json<Value>, ApiError> {
     let (model, _guard) = state.admit()?;
-    let template = model.chat_template.as_ref().ok().map(|t| t.source());
-    let facts = model.media.as_ref().map(|m| &m.facts);
+    let can = model.capabilities();
     Ok(Json(json!({
         "model": state.config.served_model_name,
-        "chat": template.is_some(),
-        "thinking": template.is_some_and(|t| t.contains("enable_thinking")),
-        "images": facts.is_some_and(|f| f.image.is_some()),
-        "audio": facts.is_some_and(|f| f.audio.is_some()),
+        "chat": can.chat,
+        "thinking": can.thinking,
+        "images": can.images,
+        "audio": can.audio,
         "max_model_len": model.max_model_len(),
     })))
 }

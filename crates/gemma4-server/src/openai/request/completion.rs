@@ -31,8 +31,12 @@ pub struct CompletionRequest {
 
 impl CompletionRequest {
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let f = Fields::parse(body)?;
-        refuse_unsupported(&f, "/v1/completions")?;
+        Self::from_fields(&Fields::parse(body)?)
+    }
+
+    /// A completions request from its fields (another front's, restated).
+    pub fn from_fields(f: &Fields) -> Result<Self, ApiError> {
+        refuse_unsupported(f, "/v1/completions")?;
         f.refuse(
             &[
                 "response_format",
