@@ -71,7 +71,7 @@ impl CompletionRequest {
         let listed = f
             .integer("prompt_logprobs", 0, MAX_TOP_LOGPROBS)?
             .map(|k| usize::try_from(k).unwrap_or(0));
-        let mut sampling = Sampling::parse(&f, &["max_tokens"])?;
+        let mut sampling = Sampling::parse(f, &["max_tokens"])?;
         // Both ask for the same scores; the larger count of alternatives serves both.
         sampling.prompt_logprobs = logprobs.filter(|_| echo).max(listed);
         Ok(Self {
