@@ -81,7 +81,7 @@ impl CompletionRequest {
             logprobs,
             echo,
             list_prompt_logprobs: listed.is_some(),
-            streaming: Streaming::parse(&f)?,
+            streaming: Streaming::parse(f)?,
         })
     }
 }
