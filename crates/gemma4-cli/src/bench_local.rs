@@ -17,11 +17,14 @@ use gemma4_engine::{EngineConfig, EngineEvent, FinishReason, GenerationRequest, 
 use serde::Serialize;
 
 use crate::model_io::{load_model, load_tokenizer, release_freed_memory, ModelArgs};
+use crate::speculative::SpeculativeArgs;
 
 #[derive(clap::Args)]
 pub struct LocalArgs {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    speculative: SpeculativeArgs,
     /// Prompt tokens per repetition (0 skips the prompt test; one token still starts generation).
     #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
     n_prompt: usize,
@@ -105,6 +108,7 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         max_model_len: prompt_len + args.n_gen + 1,
         max_batch_tokens: prompt_len,
         prefix_caching: false,
+        speculative: args.speculative.config()?,
         ..EngineConfig::default()
     };
     let engine =

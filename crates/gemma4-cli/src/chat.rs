@@ -11,11 +11,14 @@ use gemma4_text::TextError;
 use serde_json::{json, Map, Value};
 
 use crate::model_io::ModelArgs;
+use crate::speculative::SpeculativeArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    speculative: SpeculativeArgs,
     /// System prompt.
     #[arg(long)]
     system: Option<String>,
@@ -51,6 +54,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             max_num_seqs: 1,
             max_queue: 1,
             max_model_len,
+            speculative: args.speculative.config()?,
             ..Default::default()
         },
     )?;

@@ -10,11 +10,14 @@ use anyhow::{bail, Context, Result};
 use gemma4_engine::{EngineConfig, EngineEvent, FinishReason, GenerationRequest, SamplingParams};
 
 use crate::model_io::ModelArgs;
+use crate::speculative::{self, SpeculativeArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    speculative: SpeculativeArgs,
     /// Prompt text (tokenized with the checkpoint's tokenizer).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
@@ -63,6 +66,8 @@ pub fn run(args: Args) -> Result<ExitCode> {
         eprintln!("ids: ");
         return Ok(ExitCode::SUCCESS);
     }
+    let speculation = args.speculative.config()?;
+    let drafting = speculation.is_some();
     let engine = gemma4_engine::start(
         loaded.model,
         Arc::new(loaded.tokenizer),
@@ -72,6 +77,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             max_model_len: context,
             max_batch_tokens: prompt.len().max(1),
             prefix_caching: false,
+            speculative: speculation,
             ..EngineConfig::default()
         },
     )?;
@@ -95,6 +101,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut ids = Vec::new();
     // When the first and the last token arrived.
     let mut arrivals: Option<(Instant, Instant)> = None;
+    let mut drafts = None;
     while let Some(event) = stream.blocking_next() {
         match event {
             EngineEvent::PromptLogprobs(_) => {}
@@ -105,8 +112,14 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 write!(stdout, "{text}")?;
                 stdout.flush()?;
             }
-            EngineEvent::Finished { reason, text, .. } => {
+            EngineEvent::Finished {
+                reason,
+                text,
+                usage,
+                ..
+            } => {
                 write!(stdout, "{text}")?;
+                drafts = drafting.then_some(usage.speculation);
                 if let FinishReason::Error(e) = reason {
                     bail!("generation failed: {e}");
                 }
@@ -118,10 +131,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
     stdout.flush()?;
     eprintln!("ids: {}", ids.join(","));
     if let Some((first, last)) = arrivals {
-        eprintln!(
-            "{}",
-            timing(prompt_len, first - submitted, ids.len(), last - first)
-        );
+        let mut line = timing(prompt_len, first - submitted, ids.len(), last - first);
+        if let Some(counts) = drafts {
+            line += &format!("; {}", speculative::describe(&counts));
+        }
+        eprintln!("{line}");
     }
     Ok(ExitCode::SUCCESS)
 }

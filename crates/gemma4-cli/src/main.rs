@@ -19,6 +19,7 @@ mod mcp;
 mod model_io;
 mod plan;
 mod serve;
+mod speculative;
 mod verify;
 mod verify_video;
 mod verify_vision;

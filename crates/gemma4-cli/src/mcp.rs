@@ -14,11 +14,14 @@ use tokio::sync::oneshot;
 
 use crate::model_io::ModelArgs;
 use crate::serve::{init_logging, load, model_name, run_async, seconds, MediaArgs};
+use crate::speculative::SpeculativeArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    speculative: SpeculativeArgs,
     /// A llama.cpp multimodal projector file (`mmproj` GGUF) for the model's towers.
     #[arg(long)]
     mmproj: Option<std::path::PathBuf>,
@@ -78,6 +81,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         max_num_seqs: args.max_num_seqs,
         max_model_len: args.max_model_len.unwrap_or(0),
         kv_dtype: args.kv_cache_dtype,
+        speculative: args.speculative.config()?,
         ..EngineConfig::default()
     };
     let (tx, loaded) = oneshot::channel();

@@ -21,6 +21,7 @@ use tokio::signal::unix::{signal, Signal, SignalKind};
 use tokio::sync::oneshot;
 
 use crate::model_io::ModelArgs;
+use crate::speculative::SpeculativeArgs;
 
 /// Context length used when `--max-model-len` is not given (bounded by the model's own).
 const DEFAULT_MAX_MODEL_LEN: usize = 4096;
@@ -29,6 +30,8 @@ const DEFAULT_MAX_MODEL_LEN: usize = 4096;
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
+    #[command(flatten)]
+    speculative: SpeculativeArgs,
     /// A llama.cpp multimodal projector file (`mmproj` GGUF: Gemma 4's vision
     /// and audio towers) to read images and audio with; it replaces any
     /// towers of the checkpoint.
@@ -369,6 +372,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         prefix_caching: !args.no_prefix_caching,
         kv_events,
         encoder_budget: args.encoder_budget.map(|n| n.max(1)),
+        speculative: args.speculative.config()?,
     };
     std::thread::Builder::new()
         .name("gemma4-load".into())

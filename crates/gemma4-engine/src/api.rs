@@ -5,6 +5,8 @@ use std::time::Instant;
 
 use gemma4_text::{ChannelState, OutputEvent, Reading};
 
+use crate::speculative::DraftCounts;
+
 /// How to pick each next token.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SamplingParams {
@@ -192,6 +194,8 @@ pub struct Usage {
     pub cache_written_prompt_tokens: usize,
     /// Generated tokens inside thought channels (chat turns).
     pub reasoning_tokens: usize,
+    /// Tokens drafted and accepted by speculative decoding.
+    pub speculation: DraftCounts,
 }
 
 /// What the engine sends back, in order: the prompt's log-probabilities
@@ -268,4 +272,6 @@ pub struct EngineStats {
     /// Requests whose sampler the executor holds (0 once all have ended
     /// and the engine has stepped or idled since).
     pub executor_requests: usize,
+    /// Tokens drafted and accepted by speculative decoding, over all requests.
+    pub speculation: DraftCounts,
 }

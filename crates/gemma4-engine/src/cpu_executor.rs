@@ -24,12 +24,13 @@ use crate::api::TokenConstraint;
 use crate::encoders::EncoderThread;
 use crate::engine::{start_with, EngineConfig, EngineHandle};
 use crate::executor::{
-    EncodeRequest, EncodedItem, Executor, ExecutorError, ExecutorStats, KvLayout, ModelFacts,
-    ScheduledChunk, SeqOutput, StepOutput, StepPlan,
+    DraftOutcome, EncodeRequest, EncodedItem, Executor, ExecutorError, ExecutorStats, KvLayout,
+    ModelFacts, ScheduledChunk, SeqOutput, StepOutput, StepPlan,
 };
 use crate::media::{EncoderInput, MediaFacts, SoftPrompt, SoftWindow};
 use crate::panic_message;
 use crate::sampler::{score, Sampled, Sampler, Scored};
+use crate::speculative::Drafter;
 
 /// A request's prompt scoring: which prompt tokens have their
 /// log-probability yet to come.
@@ -107,6 +108,8 @@ struct RequestState {
     scoring: Option<PromptScoring>,
     /// The block tables, as the plans' updates built them.
     tables: Vec<GroupBlocks>,
+    /// Drafts tokens for speculative decoding, when the request does.
+    drafter: Option<Drafter>,
 }
 
 /// Runs Gemma 4 on this machine's CPU.
@@ -186,13 +189,14 @@ impl CpuExecutor {
         for r in plan.new_requests.drain(..) {
             let scoring = r
                 .prompt_logprobs
-                .map(|(prompt, top)| PromptScoring::new(prompt, top));
+                .map(|top| PromptScoring::new(r.prompt.clone(), top));
             let state = RequestState {
                 sampler: r.sampler,
                 soft_prompt: r.soft_prompt,
                 soft_rows: Vec::new(),
                 scoring,
                 tables: Vec::new(),
+                drafter: r.speculative.map(|c| Drafter::new(c, r.prompt)),
             };
             self.requests.insert(r.seq_id, state);
         }
@@ -335,21 +339,51 @@ impl CpuExecutor {
             .iter()
             .zip(rows)
             .map(|(c, row)| {
-                let mut prompt_logprobs = Vec::new();
-                let result = match failed.iter().find(|(id, _)| *id == c.seq_id) {
-                    Some((_, e)) => Err(e.clone()),
-                    None => row
-                        .and_then(|row| self.score_prompt(c, row, &mut prompt_logprobs))
-                        .and_then(|row| self.sample(c.seq_id, row)),
-                };
-                SeqOutput {
-                    seq_id: c.seq_id,
-                    computed: c.start + c.tokens.len(),
-                    result,
-                    prompt_logprobs,
-                }
+                let failure = failed.iter().find(|(id, _)| *id == c.seq_id);
+                self.finish_chunk(c, row, failure.map(|(_, e)| e.clone()))
             })
             .collect()
+    }
+
+    /// A chunk's output from its logits: prompt tokens scored, tokens
+    /// sampled (drafts verified), and the next drafts proposed.
+    fn finish_chunk(
+        &mut self,
+        c: &ScheduledChunk,
+        row: Result<Option<Tensor>, String>,
+        failed: Option<String>,
+    ) -> SeqOutput {
+        let mut prompt_logprobs = Vec::new();
+        let drafts = &c.tokens[c.tokens.len() - c.drafts..];
+        let result = match failed {
+            Some(e) => Err(e),
+            None => row
+                .and_then(|row| self.score_prompt(c, row, &mut prompt_logprobs))
+                .and_then(|row| self.sample(c.seq_id, row, drafts)),
+        };
+        let mut drafting = DraftOutcome {
+            verified: c.drafts,
+            ..Default::default()
+        };
+        if let Ok(sampled) = &result {
+            drafting.accepted = sampled.len().saturating_sub(1).min(c.drafts);
+            let drafter = self
+                .requests
+                .get_mut(&c.seq_id)
+                .and_then(|r| r.drafter.as_mut());
+            if let (Some(drafter), false) = (drafter, sampled.is_empty()) {
+                let ids: Vec<u32> = sampled.iter().map(|s| s.token).collect();
+                drafter.advance(c.drafts, &ids);
+                drafting.proposed = drafter.propose();
+            }
+        }
+        SeqOutput {
+            seq_id: c.seq_id,
+            computed: c.start + c.tokens.len() - (c.drafts - drafting.accepted),
+            result,
+            prompt_logprobs,
+            drafting,
+        }
     }
 
     /// Whether a chunk needs logits at every position (its request scores prompt tokens there).
@@ -390,25 +424,35 @@ impl CpuExecutor {
         logits.narrow(0, rows - 1, 1).map(Some).map_err(failed)
     }
 
-    /// Samples a chunk's logits row. A panic here ends that request only.
-    fn sample(&mut self, id: u64, row: Option<Tensor>) -> Result<Vec<Sampled>, String> {
-        let Some(row) = row else {
+    /// Samples a chunk's logits: one row, or one per position of a decode
+    /// chunk with drafts, which are verified. A panic here ends that request only.
+    fn sample(
+        &mut self,
+        id: u64,
+        rows: Option<Tensor>,
+        drafts: &[u32],
+    ) -> Result<Vec<Sampled>, String> {
+        let Some(rows) = rows else {
             return Ok(Vec::new());
         };
         let state = self
             .requests
             .get_mut(&id)
             .ok_or_else(|| format!("the executor has no state for request {id}"))?;
-        let row = row
-            .squeeze(0)
-            .map_err(|e| format!("reading logits failed: {e}"))?;
+        if rows.elem_count() != (drafts.len() + 1) * self.facts.vocab_size {
+            return Err(format!(
+                "the step gave {} logits for {} positions of a {}-token vocabulary",
+                rows.elem_count(),
+                drafts.len() + 1,
+                self.facts.vocab_size
+            ));
+        }
         // The logits are read where they lie: copying a vocabulary's worth
         // per sequence was a step's largest serial copy.
-        with_f32_values(&row, |values| {
-            panic::catch_unwind(AssertUnwindSafe(|| state.sampler.sample(values)))
+        with_f32_values(&rows, |values| {
+            panic::catch_unwind(AssertUnwindSafe(|| state.sampler.verify(values, drafts)))
         })
         .map_err(|e| format!("reading logits failed: {e}"))?
-        .map(|sampled| vec![sampled])
         .map_err(|payload| {
             let msg = panic_message(payload.as_ref());
             tracing::error!(request = id, "sampling panicked: {msg}");
@@ -523,7 +567,7 @@ impl CpuExecutor {
             .map(|(c, soft)| BatchSeq {
                 ids: &c.tokens,
                 start: c.start,
-                logits: if self.scores(c) {
+                logits: if self.scores(c) || c.drafts > 0 {
                     Some(LogitsFor::All)
                 } else {
                     c.samples.then_some(LogitsFor::Last)

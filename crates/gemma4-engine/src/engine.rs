@@ -31,6 +31,7 @@ use crate::output_processor::{self, OutputMsg, StopNotice};
 use crate::panic_message;
 use crate::sampler::Sampler;
 use crate::scheduler::{Encoding, Scheduler, SchedulerLimits, SeqState};
+use crate::speculative::{DraftCounts, SpeculativeConfig};
 
 /// [`EngineConfig::admit_prompt_tokens`] by default: about where a step's
 /// prompt tokens stop getting cheaper per token on the CPU kernels.
@@ -64,6 +65,9 @@ pub struct EngineConfig {
     /// Soft tokens the media encoders may be encoding at once (one larger
     /// item when nothing else encodes); `None` allows `max_batch_tokens`.
     pub encoder_budget: Option<usize>,
+    /// Speculative decoding, for requests that can use it (not those under
+    /// a grammar, which decode plainly).
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 /// Takes the [`KvEvent`]s of each engine step, in order. It runs on the
@@ -91,6 +95,7 @@ impl Default for EngineConfig {
             prefix_caching: true,
             kv_events: None,
             encoder_budget: None,
+            speculative: None,
         }
     }
 }
@@ -441,6 +446,8 @@ pub(crate) fn start_worker(
         output,
         output_stops,
         kv_events: config.kv_events.clone(),
+        speculative: config.speculative,
+        speculation: DraftCounts::default(),
         #[cfg(feature = "fault-injection")]
         fault,
     };
@@ -472,6 +479,7 @@ struct Live {
     generated: usize,
     /// Left the wait queue for the first time (later re-queues are preemptions).
     admitted: bool,
+    speculation: DraftCounts,
 }
 
 struct Worker {
@@ -491,6 +499,9 @@ struct Worker {
     /// Requests the output processor ended (stop strings).
     output_stops: mpsc::Receiver<StopNotice>,
     kv_events: Option<KvEventSink>,
+    speculative: Option<SpeculativeConfig>,
+    /// Drafted and accepted tokens over all requests.
+    speculation: DraftCounts,
     #[cfg(feature = "fault-injection")]
     fault: Option<crate::fault::FaultPlan>,
 }
@@ -604,6 +615,7 @@ impl Worker {
                         prompt_len: request.prompt_ids.len(),
                         generated: 0,
                         admitted: false,
+                        speculation: DraftCounts::default(),
                     },
                 );
                 let _ = self.output.send(OutputMsg::Start {
@@ -619,14 +631,15 @@ impl Worker {
                     Some(soft) if self.bidirectional_vision => soft.blocks.clone(),
                     _ => Vec::new(),
                 };
-                let prompt_logprobs = params
-                    .prompt_logprobs
-                    .map(|top| (request.prompt_ids.clone(), top));
+                // A grammar's mask is prepared once per step, for one position.
+                let speculative = self.speculative.filter(|_| params.constraint.is_none());
                 self.new_requests.push(NewRequest {
                     seq_id: id,
                     sampler: Sampler::new(request.params.clone(), &request.prompt_ids),
                     soft_prompt: request.soft_prompt.clone(),
-                    prompt_logprobs,
+                    prompt: request.prompt_ids.clone(),
+                    prompt_logprobs: params.prompt_logprobs,
+                    speculative,
                 });
                 let mut seq =
                     SeqState::new(id, request.prompt_ids, self.kv.empty_with_media(media));
@@ -687,6 +700,7 @@ impl Worker {
                 completion_tokens: l.generated,
                 cached_prompt_tokens: cached.min(l.prompt_len),
                 cache_written_prompt_tokens: self.cache_written(l.prompt_len, cached),
+                speculation: l.speculation,
                 ..Usage::default()
             };
             let _ = self.output.send(OutputMsg::Finished { id, reason, usage });
@@ -779,6 +793,11 @@ impl Worker {
             Err(e) => return Some((id, FinishReason::Error(e))),
         };
         let live = self.live.get_mut(&id)?;
+        let drafting = out.drafting;
+        live.speculation
+            .record(drafting.verified, drafting.accepted);
+        self.speculation
+            .record(drafting.verified, drafting.accepted);
         if !out.prompt_logprobs.is_empty() {
             let _ = self.output.send(OutputMsg::PromptLogprobs {
                 id,
@@ -809,6 +828,14 @@ impl Worker {
         let ids: Vec<u32> = sampled[..kept].iter().map(|s| s.token).collect();
         self.scheduler
             .commit(id, out.computed, &ids, &mut self.kv)?;
+        if end.is_none() && !drafting.proposed.is_empty() {
+            // Every draft accepted brings one more token: none may pass
+            // `max_tokens` or the context.
+            let room = (live.max_tokens - live.generated).min(self.max_model_len - len);
+            let mut drafts = drafting.proposed;
+            drafts.truncate(room.saturating_sub(1));
+            self.scheduler.set_drafts(id, drafts);
+        }
         for s in sampled.into_iter().take(kept) {
             let _ = self.output.send(OutputMsg::Token {
                 id,
@@ -854,6 +881,7 @@ impl Worker {
             s.step_retries = executor.step_retries;
             s.contended_kernel_jobs = executor.contended_kernel_jobs;
             s.executor_requests = executor.requests;
+            s.speculation = self.speculation;
         }
     }
 }

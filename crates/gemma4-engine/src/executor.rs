@@ -22,6 +22,7 @@ use gemma4_model::paged::{GroupBlocks, KvDtype, KvGroup};
 
 use crate::media::{MediaFacts, SoftPrompt};
 use crate::sampler::{Sampled, Sampler, Scored};
+use crate::speculative::SpeculativeConfig;
 
 /// What the engine needs to know of the model an executor runs.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,9 +58,12 @@ pub struct NewRequest {
     pub sampler: Sampler,
     /// The prompt's media (images, audio, video frames), if any.
     pub soft_prompt: Option<Arc<SoftPrompt>>,
-    /// The prompt's ids, when the request scores them; with the number of
-    /// alternatives per token.
-    pub prompt_logprobs: Option<(Vec<u32>, usize)>,
+    /// The prompt's ids.
+    pub prompt: Vec<u32>,
+    /// Alternatives per token, when the request scores its prompt.
+    pub prompt_logprobs: Option<usize>,
+    /// How the sequence drafts tokens for speculative decoding, if it does.
+    pub speculative: Option<SpeculativeConfig>,
 }
 
 /// How one group's block table changed since the executor last saw it.
@@ -112,6 +116,9 @@ pub struct ScheduledChunk {
     pub blocks: BlockUpdate,
     /// The chunk ends at the last known token, so the step yields a next-token distribution.
     pub samples: bool,
+    /// The last `drafts` tokens are drafted, not known: the step verifies
+    /// them (a decode chunk only).
+    pub drafts: usize,
 }
 
 /// A media item to encode: an index into its request's [`SoftPrompt`]
@@ -154,6 +161,20 @@ pub struct SeqOutput {
     pub result: Result<Vec<Sampled>, String>,
     /// Prompt tokens scored in this step `(token, log-probability)`, in order.
     pub prompt_logprobs: Vec<(u32, Scored)>,
+    pub drafting: DraftOutcome,
+}
+
+/// Speculative decoding in one chunk's result.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DraftOutcome {
+    /// Drafted tokens the step verified.
+    pub verified: usize,
+    /// Those accepted: they lead the sampled tokens, and their K/V are in
+    /// the cache (`computed` counts them); the rest's positions are
+    /// written again later.
+    pub accepted: usize,
+    /// Tokens proposed to follow the sampled ones, for a later step to verify.
+    pub proposed: Vec<u32>,
 }
 
 /// What a step produced: one output per chunk, in the plan's order, and

@@ -23,6 +23,7 @@ pub mod media;
 mod output_processor;
 pub mod sampler;
 pub mod scheduler;
+pub mod speculative;
 pub mod threaded_executor;
 
 pub use api::{
@@ -43,6 +44,7 @@ pub use limits::{LimitError, RequestLimits, RequestPart, MAX_STOP_STRINGS, MAX_S
 pub use media::{
     AudioFacts, EncoderInput, ImageFacts, MediaFacts, SoftItem, SoftPrompt, SoftWindow,
 };
+pub use speculative::{DraftCounts, DraftMethod, SpeculativeConfig, SpeculativeError};
 pub use threaded_executor::ThreadedExecutor;
 
 /// The text of a panic's payload.

@@ -127,6 +127,29 @@ impl Sampler {
         Sampled { token, logprobs }
     }
 
+    /// Verifies drafted tokens: `rows` holds one row of logits per position
+    /// of `drafts.len() + 1`, the first predicting the first draft. Each row
+    /// is sampled in turn, as plain decoding would sample it, while the
+    /// token chosen is the drafted one; the first token that departs (or the
+    /// one after the last draft) ends the run. Greedy output is thus the
+    /// same with and without drafts, and since a draft is one fixed token,
+    /// keeping it exactly when the sampler draws it is the rejection rule
+    /// of speculative sampling: the output is drawn from the target's
+    /// distribution.
+    pub fn verify(&mut self, rows: &[f32], drafts: &[u32]) -> Vec<Sampled> {
+        let vocab = rows.len() / (drafts.len() + 1);
+        let mut out = Vec::with_capacity(drafts.len() + 1);
+        for (i, row) in rows.chunks(vocab.max(1)).enumerate() {
+            let sampled = self.sample(row);
+            let hit = drafts.get(i) == Some(&sampled.token);
+            out.push(sampled);
+            if !hit {
+                break;
+            }
+        }
+        out
+    }
+
     /// The channel's closing token once the thinking budget is spent.
     fn forced_token(&self) -> Option<u32> {
         let budget = self.params.thinking_budget.as_ref()?;
@@ -322,6 +345,43 @@ mod tests {
     fn greedy_picks_the_largest() {
         let mut s = Sampler::new(SamplingParams::default(), &[]);
         assert_eq!(s.sample(&[0.1, 3.0, 2.0]).token, 1);
+    }
+
+    /// Drafted tokens are kept while greedy sampling picks them; the first
+    /// departure is replaced by the sampler's own choice and ends the run.
+    #[test]
+    fn verification_keeps_the_drafts_the_sampler_picks() {
+        let rows = [
+            [0.0, 5.0, 1.0], // picks 1 (drafted 1)
+            [4.0, 0.0, 1.0], // picks 0 (drafted 0)
+            [0.0, 1.0, 3.0], // picks 2 (drafted 1): departs
+            [9.0, 0.0, 0.0], // never reached
+        ]
+        .concat();
+        let mut s = Sampler::new(SamplingParams::default(), &[]);
+        let out: Vec<u32> = s
+            .verify(&rows, &[1, 0, 1])
+            .iter()
+            .map(|t| t.token)
+            .collect();
+        assert_eq!(out, vec![1, 0, 2]);
+        // Every draft accepted: the token after them comes too.
+        let mut s = Sampler::new(SamplingParams::default(), &[]);
+        let out: Vec<u32> = s
+            .verify(&rows, &[1, 0, 2])
+            .iter()
+            .map(|t| t.token)
+            .collect();
+        assert_eq!(out, vec![1, 0, 2, 0]);
+        // A repetition penalty sees the accepted drafts as generated tokens.
+        let params = SamplingParams {
+            repetition_penalty: 100.0,
+            ..Default::default()
+        };
+        let rows = [[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]].concat();
+        let mut s = Sampler::new(params, &[]);
+        let out: Vec<u32> = s.verify(&rows, &[1]).iter().map(|t| t.token).collect();
+        assert_eq!(out, vec![1, 2]);
     }
 
     #[test]

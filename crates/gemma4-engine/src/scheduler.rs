@@ -59,6 +59,8 @@ pub struct SeqState {
     /// stands (the executor keeps the rows until the request ends).
     pub encoder_spans: Vec<EncoderSpan>,
     pub encoded: Vec<Encoding>,
+    /// Tokens drafted to follow the last one, for the next step to verify.
+    pub drafts: Vec<u32>,
 }
 
 /// Where a media item's encoding stands.
@@ -85,6 +87,7 @@ impl SeqState {
             executor_tables: None,
             encoder_spans: Vec::new(),
             encoded: Vec::new(),
+            drafts: Vec::new(),
         }
     }
 
@@ -193,6 +196,8 @@ struct Chunk {
     start: usize,
     len: usize,
     samples: bool,
+    /// Drafted tokens after the `len` known ones.
+    drafts: usize,
 }
 
 /// Waiting and running sequences.
@@ -313,20 +318,25 @@ impl Scheduler {
             .into_iter()
             .map(|c| {
                 let seq = &mut self.running[c.index];
+                let mut tokens = seq.tokens[c.start..c.start + c.len].to_vec();
+                tokens.extend(seq.drafts.drain(..).take(c.drafts));
                 ScheduledChunk {
                     seq_id: seq.id,
                     start: c.start,
-                    tokens: seq.tokens[c.start..c.start + c.len].to_vec(),
+                    tokens,
                     blocks: seq.block_update(),
                     samples: c.samples,
+                    drafts: c.drafts,
                 }
             })
             .collect()
     }
 
-    /// Takes a step's result back: the first `computed` tokens are in the cache (their
-    /// full blocks become reusable prefixes) and the tokens it sampled join
-    /// the sequence. Returns the sequence's length.
+    /// Takes a step's result back: the tokens it sampled (accepted drafts
+    /// first) join the sequence, and the first `computed` tokens are in the
+    /// cache (their full blocks become reusable prefixes; positions of
+    /// rejected drafts past them are written again by later steps). Returns
+    /// the sequence's length.
     pub fn commit(
         &mut self,
         seq_id: u64,
@@ -335,10 +345,19 @@ impl Scheduler {
         kv: &mut KvManager,
     ) -> Option<usize> {
         let seq = self.running.iter_mut().find(|s| s.id == seq_id)?;
-        seq.computed = computed;
-        kv.register_full_blocks(&mut seq.kv, &seq.tokens, seq.computed);
         seq.tokens.extend_from_slice(sampled);
+        seq.computed = computed.min(seq.tokens.len());
+        seq.drafts.clear();
+        kv.register_full_blocks(&mut seq.kv, &seq.tokens, seq.computed);
         Some(seq.tokens.len())
+    }
+
+    /// Tokens drafted to follow a running sequence's last one; the next
+    /// step runs them with it, as far as its budget allows.
+    pub fn set_drafts(&mut self, seq_id: u64, drafts: Vec<u32>) {
+        if let Some(seq) = self.running.iter_mut().find(|s| s.id == seq_id) {
+            seq.drafts = drafts;
+        }
     }
 
     fn pick(&mut self, kv: &mut KvManager) -> Vec<Chunk> {
@@ -363,15 +382,21 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            if kv.allocate(&mut self.running[i].kv, start + len, start) {
-                let samples = start + len == self.running[i].tokens.len();
+            let samples = start + len == self.running[i].tokens.len();
+            let drafts = if samples {
+                self.running[i].drafts.len().min(budget - len)
+            } else {
+                0
+            };
+            if kv.allocate(&mut self.running[i].kv, start + len + drafts, start) {
                 chunks.push(Chunk {
                     index: i,
                     start,
                     len,
                     samples,
+                    drafts,
                 });
-                budget -= len;
+                budget -= len + drafts;
                 if !samples || len > 1 {
                     prompt_tokens += len;
                 }
@@ -426,6 +451,7 @@ impl Scheduler {
                 start,
                 len,
                 samples,
+                drafts: 0,
             });
             budget -= len;
             prompt_tokens += len;
@@ -440,6 +466,7 @@ impl Scheduler {
         kv.release(&mut seq.kv);
         seq.computed = 0;
         seq.executor_tables = None;
+        seq.drafts.clear();
         self.preemptions += 1;
         self.waiting.push_front(seq);
     }

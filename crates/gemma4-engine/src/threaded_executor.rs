@@ -112,6 +112,7 @@ impl Executor for ThreadedExecutor {
                         computed,
                         result: Err("the executor thread has stopped".into()),
                         prompt_logprobs: Vec::new(),
+                        drafting: Default::default(),
                     })
                     .collect(),
                 encoded: self

@@ -22,6 +22,7 @@ const ENGINE_FRONT: &[&str] = &[
     "output_processor.rs",
     "sampler.rs",
     "scheduler.rs",
+    "speculative.rs",
     "threaded_executor.rs",
 ];
 

@@ -1,0 +1,246 @@
+//! Speculative decoding against plain decoding on the oracle fixtures:
+//! drafts verified in the normal step never change what is generated,
+//! greedy (the reference's own continuations) or seeded sampling, solo or
+//! batched, whole or chunked, with the limits of a request held.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use gemma4_engine::{
+    EngineConfig, EngineHandle, EngineStats, FinishReason, GenerationRequest, SamplingParams,
+    SpeculativeConfig,
+};
+use gemma4_model::golden::{greedy, Golden};
+use gemma4_model::{load_hf_dir, Gemma4};
+use gemma4_text::Tokenizer;
+
+mod support;
+use support::{start_on, Seam, SEAMS};
+
+const VARIANTS: &[&str] = &["e-style", "dense-k-eq-v", "moe", "unified"];
+const STEPS: usize = 32;
+
+fn fixture(variant: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/oracle")
+        .join(variant)
+}
+
+fn model(variant: &str) -> Gemma4 {
+    load_hf_dir(&fixture(variant)).expect("model")
+}
+
+fn tokenizer(variant: &str) -> Arc<Tokenizer> {
+    Arc::new(Tokenizer::from_dir(&fixture(variant)).expect("tokenizer"))
+}
+
+/// The golden prompts, and two whose text repeats (so lookups match
+/// before the output does).
+fn prompts(variant: &str) -> Vec<Vec<u32>> {
+    let golden = Golden::read(&fixture(variant).join("golden.json")).expect("golden");
+    let mut out: Vec<Vec<u32>> = golden.prompts.iter().map(|p| p.input_ids.clone()).collect();
+    let phrase: Vec<u32> = (0..9).map(|i| 120 + (i * 53) % 370).collect();
+    out.push([&[2], &phrase[..], &[300], &phrase[..4]].concat());
+    out.push([&[2], &phrase[..], &phrase[..], &phrase[..], &phrase[..2]].concat());
+    out
+}
+
+fn engine(variant: &str, seam: Seam, chunk: usize, speculative: bool) -> EngineHandle {
+    let config = EngineConfig {
+        max_num_seqs: 8,
+        max_queue: 16,
+        max_model_len: 256,
+        block_size: 4,
+        max_batch_tokens: chunk,
+        speculative: speculative.then(|| SpeculativeConfig::ngram(1, 3, 4).expect("settings")),
+        ..Default::default()
+    };
+    start_on(seam, model(variant), tokenizer(variant), config)
+}
+
+fn run(engine: &EngineHandle, ids: &[u32], params: SamplingParams) -> (Vec<u32>, FinishReason) {
+    engine
+        .submit(GenerationRequest {
+            prompt_ids: ids.to_vec(),
+            params,
+            deadline: None,
+            soft_prompt: None,
+            reading: Default::default(),
+        })
+        .expect("submit")
+        .blocking_finish()
+        .expect("stream ended without Finished")
+}
+
+fn greedy_params(max_tokens: usize) -> SamplingParams {
+    SamplingParams {
+        max_tokens,
+        ..Default::default()
+    }
+}
+
+/// Every prompt at once, staggered; outputs in prompt order.
+fn run_concurrently(engine: &EngineHandle, prompts: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, ids)| {
+                let engine = engine.clone();
+                s.spawn(move || {
+                    std::thread::sleep(Duration::from_millis(3 * i as u64));
+                    run(&engine, ids, greedy_params(STEPS)).0
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("thread"))
+            .collect()
+    })
+}
+
+fn wait_idle(engine: &EngineHandle) -> EngineStats {
+    for _ in 0..2000 {
+        let s = engine.stats();
+        if s.running == 0 && s.kv_blocks_used == 0 && s.executor_requests == 0 {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    engine.stats()
+}
+
+/// Greedy output with drafts is the solo reference run's, token for token
+/// (the golden prompts' runs are the reference's own continuations), on
+/// every variant, batched and solo, in whole and chunked steps, through
+/// both sides of the seam; drafts were both accepted and rejected.
+#[test]
+fn drafts_leave_greedy_output_unchanged() {
+    for v in VARIANTS {
+        let golden = Golden::read(&fixture(v).join("golden.json")).expect("golden");
+        let prompts = prompts(v);
+        let solo_model = model(v);
+        let reference: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|ids| greedy(&solo_model, ids, STEPS).expect("solo"))
+            .collect();
+        for (p, r) in golden.prompts.iter().zip(&reference) {
+            let n = p.greedy.generated_ids.len();
+            assert_eq!(r[..n], p.greedy.generated_ids, "{v}: solo run departs");
+        }
+        for (chunk, seam) in [(4096, Seam::Direct), (7, Seam::Threaded), (3, Seam::Direct)] {
+            let engine = engine(v, seam, chunk, true);
+            let outs = run_concurrently(&engine, &prompts);
+            for (i, (o, r)) in outs.iter().zip(&reference).enumerate() {
+                assert_eq!(o, r, "{v} chunk {chunk} {seam:?} prompt {i} batched");
+            }
+            for (i, ids) in prompts.iter().enumerate() {
+                let (out, _) = run(&engine, ids, greedy_params(STEPS));
+                assert_eq!(
+                    out, reference[i],
+                    "{v} chunk {chunk} {seam:?} prompt {i} solo"
+                );
+            }
+            let stats = wait_idle(&engine);
+            assert_eq!(stats.kv_blocks_used, 0, "{v}: blocks leaked");
+            let s = stats.speculation;
+            assert!(
+                s.accepted_tokens > 0,
+                "{v} chunk {chunk}: nothing accepted: {s:?}"
+            );
+            assert!(
+                s.draft_tokens > s.accepted_tokens,
+                "{v} chunk {chunk}: nothing rejected: {s:?}"
+            );
+        }
+    }
+}
+
+/// `max_tokens`, the context's end and stop tokens cut an accepted run
+/// where plain decoding would stop.
+#[test]
+fn drafts_keep_to_the_requests_limits() {
+    let v = "dense-k-eq-v";
+    let prompts = prompts(v);
+    let solo_model = model(v);
+    for seam in SEAMS {
+        limits_hold(v, &prompts, &solo_model, &engine(v, seam, 4096, true));
+    }
+}
+
+fn limits_hold(v: &str, prompts: &[Vec<u32>], solo_model: &Gemma4, engine: &EngineHandle) {
+    let mut stopped = 0;
+    for ids in prompts {
+        let reference = greedy(solo_model, ids, STEPS).expect("solo");
+        for max_tokens in [1, 2, 5, 9] {
+            let (out, reason) = run(engine, ids, greedy_params(max_tokens));
+            assert_eq!(out, reference[..max_tokens], "{v} max_tokens {max_tokens}");
+            assert_eq!(reason, FinishReason::Length);
+        }
+        // A stop token first generated after a run of repeats ends it there.
+        let Some(at) = (1..reference.len()).find(|&i| !reference[..i].contains(&reference[i]))
+        else {
+            continue;
+        };
+        stopped += 1;
+        let params = SamplingParams {
+            stop_token_ids: vec![reference[at]],
+            ..greedy_params(STEPS)
+        };
+        let (out, reason) = run(engine, ids, params);
+        assert_eq!(
+            (out.as_slice(), reason),
+            (&reference[..at], FinishReason::Stop)
+        );
+    }
+    assert!(stopped >= 3, "{v}: too few outputs change token");
+    // To the context's end: 256 positions.
+    let ids = &prompts[3];
+    let room = 256 - ids.len();
+    let reference = greedy(solo_model, ids, room).expect("solo");
+    let (out, reason) = run(engine, ids, greedy_params(room));
+    assert_eq!((out, reason), (reference, FinishReason::Length));
+    assert_eq!(wait_idle(engine).kv_blocks_used, 0);
+}
+
+/// A seeded request samples the same tokens with drafts as without: each
+/// token is drawn from its own position's distribution in the same order,
+/// and a draft is kept exactly when the sampler draws it.
+#[test]
+fn seeded_sampling_is_unchanged_by_drafts() {
+    let v = "moe";
+    let prompts = prompts(v);
+    let plain = engine(v, Seam::Direct, 64, false);
+    let drafted = engine(v, Seam::Direct, 64, true);
+    for seed in 0..6u64 {
+        for ids in &prompts {
+            let params = SamplingParams {
+                temperature: 0.7,
+                top_k: 40,
+                seed: Some(seed),
+                repetition_penalty: 1.1,
+                ..greedy_params(STEPS)
+            };
+            let a = run(&plain, ids, params.clone());
+            let b = run(&drafted, ids, params);
+            assert_eq!(a, b, "seed {seed}");
+        }
+    }
+    let s = wait_idle(&drafted).speculation;
+    assert!(
+        s.accepted_tokens > 0 && s.draft_tokens > s.accepted_tokens,
+        "{s:?}"
+    );
+    assert_eq!(wait_idle(&plain).speculation.draft_tokens, 0);
+}
+
+/// Speculation settings out of range are refused by name.
+#[test]
+fn speculation_settings_out_of_range_are_refused() {
+    let e = SpeculativeConfig::ngram(1, 3, 99).expect_err("99 tokens");
+    assert!(e.to_string().contains("from 1 to 15"), "{e}");
+    let e = SpeculativeConfig::ngram(3, 2, 4).expect_err("min above max");
+    assert!(e.to_string().contains("min 3, max 2"), "{e}");
+}
