@@ -20,6 +20,8 @@ pub enum Command {
     Compare(CompareArgs),
     /// Prompt and generation speed of a model on this machine, and peak RSS (like llama-bench).
     Local(Box<crate::bench_local::LocalArgs>),
+    /// Decoding with drafts against decoding without, on a set of prompts, in one run.
+    Speculative(Box<crate::bench_speculative::Args>),
 }
 
 /// Concurrency levels as parsed from `--concurrency`.
@@ -117,6 +119,7 @@ pub fn run(c: Command) -> Result<ExitCode> {
         Command::Serve(args) => serve(*args),
         Command::Compare(args) => compare_reports(&args),
         Command::Local(args) => crate::bench_local::run(*args),
+        Command::Speculative(args) => crate::bench_speculative::run(*args),
     }
 }
 

@@ -11,6 +11,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod bench;
 mod bench_local;
+mod bench_speculative;
 mod chat;
 mod demo;
 mod doctor;

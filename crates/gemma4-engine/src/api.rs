@@ -42,6 +42,9 @@ pub struct SamplingParams {
     pub thinking_budget: Option<ThinkingBudget>,
     /// Restricts which tokens may come next (structured output).
     pub constraint: Option<ConstraintFactory>,
+    /// Decode one token a step even where the engine drafts (speculative
+    /// decoding's output is the same; this turns its work off).
+    pub plain_decoding: bool,
 }
 
 /// A per-request rule on the next token, such as a grammar.
@@ -106,6 +109,7 @@ impl Default for SamplingParams {
             logit_bias: Vec::new(),
             thinking_budget: None,
             constraint: None,
+            plain_decoding: false,
         }
     }
 }

@@ -632,7 +632,9 @@ impl Worker {
                     _ => Vec::new(),
                 };
                 // A grammar's mask is prepared once per step, for one position.
-                let speculative = self.speculative.filter(|_| params.constraint.is_none());
+                let speculative = self
+                    .speculative
+                    .filter(|_| params.constraint.is_none() && !params.plain_decoding);
                 self.new_requests.push(NewRequest {
                     seq_id: id,
                     sampler: Sampler::new(request.params.clone(), &request.prompt_ids),

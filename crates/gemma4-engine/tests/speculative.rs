@@ -244,3 +244,41 @@ fn speculation_settings_out_of_range_are_refused() {
     let e = SpeculativeConfig::ngram(3, 2, 4).expect_err("min above max");
     assert!(e.to_string().contains("min 3, max 2"), "{e}");
 }
+
+/// A request may decode plainly on an engine that drafts; the counts of
+/// its usage say which way each request went.
+#[test]
+fn a_request_can_turn_drafting_off() {
+    let v = "dense-k-eq-v";
+    let engine = engine(v, Seam::Direct, 4096, true);
+    let ids = &prompts(v)[0];
+    let usage = |plain_decoding: bool| {
+        let mut stream = engine
+            .submit(GenerationRequest {
+                prompt_ids: ids.clone(),
+                params: SamplingParams {
+                    plain_decoding,
+                    ..greedy_params(STEPS)
+                },
+                deadline: None,
+                soft_prompt: None,
+                reading: Default::default(),
+            })
+            .expect("submit");
+        let mut tokens = 0;
+        loop {
+            match stream.blocking_next().expect("event") {
+                gemma4_engine::EngineEvent::Token { .. } => tokens += 1,
+                gemma4_engine::EngineEvent::Finished { usage, .. } => break (tokens, usage),
+                gemma4_engine::EngineEvent::PromptLogprobs(_) => {}
+            }
+        }
+    };
+    let (n, drafted) = usage(false);
+    assert_eq!(n, STEPS);
+    assert!(drafted.speculation.accepted_tokens > 0, "{drafted:?}");
+    assert_eq!(drafted.completion_tokens, STEPS);
+    let (n, plain) = usage(true);
+    assert_eq!(n, STEPS);
+    assert_eq!(plain.speculation, Default::default());
+}

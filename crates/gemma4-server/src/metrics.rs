@@ -67,6 +67,11 @@ struct VllmGauges {
     gpu_cache_usage: Gauge,
     /// 1, with the cache's shape in its labels.
     cache_config: IntGaugeVec,
+    /// Speculative decoding: steps that verified drafts, drafted tokens
+    /// verified, and those accepted.
+    spec_drafts: IntCounter,
+    spec_draft_tokens: IntCounter,
+    spec_accepted_tokens: IntCounter,
 }
 
 impl VllmGauges {
@@ -101,13 +106,38 @@ impl VllmGauges {
         register(Box::new(kv_usage.clone()))?;
         register(Box::new(gpu_cache_usage.clone()))?;
         register(Box::new(cache_config.clone()))?;
+        let spec_counter = |name: &str, help: &str| -> prometheus::Result<IntCounter> {
+            let c = IntCounter::with_opts(opts(name, help))?;
+            register(Box::new(c.clone()))?;
+            Ok(c)
+        };
         Ok(Self {
             waiting,
             running,
             kv_usage,
             gpu_cache_usage,
             cache_config,
+            spec_drafts: spec_counter(
+                "vllm:spec_decode_num_drafts_total",
+                "Steps that verified drafted tokens (speculative decoding)",
+            )?,
+            spec_draft_tokens: spec_counter(
+                "vllm:spec_decode_num_draft_tokens_total",
+                "Drafted tokens verified (speculative decoding)",
+            )?,
+            spec_accepted_tokens: spec_counter(
+                "vllm:spec_decode_num_accepted_tokens_total",
+                "Drafted tokens accepted (speculative decoding)",
+            )?,
         })
+    }
+
+    /// Brings the counters up to the engine's (under the mirror lock).
+    fn mirror(&self, s: &EngineStats) {
+        let up_to = |c: &IntCounter, v: u64| c.inc_by(v.saturating_sub(c.get()));
+        up_to(&self.spec_drafts, s.speculation.drafts);
+        up_to(&self.spec_draft_tokens, s.speculation.draft_tokens);
+        up_to(&self.spec_accepted_tokens, s.speculation.accepted_tokens);
     }
 
     fn set(&self, s: &EngineStats) {
@@ -402,6 +432,7 @@ impl Metrics {
                     s.contended_kernel_jobs
                         .saturating_sub(self.contended_kernel_jobs.get()),
                 );
+                self.vllm.mirror(&s);
             }
         }
         let mut out = Vec::new();
@@ -446,6 +477,11 @@ mod tests {
             kv_block_size: 16,
             prefix_cache_hits: 5,
             preemptions: 1,
+            speculation: gemma4_engine::DraftCounts {
+                drafts: 3,
+                draft_tokens: 9,
+                accepted_tokens: 7,
+            },
             ..Default::default()
         };
         let text = m.render(
@@ -474,6 +510,9 @@ mod tests {
             "gemma4_open_connections 0",
             "gemma4_refused_connections_total 0",
             "vllm:num_requests_waiting{model_name=\"gemma4\"} 1",
+            "vllm:spec_decode_num_drafts_total{model_name=\"gemma4\"} 3",
+            "vllm:spec_decode_num_draft_tokens_total{model_name=\"gemma4\"} 9",
+            "vllm:spec_decode_num_accepted_tokens_total{model_name=\"gemma4\"} 7",
             "vllm:num_requests_running{model_name=\"gemma4\"} 2",
             "vllm:kv_cache_usage_perc{model_name=\"gemma4\"} 0.4",
             "vllm:gpu_cache_usage_perc{model_name=\"gemma4\"} 0.4",

@@ -17,6 +17,7 @@ mod routing;
 mod schemas;
 mod scoring;
 mod skill;
+mod speculative;
 mod webui;
 
 use std::time::{Duration, Instant};
