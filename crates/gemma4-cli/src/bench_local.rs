@@ -13,11 +13,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use gemma4_engine::{EngineConfig, EngineEvent, FinishReason, GenerationRequest, SamplingParams};
+use gemma4_engine::{
+    DraftCounts, EngineConfig, EngineEvent, FinishReason, GenerationRequest, SamplingParams,
+};
 use serde::Serialize;
 
 use crate::model_io::{load_model, load_tokenizer, release_freed_memory, ModelArgs};
-use crate::speculative::SpeculativeArgs;
+use crate::speculative::{self, SpeculativeArgs};
 
 #[derive(clap::Args)]
 pub struct LocalArgs {
@@ -63,6 +65,12 @@ struct Roofline {
     fraction: f64,
 }
 
+#[derive(Serialize)]
+struct SpeculationFigures {
+    draft_tokens: u64,
+    accepted_tokens: u64,
+}
+
 /// One test's figures over the repetitions.
 #[derive(Serialize)]
 struct Figure {
@@ -82,6 +90,9 @@ struct LocalReport {
     kernels: String,
     tests: Vec<Figure>,
     peak_rss_mib: f64,
+    /// Drafted and accepted tokens over the timed runs, with `--speculative`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    speculation: Option<SpeculationFigures>,
     #[serde(skip_serializing_if = "Option::is_none")]
     roofline: Option<Roofline>,
 }
@@ -103,12 +114,14 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
     release_freed_memory();
     let vocab = model.config().vocab_size.min(tokenizer.vocab_size());
     let prompt_len = args.n_prompt.max(1);
+    let drafting = args.speculative.config()?;
+    let mut drafts = DraftCounts::default();
     let config = EngineConfig {
         max_num_seqs: 1,
         max_model_len: prompt_len + args.n_gen + 1,
         max_batch_tokens: prompt_len,
         prefix_caching: false,
-        speculative: args.speculative.config()?,
+        speculative: drafting,
         ..EngineConfig::default()
     };
     let engine =
@@ -122,6 +135,8 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         if rep == 0 {
             continue; // warm-up: pages the weights in, sizes the buffers
         }
+        drafts.draft_tokens += run.drafts.draft_tokens;
+        drafts.accepted_tokens += run.drafts.accepted_tokens;
         prompt_rates.push(prompt_len as f64 / run.first_token_s);
         if args.n_gen >= 2 {
             gen_rates.push((args.n_gen - 1) as f64 / run.decode_s);
@@ -164,6 +179,10 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         tests,
         peak_rss_mib: peak_rss_bytes() as f64 / MIB,
         roofline,
+        speculation: drafting.map(|_| SpeculationFigures {
+            draft_tokens: drafts.draft_tokens,
+            accepted_tokens: drafts.accepted_tokens,
+        }),
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&out)?);
@@ -182,6 +201,7 @@ fn measure_bandwidth() -> f64 {
 }
 
 struct Run {
+    drafts: DraftCounts,
     first_token_s: f64,
     decode_s: f64,
 }
@@ -204,6 +224,7 @@ fn one_run(engine: &gemma4_engine::EngineHandle, prompt: &[u32], n: usize) -> Re
         .submit(request)
         .context("the engine refused the request")?;
     let (mut first, mut last, mut count) = (None, t0, 0usize);
+    let mut drafts = DraftCounts::default();
     while let Some(event) = stream.blocking_next() {
         match event {
             EngineEvent::PromptLogprobs(_) => {}
@@ -213,7 +234,8 @@ fn one_run(engine: &gemma4_engine::EngineHandle, prompt: &[u32], n: usize) -> Re
                 last = now;
                 count += 1;
             }
-            EngineEvent::Finished { reason, .. } => {
+            EngineEvent::Finished { reason, usage, .. } => {
+                drafts = usage.speculation;
                 if let FinishReason::Error(e) = reason {
                     bail!("the request failed: {e}");
                 }
@@ -230,6 +252,7 @@ fn one_run(engine: &gemma4_engine::EngineHandle, prompt: &[u32], n: usize) -> Re
     Ok(Run {
         first_token_s: (first - t0).as_secs_f64(),
         decode_s: (last - first).as_secs_f64().max(f64::MIN_POSITIVE),
+        drafts,
     })
 }
 
@@ -275,6 +298,14 @@ fn print_table(r: &LocalReport) {
         );
     }
     println!("peak RSS: {:.0} MiB", r.peak_rss_mib);
+    if let Some(s) = &r.speculation {
+        let counts = DraftCounts {
+            drafts: 0,
+            draft_tokens: s.draft_tokens,
+            accepted_tokens: s.accepted_tokens,
+        };
+        println!("speculative decoding: {}", speculative::describe(&counts));
+    }
     if let Some(f) = &r.roofline {
         println!(
             "memory read bandwidth before / after the runs: {:.1} / {:.1} GB/s ({} threads); decode reads {:.2} GB per token: roofline {:.2} t/s (the larger rate), generation at {:.0}% of it",

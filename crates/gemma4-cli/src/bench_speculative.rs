@@ -5,8 +5,9 @@
 //! request turns drafting off) and once drafting, in alternating order, so
 //! both see the same machine. A prompt's decode rate is its tokens after
 //! the first over the time from the first to the last. With several
-//! streams, each stream takes every n-th prompt and the rate is all
-//! streams' tokens over the wall time. The two outputs of a prompt must be
+//! streams, each stream takes every n-th prompt; the rate is each stream's
+//! decode rate as above, and all streams' tokens over the wall time are
+//! compared too. The two outputs of a prompt must be
 //! the same tokens; the run fails if they are not.
 
 use std::collections::BTreeMap;
@@ -74,6 +75,9 @@ struct Row {
     drafted_tok_s: Vec<f64>,
     /// Median drafted over median plain.
     ratio: f64,
+    /// The same for all streams' tokens over the wall time (several streams).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    wall_ratio: Option<f64>,
     draft_tokens: u64,
     accepted_tokens: u64,
 }
@@ -165,6 +169,8 @@ fn read_prompts(path: &PathBuf) -> Result<Vec<Prompt>> {
 struct Sample {
     tokens: usize,
     secs: f64,
+    wall_tokens: usize,
+    wall_secs: f64,
     drafts: DraftCounts,
 }
 
@@ -178,6 +184,10 @@ impl Sample {
 
     fn rate(&self) -> f64 {
         self.tokens as f64 / self.secs.max(f64::MIN_POSITIVE)
+    }
+
+    fn wall_rate(&self) -> f64 {
+        self.wall_tokens as f64 / self.wall_secs.max(f64::MIN_POSITIVE)
     }
 }
 
@@ -216,10 +226,12 @@ fn rounds(
 fn row(name: String, streams: usize, rounds: &[[Sample; 2]]) -> Row {
     let drafted: Vec<f64> = rounds.iter().map(|r| r[0].rate()).collect();
     let plain: Vec<f64> = rounds.iter().map(|r| r[1].rate()).collect();
+    let wall = |k: usize| median(&rounds.iter().map(|r| r[k].wall_rate()).collect::<Vec<_>>());
     Row {
         name,
         streams,
         ratio: median(&drafted) / median(&plain),
+        wall_ratio: (streams > 1).then(|| wall(0) / wall(1)),
         draft_tokens: rounds.iter().map(|r| r[0].drafts.draft_tokens).sum(),
         accepted_tokens: rounds.iter().map(|r| r[0].drafts.accepted_tokens).sum(),
         plain_tok_s: plain,
@@ -255,10 +267,11 @@ fn measure_solo(
     Ok(rows)
 }
 
-/// Runs `set` over `streams` concurrent streams. At one stream the sample
-/// is decode only (each request's tokens after its first, over the time
-/// from its first to its last); at more, every token over the wall time,
-/// prefills included. The outputs come in `set` order.
+/// Runs `set` over `streams` concurrent streams. The sample is decode
+/// only (each request's tokens after its first, over the time from its
+/// first to its last: the rate one stream sees), and every token over the
+/// wall time, prefills included (the rate of all streams together). The
+/// outputs come in `set` order.
 fn run_set(
     engine: &EngineHandle,
     set: &[&[u32]],
@@ -294,16 +307,13 @@ fn run_set(
         sample.drafts.draft_tokens += r.drafts.draft_tokens;
         sample.drafts.accepted_tokens += r.drafts.accepted_tokens;
     }
-    if streams == 1 {
-        sample.tokens = runs.iter().map(|r| r.ids.len() - 1).sum();
-        sample.secs = runs.iter().map(|r| (r.last - r.first).as_secs_f64()).sum();
-    } else {
-        sample.tokens = runs.iter().map(|r| r.ids.len()).sum();
-        let start = runs.iter().map(|r| r.submitted).min();
-        let end = runs.iter().map(|r| r.last).max();
-        if let (Some(a), Some(b)) = (start, end) {
-            sample.secs = (b - a).as_secs_f64();
-        }
+    sample.tokens = runs.iter().map(|r| r.ids.len() - 1).sum();
+    sample.secs = runs.iter().map(|r| (r.last - r.first).as_secs_f64()).sum();
+    let start = runs.iter().map(|r| r.submitted).min();
+    let end = runs.iter().map(|r| r.last).max();
+    if let (Some(a), Some(b)) = (start, end) {
+        sample.wall_tokens = runs.iter().map(|r| r.ids.len()).sum();
+        sample.wall_secs = (b - a).as_secs_f64();
     }
     Ok((sample, runs.into_iter().map(|r| r.ids).collect()))
 }
@@ -368,6 +378,7 @@ fn median(values: &[f64]) -> f64 {
 fn print_table(r: &Report) {
     println!("model: {}", r.model);
     println!("kernels: {} ({} threads)", r.kernels, r.threads);
+    println!("decode tok/s of each stream (tokens after the first over the time from the first to the last); with several streams, the ratio of all tokens over the wall time too");
     println!("| streams | prompts | plain tok/s | drafted tok/s | drafted/plain | drafts |");
     println!("|---:|---|---:|---:|---:|---|");
     for row in &r.rows {
@@ -376,8 +387,11 @@ fn print_table(r: &Report) {
             draft_tokens: row.draft_tokens,
             accepted_tokens: row.accepted_tokens,
         };
+        let wall = row
+            .wall_ratio
+            .map_or(String::new(), |w| format!(" (wall {w:.2}×)"));
         println!(
-            "| {} | {} | {:.1} | {:.1} | {:.2}× | {} |",
+            "| {} | {} | {:.1} | {:.1} | {:.2}×{wall} | {} |",
             row.streams,
             row.name,
             median(&row.plain_tok_s),
