@@ -20,7 +20,7 @@ pub struct SpeculativeArgs {
     /// decode plainly.
     #[arg(long, value_enum)]
     speculative: Option<Mode>,
-    /// The most tokens drafted per step (1 to 15).
+    /// The most tokens drafted per step (1 to 7).
     #[arg(long, default_value_t = 4, requires = "speculative")]
     num_speculative_tokens: usize,
     /// The shortest run of last tokens looked up (ngram).

@@ -30,7 +30,7 @@ use crate::executor::{
 use crate::media::{EncoderInput, MediaFacts, SoftPrompt, SoftWindow};
 use crate::panic_message;
 use crate::sampler::{score, Sampled, Sampler, Scored};
-use crate::speculative::Drafter;
+use crate::speculative::{Drafter, MAX_SPECULATIVE_TOKENS};
 
 /// A request's prompt scoring: which prompt tokens have their
 /// log-probability yet to come.
@@ -74,6 +74,10 @@ impl PromptScoring {
         out
     }
 }
+
+// A drafted chunk (the last token and its drafts) stays within the
+// attention that computes each position as a one-token step does.
+const _: () = assert!(MAX_SPECULATIVE_TOKENS < gemma4_model::IN_PLACE_MAX_QUERIES);
 
 /// How long a step with nothing to run waits for an encoding to end.
 const ENCODER_WAIT: Duration = Duration::from_millis(10);

@@ -1,8 +1,6 @@
 //! The engine against solo runs: batching, chunked prefill, prefix reuse,
 //! preemption and the sliding-window cache bound, on the oracle fixtures.
 
-use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use gemma4_engine::{
@@ -10,33 +8,17 @@ use gemma4_engine::{
 };
 use gemma4_model::golden::{greedy, Golden};
 use gemma4_model::safetensors_store::SafetensorsStore;
-use gemma4_model::{load_hf_dir, Gemma4};
-use gemma4_text::Tokenizer;
 
 mod support;
-use support::{start_on, SEAMS};
+use support::{oracle_fixture, oracle_model, oracle_tokenizer, start_on, SEAMS};
 
 const VARIANTS: &[&str] = &["e-style", "dense-k-eq-v", "moe", "unified"];
 const STEPS: usize = 24;
 
-fn fixture(variant: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../tests/fixtures/oracle")
-        .join(variant)
-}
-
-fn model(variant: &str) -> Gemma4 {
-    load_hf_dir(&fixture(variant)).expect("model")
-}
-
-fn tokenizer(variant: &str) -> Arc<Tokenizer> {
-    Arc::new(Tokenizer::from_dir(&fixture(variant)).expect("tokenizer"))
-}
-
 /// The three golden prompts (with the reference's own continuations) and
 /// five more, two of which share a long prefix with a golden prompt.
 fn prompts(variant: &str) -> Vec<(Vec<u32>, Option<Vec<u32>>)> {
-    let golden = Golden::read(&fixture(variant).join("golden.json")).expect("golden");
+    let golden = Golden::read(&oracle_fixture(variant).join("golden.json")).expect("golden");
     let mut out: Vec<(Vec<u32>, Option<Vec<u32>>)> = golden
         .prompts
         .iter()
@@ -118,7 +100,7 @@ fn config(chunk: usize) -> EngineConfig {
 fn batched_chunked_runs_equal_solo_runs() {
     for v in VARIANTS {
         let prompts = prompts(v);
-        let solo_model = model(v);
+        let solo_model = oracle_model(v);
         let solo: Vec<Vec<u32>> = prompts
             .iter()
             .map(|(ids, reference)| {
@@ -130,7 +112,7 @@ fn batched_chunked_runs_equal_solo_runs() {
             })
             .collect();
         for (chunk, seam) in [1, 7, 4096].into_iter().flat_map(|c| SEAMS.map(|s| (c, s))) {
-            let engine = start_on(seam, model(v), tokenizer(v), config(chunk));
+            let engine = start_on(seam, oracle_model(v), oracle_tokenizer(v), config(chunk));
             let outs = run_concurrently(&engine, &prompts);
             for (i, (o, s)) in outs.iter().zip(&solo).enumerate() {
                 assert_eq!(o, s, "{v} chunk {chunk} {seam:?} prompt {i}");
@@ -168,7 +150,7 @@ fn wait_idle(engine: &EngineHandle) -> gemma4_engine::EngineStats {
 fn a_tiny_cache_preempts_and_still_gives_solo_outputs() {
     let v = "dense-k-eq-v";
     let prompts = prompts(v);
-    let solo_model = model(v);
+    let solo_model = oracle_model(v);
     let solo: Vec<Vec<u32>> = prompts
         .iter()
         .map(|(ids, _)| greedy(&solo_model, ids, STEPS).expect("solo"))
@@ -181,7 +163,7 @@ fn a_tiny_cache_preempts_and_still_gives_solo_outputs() {
         ..config(64)
     };
     for seam in SEAMS {
-        let engine = start_on(seam, model(v), tokenizer(v), cfg.clone());
+        let engine = start_on(seam, oracle_model(v), oracle_tokenizer(v), cfg.clone());
         let outs = run_concurrently(&engine, &prompts);
         assert_eq!(outs, solo, "{seam:?}");
         let stats = wait_idle(&engine);
@@ -197,8 +179,8 @@ fn a_tiny_cache_preempts_and_still_gives_solo_outputs() {
 fn sliding_layers_hold_only_their_window() {
     let v = "e-style";
     let engine = start(
-        model(v),
-        tokenizer(v),
+        oracle_model(v),
+        oracle_tokenizer(v),
         EngineConfig {
             max_model_len: 2100,
             block_size: 4,
@@ -256,13 +238,13 @@ fn sliding_layers_hold_only_their_window() {
 #[test]
 fn engine_allocation_matches_the_plan() {
     for v in VARIANTS {
-        let m = model(v);
+        let m = oracle_model(v);
         let plan: Vec<usize> =
             gemma4_model::plan::kv_bytes_per_token(m.config(), gemma4_model::paged::KvDtype::F32)
                 .into_iter()
                 .map(|(_, b)| b)
                 .collect();
-        let engine = start(m, tokenizer(v), config(64)).expect("engine");
+        let engine = start(m, oracle_tokenizer(v), config(64)).expect("engine");
         let report = engine.kv_plan();
         let allocated: Vec<usize> = report.groups.iter().map(|g| g.2).collect();
         assert_eq!(allocated, plan, "{v}");
@@ -302,7 +284,7 @@ fn sampled(engine: &EngineHandle, ids: &[u32], seed: u64) -> Vec<u32> {
 #[test]
 fn seeded_sampling_is_independent_of_the_batch() {
     let v = "moe";
-    let engine = start(model(v), tokenizer(v), config(64)).expect("engine");
+    let engine = start(oracle_model(v), oracle_tokenizer(v), config(64)).expect("engine");
     let prompts = prompts(v);
     let alone = sampled(&engine, &prompts[0].0, 1234);
     assert_eq!(alone.len(), 16);
@@ -333,8 +315,8 @@ fn seeded_sampling_is_independent_of_the_batch() {
 #[test]
 fn stop_strings_cut_the_text() {
     let v = "e-style";
-    let engine = start(model(v), tokenizer(v), config(64)).expect("engine");
-    let golden = Golden::read(&fixture(v).join("golden.json")).expect("golden");
+    let engine = start(oracle_model(v), oracle_tokenizer(v), config(64)).expect("engine");
+    let golden = Golden::read(&oracle_fixture(v).join("golden.json")).expect("golden");
     let p = &golden.prompts[2];
     // Find the full text first (and each token's share), then stop on a piece of it.
     let (full, pieces) = {
@@ -417,7 +399,7 @@ fn stop_strings_cut_the_text() {
 #[test]
 fn timeouts_and_cancellation_free_blocks() {
     let v = "dense-k-eq-v";
-    let engine = start(model(v), tokenizer(v), config(64)).expect("engine");
+    let engine = start(oracle_model(v), oracle_tokenizer(v), config(64)).expect("engine");
     let long = prompts(v)[2].0.clone();
     let params = SamplingParams {
         max_tokens: 100,
@@ -480,8 +462,8 @@ fn departures_only_at_near_ties(dtype: gemma4_model::paged::KvDtype) -> (usize, 
     let (mut kept, mut total) = (0, 0);
     for v in VARIANTS {
         let engine = start(
-            model(v),
-            tokenizer(v),
+            oracle_model(v),
+            oracle_tokenizer(v),
             EngineConfig {
                 max_model_len: 256,
                 kv_dtype: dtype,
@@ -489,11 +471,11 @@ fn departures_only_at_near_ties(dtype: gemma4_model::paged::KvDtype) -> (usize, 
             },
         )
         .expect("engine");
-        let golden = Golden::read(&fixture(v).join("golden.json")).expect("golden");
+        let golden = Golden::read(&oracle_fixture(v).join("golden.json")).expect("golden");
         let tensors =
-            SafetensorsStore::open_files(&[fixture(v).join("golden_tensors.safetensors")])
+            SafetensorsStore::open_files(&[oracle_fixture(v).join("golden_tensors.safetensors")])
                 .expect("golden tensors");
-        let vocab = model(v).config().vocab_size;
+        let vocab = oracle_model(v).config().vocab_size;
         for (i, p) in golden.prompts.iter().enumerate() {
             let (out, _) = collect(&engine, &p.input_ids);
             let want = &p.greedy.generated_ids;
@@ -559,13 +541,13 @@ fn int8_kv_cache_leaves_the_reference_only_at_near_ties() {
 #[test]
 fn a_context_longer_than_the_model_positions_is_refused_at_start() {
     let v = VARIANTS[0];
-    let m = model(v);
+    let m = oracle_model(v);
     let positions = m.config().max_position_embeddings;
     let too_long = EngineConfig {
         max_model_len: positions + 1,
         ..config(64)
     };
-    let err = match start(m, tokenizer(v), too_long) {
+    let err = match start(m, oracle_tokenizer(v), too_long) {
         Ok(_) => panic!(
             "an engine started with {} > {positions} positions",
             positions + 1
@@ -582,5 +564,5 @@ fn a_context_longer_than_the_model_positions_is_refused_at_start() {
         max_model_len: positions,
         ..config(64)
     };
-    assert!(start(model(v), tokenizer(v), exact).is_ok());
+    assert!(start(oracle_model(v), oracle_tokenizer(v), exact).is_ok());
 }

@@ -12,7 +12,10 @@ use crate::paged::int8_block;
 
 /// Queries per sequence up to which attention reads the store in place;
 /// longer spans (prefill) gather the keys and use batched matrix products.
-pub(crate) const IN_PLACE_MAX_QUERIES: usize = 8;
+/// Each query of an in-place span is computed as it would be alone, so a
+/// decode step with drafted tokens up to this length gives each position
+/// the bits a one-token step would.
+pub const IN_PLACE_MAX_QUERIES: usize = 8;
 
 /// A pool's elements, read as f32.
 pub(crate) trait PoolValue: Copy {

@@ -25,6 +25,7 @@ pub mod storage;
 pub mod vision;
 pub mod vision_unified;
 
+pub use attend::IN_PLACE_MAX_QUERIES;
 pub use audio::{AudioConfig, AudioEncoder, AudioFeatures, AudioTower};
 pub use audio_unified::UnifiedAudioEmbedder;
 pub use cache::{KvCache, KvStore};

@@ -65,7 +65,7 @@ fn speculative_settings_out_of_range_are_refused() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("--num-speculative-tokens") && err.contains("from 1 to 15"),
+        err.contains("--num-speculative-tokens") && err.contains("from 1 to 7"),
         "{err}"
     );
 }

@@ -2,10 +2,11 @@
 //! directly, and through [`ThreadedExecutor`], which follows the step plans
 //! on a thread of its own and sees nothing else.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use gemma4_engine::{start_with, CpuExecutor, EngineConfig, EngineHandle, ThreadedExecutor};
-use gemma4_model::Gemma4;
+use gemma4_model::{load_hf_dir, Gemma4};
 use gemma4_text::Tokenizer;
 
 /// How the engine reaches the CPU executor.
@@ -39,4 +40,22 @@ pub fn start_executor_on(
         Seam::Threaded => Box::new(ThreadedExecutor::spawn(cpu).expect("executor thread")),
     };
     start_with(executor, tokenizer, config).expect("engine")
+}
+
+/// An oracle checkpoint (`tests/fixtures/oracle/<variant>`).
+#[allow(dead_code)] // not every test binary reads the oracle
+pub fn oracle_fixture(variant: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/oracle")
+        .join(variant)
+}
+
+#[allow(dead_code)]
+pub fn oracle_model(variant: &str) -> Gemma4 {
+    load_hf_dir(&oracle_fixture(variant)).expect("model")
+}
+
+#[allow(dead_code)]
+pub fn oracle_tokenizer(variant: &str) -> Arc<Tokenizer> {
+    Arc::new(Tokenizer::from_dir(&oracle_fixture(variant)).expect("tokenizer"))
 }
