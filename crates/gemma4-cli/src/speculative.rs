@@ -16,8 +16,7 @@ pub enum Mode {
 pub struct SpeculativeArgs {
     /// Speculative decoding: draft tokens and check them all in one step.
     /// The output is what it would be without (greedy token for token,
-    /// sampling from the same distribution); requests under a grammar
-    /// decode plainly.
+    /// sampling from the same distribution).
     #[arg(long, value_enum)]
     speculative: Option<Mode>,
     /// The most tokens drafted per step (1 to 7).

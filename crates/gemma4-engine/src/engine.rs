@@ -65,8 +65,8 @@ pub struct EngineConfig {
     /// Soft tokens the media encoders may be encoding at once (one larger
     /// item when nothing else encodes); `None` allows `max_batch_tokens`.
     pub encoder_budget: Option<usize>,
-    /// Speculative decoding, for requests that can use it (not those under
-    /// a grammar, which decode plainly).
+    /// Speculative decoding, for every request that does not ask to decode
+    /// plainly.
     pub speculative: Option<SpeculativeConfig>,
 }
 
@@ -631,10 +631,7 @@ impl Worker {
                     Some(soft) if self.bidirectional_vision => soft.blocks.clone(),
                     _ => Vec::new(),
                 };
-                // A grammar's mask is prepared once per step, for one position.
-                let speculative = self
-                    .speculative
-                    .filter(|_| params.constraint.is_none() && !params.plain_decoding);
+                let speculative = self.speculative.filter(|_| !params.plain_decoding);
                 self.new_requests.push(NewRequest {
                     seq_id: id,
                     sampler: Sampler::new(request.params.clone(), &request.prompt_ids),
