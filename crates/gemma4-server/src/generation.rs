@@ -400,7 +400,7 @@ pub(crate) fn build_requests(
                 logit_bias: logit_bias.clone(),
                 thinking_budget: thinking_budget.clone(),
                 constraint: constraint.clone(),
-                plain_decoding: false,
+                plain_decoding: sampling.plain_decoding,
             };
             requests.push(GenerationRequest {
                 prompt_ids: prompt.clone(),

@@ -4,7 +4,7 @@
 
 use serde_json::json;
 
-use super::harness::{fixture, golden, EventStream, ServerProc};
+use super::harness::{fixture, golden, openai_error, EventStream, ServerProc};
 use super::{generate_ids, golden_ids, ids};
 
 #[test]
@@ -50,6 +50,21 @@ fn drafting_keeps_the_oracle_output_and_counts_drafts() {
             server.metric(steps),
         );
         assert!(a > 0.0 && d > a && s > 0.0 && d >= s, "{d} {a} {s}");
+        // A request may decode one token a step: the same ids, no drafts.
+        let p = &g["prompts"][0];
+        let expected = golden_ids(p);
+        let body = json!({
+            "prompt": p["input_ids"], "max_tokens": expected.len(), "temperature": 0,
+            "ignore_eos": true, "speculative_decoding": false
+        });
+        let r = server.post("/generate", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(ids(&r.json()["token_ids"]), expected);
+        assert_eq!(server.metric(drafted), d, "a plain request drafted");
+        let bad = json!({"prompt": "Hello", "max_tokens": 2, "speculative_decoding": "no"});
+        let r = server.post("/v1/completions", &bad);
+        assert_eq!(r.status, 400, "{}", r.body);
+        assert_eq!(openai_error(&r)["param"], "speculative_decoding");
     }
 }
 

@@ -51,6 +51,9 @@ pub struct Sampling {
     /// with this many alternatives (completions' `echo` with `logprobs`, or
     /// vLLM's `prompt_logprobs`).
     pub prompt_logprobs: Option<usize>,
+    /// `speculative_decoding: false`: one token a step even where the
+    /// server drafts (`--speculative`); the output is the same either way.
+    pub plain_decoding: bool,
 }
 
 /// `response_format` (`json_object`, `json_schema`) or one of vLLM's
@@ -208,6 +211,7 @@ impl Sampling {
             logit_bias: f.logit_bias("logit_bias")?,
             grammar: parse_grammar(f)?,
             prompt_logprobs: None,
+            plain_decoding: !f.bool("speculative_decoding")?.unwrap_or(true),
         })
     }
 }
