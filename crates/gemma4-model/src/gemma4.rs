@@ -85,6 +85,16 @@ struct Step<'a> {
     rope: &'a [RopeTable],
 }
 
+/// What a forward pass gives for one sequence's requested positions.
+#[derive(Debug, Clone)]
+pub struct OutputRows {
+    /// `[rows, vocab]`, softcapped.
+    pub logits: Tensor,
+    /// `[rows, hidden]`: the final norm's output, from which the head
+    /// computed `logits`.
+    pub hidden: Tensor,
+}
+
 /// Intermediate values recorded during a forward pass, for diagnosing a
 /// mismatch against the reference.
 #[derive(Debug, Default)]
@@ -149,7 +159,7 @@ struct KvProjection {
     v_norm: Option<RmsNorm>,
 }
 
-struct Mlp {
+pub(crate) struct Mlp {
     gate: Linear,
     up: Linear,
     down: Linear,
@@ -239,12 +249,7 @@ impl Gemma4 {
                 scale: cfg.conventions.attention_scale,
                 sliding_window: cfg.sliding_window,
             };
-            let inter = spec.intermediate_size;
-            let mlp = Mlp {
-                gate: src.linear(&format!("{p}mlp.gate_proj.weight"), inter, h)?,
-                up: src.linear(&format!("{p}mlp.up_proj.weight"), inter, h)?,
-                down: src.linear(&format!("{p}mlp.down_proj.weight"), h, inter)?,
-            };
+            let mlp = Mlp::load(src, &format!("{p}mlp."), spec.intermediate_size, h)?;
             let moe = match cfg.moe {
                 Some(m) => Some(load_moe(src, &p, m, h, eps, &norm)?),
                 None => None,
@@ -343,8 +348,24 @@ impl Gemma4 {
         &self,
         seqs: &[BatchSeq<'_>],
         kv: &mut dyn KvStore,
-        mut trace: Option<&mut ForwardTrace>,
+        trace: Option<&mut ForwardTrace>,
     ) -> Result<Vec<Option<Tensor>>> {
+        Ok(self
+            .forward_batch_rows(seqs, kv, trace)?
+            .into_iter()
+            .map(|rows| rows.map(|r| r.logits))
+            .collect())
+    }
+
+    /// [`forward_batch`](Self::forward_batch), with the final norm's output
+    /// (the head's input) beside each sequence's logits, as a drafter that
+    /// continues from the target's hidden state needs it.
+    pub fn forward_batch_rows(
+        &self,
+        seqs: &[BatchSeq<'_>],
+        kv: &mut dyn KvStore,
+        mut trace: Option<&mut ForwardTrace>,
+    ) -> Result<Vec<Option<OutputRows>>> {
         let mut ids = Vec::new();
         let mut positions = Vec::new();
         let mut spans = Vec::with_capacity(seqs.len());
@@ -484,11 +505,27 @@ impl Gemma4 {
         row_of
             .into_iter()
             .map(|r| {
-                r.map(|(first, n)| logits.narrow(0, first, n))
-                    .transpose()
-                    .map_err(ModelError::from)
+                r.map(|(first, n)| -> Result<OutputRows> {
+                    Ok(OutputRows {
+                        logits: logits.narrow(0, first, n)?,
+                        hidden: h.narrow(0, first, n)?,
+                    })
+                })
+                .transpose()
             })
             .collect()
+    }
+
+    /// Token embeddings as the first layer reads them (`[n, hidden]`,
+    /// scaled by √hidden).
+    pub fn scaled_embeddings(&self, ids: &[u32]) -> Result<Tensor> {
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::Input(format!(
+                "token id {bad} is outside the vocabulary (size {})",
+                self.cfg.vocab_size
+            )));
+        }
+        Ok((self.embed.lookup(ids, &self.device)? * self.embed_scale)?)
     }
 
     /// `(RMSNorm(proj(h0) · H^-½) + table[ids] · √d) · 2^-½`, as `[n, layers, d]`.
@@ -770,7 +807,16 @@ impl DecoderLayer {
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `{prefix}gate_proj`, `up_proj` and `down_proj`.
+    pub(crate) fn load(src: &Weights<'_>, prefix: &str, inter: usize, h: usize) -> Result<Self> {
+        Ok(Self {
+            gate: src.linear(&format!("{prefix}gate_proj.weight"), inter, h)?,
+            up: src.linear(&format!("{prefix}up_proj.weight"), inter, h)?,
+            down: src.linear(&format!("{prefix}down_proj.weight"), h, inter)?,
+        })
+    }
+
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [gate, up]: [Tensor; 2] = Linear::forward_many(&[&self.gate, &self.up], x)?
             .try_into()
             .map_err(|_| ModelError::Input("gate/up projections missing".into()))?;

@@ -4,6 +4,7 @@
 //! plus reading and checking against reference ("golden") outputs.
 
 mod attend;
+pub mod assistant;
 pub mod audio;
 pub mod audio_unified;
 pub mod cache;
@@ -25,6 +26,7 @@ pub mod storage;
 pub mod vision;
 pub mod vision_unified;
 
+pub use assistant::{Assistant, DraftStep, KvRows, StoreLayers, TargetKv};
 pub use attend::IN_PLACE_MAX_QUERIES;
 pub use audio::{AudioConfig, AudioEncoder, AudioFeatures, AudioTower};
 pub use audio_unified::UnifiedAudioEmbedder;
@@ -32,7 +34,7 @@ pub use cache::{KvCache, KvStore};
 pub use config::{ImageAttention, TextConfig};
 pub use error::{ConfigError, ModelError, Result, WeightError};
 pub use gemma4::{
-    place_soft_tokens, BatchSeq, ForwardTrace, Gemma4, LogitsFor, PlacedSoftTokens,
+    place_soft_tokens, BatchSeq, ForwardTrace, Gemma4, LogitsFor, OutputRows, PlacedSoftTokens,
     SoftTokenSource, SoftTokens,
 };
 pub use gguf_source::GgufSource;
