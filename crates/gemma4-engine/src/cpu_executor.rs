@@ -16,7 +16,10 @@ use std::time::Duration;
 use candle_core::{Device, Tensor};
 use gemma4_model::paged::{kv_groups, GroupBlocks, PagedKvPool, SeqBlocks};
 use gemma4_model::storage::with_f32_values;
-use gemma4_model::{AudioEncoder, BatchSeq, Gemma4, ImageEncoder, LogitsFor, SoftTokens};
+use gemma4_model::{
+    Assistant, AudioEncoder, BatchSeq, Gemma4, ImageEncoder, KvRows, KvStore, LogitsFor,
+    OutputRows, SoftTokens, StoreLayers, TargetKv,
+};
 
 use gemma4_text::Tokenizer;
 
@@ -30,7 +33,7 @@ use crate::executor::{
 use crate::media::{EncoderInput, MediaFacts, SoftPrompt, SoftWindow};
 use crate::panic_message;
 use crate::sampler::{score, Sampled, Sampler, Scored};
-use crate::speculative::{Drafter, MAX_SPECULATIVE_TOKENS};
+use crate::speculative::{Drafter, Proposal, MAX_SPECULATIVE_TOKENS};
 
 /// A request's prompt scoring: which prompt tokens have their
 /// log-probability yet to come.
@@ -114,6 +117,17 @@ struct RequestState {
     tables: Vec<GroupBlocks>,
     /// Drafts tokens for speculative decoding, when the request does.
     drafter: Option<Drafter>,
+    /// For the assistant: how many tokens to draft after this step, from
+    /// the target's final-norm row that predicted the last sampled token.
+    assistant_turn: Option<(usize, Tensor)>,
+}
+
+/// The model's assistant and the target layers whose K/V it reads.
+struct AssistantDrafter {
+    model: Assistant,
+    store: StoreLayers,
+    /// Rows back from the drafting position its sliding layers see.
+    reach: usize,
 }
 
 /// Runs Gemma 4 on this machine's CPU.
@@ -125,6 +139,7 @@ pub struct CpuExecutor {
     /// Allocated by [`Executor::allocate_kv`].
     pool: Option<PagedKvPool>,
     requests: HashMap<u64, RequestState>,
+    assistant: Option<AssistantDrafter>,
     /// Steps whose batch failed and were run again sequence by sequence.
     step_retries: u64,
     #[cfg(feature = "fault-injection")]
@@ -148,6 +163,7 @@ impl CpuExecutor {
             bidirectional_vision: cfg.image_attention.is_bidirectional(),
             kv_groups: kv_groups(cfg),
             media: MediaFacts::default(),
+            assistant: false,
         };
         Self {
             model,
@@ -155,6 +171,7 @@ impl CpuExecutor {
             facts,
             pool: None,
             requests: HashMap::new(),
+            assistant: None,
             step_retries: 0,
             #[cfg(feature = "fault-injection")]
             fault: None,
@@ -174,6 +191,24 @@ impl CpuExecutor {
         let encoders = EncoderThread::spawn(images, audio)?;
         self.facts.media = encoders.facts().clone();
         self.encoders = Some(encoders);
+        Ok(self)
+    }
+
+    /// The executor with the model's assistant, which drafts for the
+    /// requests that speculate with it. The sliding groups then keep the
+    /// rows the assistant reads as well as those the model does.
+    pub fn with_assistant(mut self, assistant: Assistant) -> Result<Self, ExecutorError> {
+        let store = assistant
+            .check_target(self.model.config())
+            .map_err(|e| ExecutorError(e.to_string()))?;
+        let reach = assistant.sliding_reach();
+        self.facts.sliding_window = self.facts.sliding_window.max(reach);
+        self.facts.assistant = true;
+        self.assistant = Some(AssistantDrafter {
+            model: assistant,
+            store,
+            reach,
+        });
         Ok(self)
     }
 
@@ -201,6 +236,7 @@ impl CpuExecutor {
                 scoring,
                 tables: Vec::new(),
                 drafter: r.speculative.map(|c| Drafter::new(c, r.prompt)),
+                assistant_turn: None,
             };
             self.requests.insert(r.seq_id, state);
         }
@@ -330,6 +366,62 @@ impl CpuExecutor {
         }
     }
 
+    /// Lets the assistant draft for the chunks whose requests asked it to,
+    /// from the K/V the step left (the accepted positions only).
+    fn draft_with_assistant(
+        &mut self,
+        chunks: &[ScheduledChunk],
+        tables: &[SeqBlocks],
+        outputs: &mut [SeqOutput],
+    ) {
+        let Some(assistant) = &self.assistant else {
+            return;
+        };
+        let mut turns = Vec::new();
+        let mut views = Vec::new();
+        for ((c, t), out) in chunks.iter().zip(tables).zip(outputs.iter_mut()) {
+            let Some(state) = self.requests.get_mut(&c.seq_id) else {
+                continue;
+            };
+            let Some((k, hidden)) = state.assistant_turn.take() else {
+                continue;
+            };
+            let Some(token) = out
+                .result
+                .as_ref()
+                .ok()
+                .and_then(|s| s.last())
+                .map(|s| s.token)
+            else {
+                continue;
+            };
+            views.push(SeqBlocks {
+                groups: t.groups.clone(),
+                len_after_step: out.computed,
+            });
+            turns.push((views.len() - 1, out, token, k, hidden));
+        }
+        let Some(pool) = self.pool.as_mut() else {
+            return;
+        };
+        let view = pool.view(&views);
+        for (i, out, token, k, hidden) in turns {
+            let position = out.computed;
+            let drafted = store_rows(&view, assistant, i, position).and_then(|kv| {
+                assistant
+                    .model
+                    .draft(&self.model, token, &hidden, position, &kv, k)
+            });
+            match drafted {
+                Ok(tokens) => out.drafting.proposed = tokens,
+                // A request whose drafting fails decodes plainly this step.
+                Err(e) => {
+                    tracing::warn!(request = out.seq_id, "the assistant failed to draft: {e}")
+                }
+            }
+        }
+    }
+
     fn run_step(&mut self, chunks: &[ScheduledChunk], tables: &[SeqBlocks]) -> Vec<SeqOutput> {
         let lent = self.lend_constraints(chunks);
         let lent_ids: Vec<u64> = lent.iter().map(|(id, _)| *id).collect();
@@ -354,14 +446,19 @@ impl CpuExecutor {
     fn finish_chunk(
         &mut self,
         c: &ScheduledChunk,
-        row: Result<Option<Tensor>, String>,
+        rows: Result<Option<OutputRows>, String>,
         failed: Option<String>,
     ) -> SeqOutput {
         let mut prompt_logprobs = Vec::new();
-        let drafts = &c.tokens[c.tokens.len() - c.drafts..];
+        let drafts = &c.tokens[c.tokens.len().saturating_sub(c.drafts)..];
+        let (logits, hidden) = match rows {
+            Ok(Some(r)) => (Ok(Some(r.logits)), Some(r.hidden)),
+            Ok(None) => (Ok(None), None),
+            Err(e) => (Err(e), None),
+        };
         let result = match failed {
             Some(e) => Err(e),
-            None => row
+            None => logits
                 .and_then(|row| self.score_prompt(c, row, &mut prompt_logprobs))
                 .and_then(|row| self.sample(c.seq_id, row, drafts)),
         };
@@ -371,14 +468,27 @@ impl CpuExecutor {
         };
         if let Ok(sampled) = &result {
             drafting.accepted = sampled.len().saturating_sub(1).min(c.drafts);
-            let drafter = self
-                .requests
-                .get_mut(&c.seq_id)
-                .and_then(|r| r.drafter.as_mut());
-            if let (Some(drafter), false) = (drafter, sampled.is_empty()) {
-                let ids: Vec<u32> = sampled.iter().map(|s| s.token).collect();
-                drafter.advance(c.drafts, &ids);
-                drafting.proposed = drafter.propose();
+            let state = self.requests.get_mut(&c.seq_id);
+            if let (Some(state), false) = (state, sampled.is_empty()) {
+                if let Some(drafter) = state.drafter.as_mut() {
+                    let ids: Vec<u32> = sampled.iter().map(|s| s.token).collect();
+                    drafter.advance(c.drafts, &ids);
+                    match drafter.propose() {
+                        Proposal::Tokens(tokens) => drafting.proposed = tokens,
+                        Proposal::FromAssistant(k) => {
+                            // The row that predicted the last token sampled.
+                            let row = if c.drafts > 0 {
+                                sampled.len() - 1
+                            } else {
+                                usize::MAX
+                            };
+                            state.assistant_turn = hidden
+                                .and_then(|h| sampled_row(&h, row))
+                                .filter(|_| k > 0)
+                                .map(|h| (k, h));
+                        }
+                    }
+                }
             }
         }
         SeqOutput {
@@ -527,7 +637,7 @@ impl CpuExecutor {
         &mut self,
         chunks: &[ScheduledChunk],
         tables: &[SeqBlocks],
-    ) -> Vec<Result<Option<Tensor>, String>> {
+    ) -> Vec<Result<Option<OutputRows>, String>> {
         match self.forward_chunks(chunks, tables) {
             Ok(rows) => rows.into_iter().map(Ok).collect(),
             Err(e) if chunks.len() == 1 => vec![Err(e)],
@@ -554,7 +664,7 @@ impl CpuExecutor {
         &mut self,
         chunks: &[ScheduledChunk],
         tables: &[SeqBlocks],
-    ) -> Result<Vec<Option<Tensor>>, String> {
+    ) -> Result<Vec<Option<OutputRows>>, String> {
         // Each chunk's share of its prompt's encoder rows.
         let soft: Vec<Option<SoftWindow<'_>>> = chunks
             .iter()
@@ -597,7 +707,7 @@ impl CpuExecutor {
                 fault.in_model_step(&batch)?;
             }
             let mut view = pool.view(tables);
-            model.forward_batch(&batch, &mut view, None)
+            model.forward_batch_rows(&batch, &mut view, None)
         }));
         match result {
             Ok(Ok(rows)) => Ok(rows),
@@ -646,7 +756,8 @@ impl Executor for CpuExecutor {
                 encoded,
             };
         }
-        let seqs = self.run_step(&plan.chunks, &tables);
+        let mut seqs = self.run_step(&plan.chunks, &tables);
+        self.draft_with_assistant(&plan.chunks, &tables, &mut seqs);
         self.put_back(&plan.chunks, tables);
         StepOutput { seqs, encoded }
     }
@@ -671,4 +782,46 @@ fn prepare_constraints(
             (id, c, panicked)
         })
         .collect()
+}
+
+/// Row `row` of a step's `[rows, hidden]` final-norm output (the last row
+/// for `usize::MAX`), copied out of the step's batch.
+fn sampled_row(hidden: &Tensor, row: usize) -> Option<Tensor> {
+    let rows = hidden.dim(0).ok()?;
+    let row = if row == usize::MAX {
+        rows.checked_sub(1)?
+    } else {
+        row
+    };
+    hidden.narrow(0, row, 1).ok()?.copy().ok()
+}
+
+/// The store layers' K/V rows the assistant sees from `position`: every
+/// earlier row of the full layer, the last `reach` of the sliding one.
+fn store_rows(
+    view: &gemma4_model::paged::PagedView<'_>,
+    assistant: &AssistantDrafter,
+    seq: usize,
+    position: usize,
+) -> gemma4_model::Result<TargetKv> {
+    let rows = |layer: usize, reach: usize| -> gemma4_model::Result<KvRows> {
+        let (k, v, first) = view.read(layer, seq)?;
+        let want = position.min(reach);
+        let have = k.dim(1)?;
+        if first + have != position || have < want {
+            return Err(gemma4_model::ModelError::Input(format!(
+                "layer {layer} holds positions {first}..{} where the assistant reads {}..{position}",
+                first + have,
+                position - want
+            )));
+        }
+        Ok(KvRows {
+            k: k.narrow(1, have - want, want)?.contiguous()?,
+            v: v.narrow(1, have - want, want)?.contiguous()?,
+        })
+    };
+    Ok(TargetKv {
+        sliding: rows(assistant.store.sliding, assistant.reach)?,
+        full: rows(assistant.store.full, usize::MAX)?,
+    })
 }

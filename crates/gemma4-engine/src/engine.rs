@@ -330,6 +330,12 @@ pub(crate) fn start_worker(
             config.max_model_len, facts.max_positions
         )));
     }
+    let assistant = crate::speculative::DraftMethod::Assistant;
+    if config.speculative.is_some_and(|s| s.method == assistant) && !facts.assistant {
+        return Err(gemma4_model::ModelError::Input(
+            "speculative decoding with an assistant needs the assistant model (a draft model) loaded beside the model".into(),
+        ));
+    }
     // A token id must be known to both the tokenizer (added tokens included) and the embedding.
     let token_id_limit = tokenizer.vocab_size().min(facts.vocab_size);
     if tokenizer.vocab_size() != facts.vocab_size {

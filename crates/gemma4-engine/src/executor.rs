@@ -33,7 +33,8 @@ pub struct ModelFacts {
     pub hidden_size: usize,
     /// The most positions the model was trained for.
     pub max_positions: usize,
-    /// Tokens a sliding-window layer sees.
+    /// Tokens back a sliding-window group's K/V is read: the layers'
+    /// window, or more where a drafter reads further.
     pub sliding_window: usize,
     /// Images attend within themselves, so each must run in one step.
     pub bidirectional_vision: bool,
@@ -41,6 +42,9 @@ pub struct ModelFacts {
     pub kv_groups: Vec<KvGroup>,
     /// What its media encoders take and give.
     pub media: MediaFacts,
+    /// Whether it runs the model's assistant, which drafts for requests
+    /// that speculate with [`DraftMethod::Assistant`](crate::DraftMethod::Assistant).
+    pub assistant: bool,
 }
 
 /// The KV pools the engine asks an executor to allocate.

@@ -44,7 +44,7 @@ pub use limits::{LimitError, RequestLimits, RequestPart, MAX_STOP_STRINGS, MAX_S
 pub use media::{
     AudioFacts, EncoderInput, ImageFacts, MediaFacts, SoftItem, SoftPrompt, SoftWindow,
 };
-pub use speculative::{DraftCounts, DraftMethod, SpeculativeConfig, SpeculativeError};
+pub use speculative::{DraftCounts, DraftMethod, Proposal, SpeculativeConfig, SpeculativeError};
 pub use threaded_executor::ThreadedExecutor;
 
 /// The text of a panic's payload.

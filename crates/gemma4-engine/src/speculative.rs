@@ -6,12 +6,13 @@
 //! where a decode step reads every weight for one token, checking a few
 //! drafted tokens costs little more than one step.
 //!
-//! Drafting here is prompt lookup (n-gram): the sequence's last `n` tokens
+//! Drafts come from prompt lookup (n-gram): the sequence's last `n` tokens
 //! are looked up earlier in its own prompt and output, and the tokens that
-//! followed are proposed. Drafting costs nothing when there is no match, and
-//! a [`DraftPacer`] turns it down and then off for a while when drafts keep
-//! being rejected, so a sequence whose text does not repeat decodes as it
-//! would without speculation.
+//! followed are proposed; or from the model's assistant, which the executor
+//! runs (`gemma4_model::Assistant`). N-gram drafting costs nothing when
+//! there is no match, and a [`DraftPacer`] turns drafting down and then off
+//! for a while when drafts keep being rejected, so a sequence whose text
+//! the drafter cannot predict decodes as it would without speculation.
 
 /// The most tokens drafted per step: with the token before them, a chunk
 /// the CPU executor's attention computes position by position as a
@@ -29,6 +30,9 @@ pub enum DraftMethod {
     /// of the sequence's last `n` tokens, the longest `n` from `max` down to
     /// `min` that occurs.
     Ngram { min: usize, max: usize },
+    /// The model's assistant (its MTP drafter), which the executor runs
+    /// after each step from the target's hidden state and K/V.
+    Assistant,
 }
 
 /// Speculative decoding for the sequences of an engine.
@@ -37,6 +41,9 @@ pub struct SpeculativeConfig {
     pub method: DraftMethod,
     /// The most tokens drafted for one step.
     pub num_tokens: usize,
+    /// Whether a [`DraftPacer`] adapts the count to how drafts fare; when
+    /// not, every step drafts `num_tokens`.
+    pub paced: bool,
 }
 
 /// A speculative setting out of range.
@@ -63,8 +70,39 @@ impl SpeculativeConfig {
         Ok(Self {
             method: DraftMethod::Ngram { min, max },
             num_tokens,
+            paced: true,
         })
     }
+
+    /// Drafting by the model's assistant, up to `num_tokens` tokens a step.
+    pub fn assistant(num_tokens: usize) -> Result<Self, SpeculativeError> {
+        if !(1..=MAX_SPECULATIVE_TOKENS).contains(&num_tokens) {
+            return Err(SpeculativeError::NumTokens(num_tokens));
+        }
+        Ok(Self {
+            method: DraftMethod::Assistant,
+            num_tokens,
+            paced: true,
+        })
+    }
+
+    /// The same drafting with `num_tokens` drafted at every step, however
+    /// the drafts fare.
+    pub fn unpaced(self) -> Self {
+        Self {
+            paced: false,
+            ..self
+        }
+    }
+}
+
+/// What a drafting sequence proposes for its next step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Proposal {
+    /// These tokens.
+    Tokens(Vec<u32>),
+    /// Up to this many tokens, which the assistant drafts.
+    FromAssistant(usize),
 }
 
 /// Counts of drafted and accepted tokens, as vLLM's `spec_decode` counters.
@@ -191,11 +229,18 @@ impl Drafter {
         self.tokens.extend_from_slice(sampled);
     }
 
-    /// The tokens proposed to follow the sequence's last token.
-    pub fn propose(&mut self) -> Vec<u32> {
-        let k = self.pacer.budget();
+    /// What to propose to follow the sequence's last token.
+    pub fn propose(&mut self) -> Proposal {
+        let k = if self.config.paced {
+            self.pacer.budget()
+        } else {
+            self.config.num_tokens
+        };
         match self.config.method {
-            DraftMethod::Ngram { min, max } => ngram_draft(&self.tokens, min, max, k),
+            DraftMethod::Ngram { min, max } => {
+                Proposal::Tokens(ngram_draft(&self.tokens, min, max, k))
+            }
+            DraftMethod::Assistant => Proposal::FromAssistant(k),
         }
     }
 }

@@ -402,13 +402,14 @@ impl Assistant {
                 best.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
                 let ids: Vec<u32> = best[..*top_k]
                     .iter()
-                    .flat_map(|&c| ordering[c * per_cluster..(c + 1) * per_cluster].iter().copied())
+                    .flat_map(|&c| {
+                        ordering[c * per_cluster..(c + 1) * per_cluster]
+                            .iter()
+                            .copied()
+                    })
                     .collect();
                 let rows = table.lookup(&ids, &self.device)?;
-                let values = rows
-                    .matmul(&y.t()?)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
+                let values = rows.matmul(&y.t()?)?.flatten_all()?.to_vec1::<f32>()?;
                 let floor = values.iter().copied().fold(f32::INFINITY, f32::min) - 1.0;
                 let mut logits = vec![floor; self.cfg.vocab_size];
                 for (&id, &v) in ids.iter().zip(&values) {
@@ -428,12 +429,19 @@ fn load_head(
 ) -> Result<Head> {
     let (vocab, h) = (cfg.vocab_size, cfg.hidden_size);
     if !head.ordered {
-        return Ok(Head::Dense(w.linear("model.embed_tokens.weight", vocab, h)?));
+        return Ok(Head::Dense(w.linear(
+            "model.embed_tokens.weight",
+            vocab,
+            h,
+        )?));
     }
     if !vocab.is_multiple_of(head.clusters) {
         return Err(ConfigError::invalid(
             "num_centroids",
-            format!("{} clusters do not divide a vocabulary of {vocab}", head.clusters),
+            format!(
+                "{} clusters do not divide a vocabulary of {vocab}",
+                head.clusters
+            ),
         )
         .into());
     }
@@ -481,11 +489,17 @@ impl AssistantLayer {
 
     /// One query position against the given rows, each head over its K/V
     /// head (heads grouped as the reference repeats K/V), scale 1.
-    fn attention(&self, x: &Tensor, position: usize, kv: &KvRows, device: &Device) -> Result<Tensor> {
+    fn attention(
+        &self,
+        x: &Tensor,
+        position: usize,
+        kv: &KvRows,
+        device: &Device,
+    ) -> Result<Tensor> {
         let hd = self.spec.head_dim;
         let heads = self.q_proj.out_features() / hd;
         let (kv_heads, rows, kv_hd) = kv.k.dims3()?;
-        if kv_hd != hd || kv_heads == 0 || heads % kv_heads != 0 || rows == 0 {
+        if kv_hd != hd || kv_heads == 0 || !heads.is_multiple_of(kv_heads) || rows == 0 {
             return Err(ModelError::Input(format!(
                 "{heads} draft heads of {hd} values cannot read {rows} K/V rows of {kv_heads} heads of {kv_hd}"
             )));

@@ -3,8 +3,8 @@
 //! (per-layer embeddings, KV sharing, k = v attention, mixture of experts),
 //! plus reading and checking against reference ("golden") outputs.
 
-mod attend;
 pub mod assistant;
+mod attend;
 pub mod audio;
 pub mod audio_unified;
 pub mod cache;

@@ -60,12 +60,18 @@ impl Case {
 }
 
 fn values(t: &Tensor) -> Vec<f32> {
-    t.flatten_all().expect("flat").to_vec1::<f32>().expect("f32")
+    t.flatten_all()
+        .expect("flat")
+        .to_vec1::<f32>()
+        .expect("f32")
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// `‖a − b‖ / ‖b‖`.
@@ -89,8 +95,14 @@ fn last_rows(k: &Tensor, v: &Tensor, reach: usize) -> KvRows {
     let rows = k.dim(1).expect("rows");
     let from = rows.saturating_sub(reach);
     KvRows {
-        k: k.narrow(1, from, rows - from).expect("k").contiguous().expect("k"),
-        v: v.narrow(1, from, rows - from).expect("v").contiguous().expect("v"),
+        k: k.narrow(1, from, rows - from)
+            .expect("k")
+            .contiguous()
+            .expect("k"),
+        v: v.narrow(1, from, rows - from)
+            .expect("v")
+            .contiguous()
+            .expect("v"),
     }
 }
 
@@ -178,11 +190,17 @@ fn check_first_rounds(name: &str) {
                 .expect("step");
             let want = values(&logits.narrow(0, j, 1).expect("row"));
             let diff = max_abs_diff(&step.logits, &want);
-            assert!(diff <= LOGIT_TOL, "{name} step {j}: logits differ by {diff}");
+            assert!(
+                diff <= LOGIT_TOL,
+                "{name} step {j}: logits differ by {diff}"
+            );
             assert_eq!(step.token, draft, "{name} step {j}");
             let want = values(&projected.narrow(0, j, 1).expect("row"));
             let err = relative_error(&values(&step.projected), &want);
-            assert!(err <= REL_TOL, "{name} step {j}: projected hidden error {err}");
+            assert!(
+                err <= REL_TOL,
+                "{name} step {j}: projected hidden error {err}"
+            );
         }
 
         // The whole round from our own target.
@@ -193,7 +211,14 @@ fn check_first_rounds(name: &str) {
         let last = round["last_token"].as_u64().expect("last") as u32;
         let ours = case
             .assistant
-            .draft(&case.target, last, &hidden, position, &ours_kv, drafts.len())
+            .draft(
+                &case.target,
+                last,
+                &hidden,
+                position,
+                &ours_kv,
+                drafts.len(),
+            )
             .expect("draft");
         assert_eq!(ours, drafts, "{name}: drafted ids");
     }
@@ -222,7 +247,9 @@ fn mismatches_are_refused_by_name() {
     )
     .expect("assistant");
     let other = load_hf_dir(&target_dir).expect("target");
-    let err = dense.check_target(other.config()).expect_err("other target");
+    let err = dense
+        .check_target(other.config())
+        .expect_err("other target");
     assert!(err.to_string().contains("hidden size 128, not 64"), "{err}");
     let missing = Assistant::load(Path::new("/nonexistent/assistant"), LoadPolicy::default())
         .expect_err("missing");

@@ -19,6 +19,7 @@ pub enum Seam {
 pub const SEAMS: [Seam; 2] = [Seam::Direct, Seam::Threaded];
 
 /// Starts an engine over `model` through `seam`.
+#[allow(dead_code)] // not every test binary starts a plain engine
 pub fn start_on(
     seam: Seam,
     model: Gemma4,
