@@ -124,8 +124,9 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         speculative: drafting,
         ..EngineConfig::default()
     };
-    let engine =
-        gemma4_engine::start(model, tokenizer, config).context("cannot start the engine")?;
+    let executor = args.speculative.executor(model, args.model.policy())?;
+    let engine = gemma4_engine::start_with(Box::new(executor), tokenizer, config)
+        .context("cannot start the engine")?;
     let prompt = random_ids(args.seed, prompt_len, vocab);
     let bandwidth_before = args.bandwidth.then(measure_bandwidth);
     let mut prompt_rates = Vec::new();

@@ -108,8 +108,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
         .context("cannot tokenize a prompt")?;
     let longest = encoded.iter().map(Vec::len).max().unwrap_or(1);
     let max_streams = args.streams.iter().copied().max().unwrap_or(1).max(1);
-    let engine = gemma4_engine::start(
-        loaded.model,
+    let executor = args
+        .speculative
+        .executor(loaded.model, args.model.policy())?;
+    let engine = gemma4_engine::start_with(
+        Box::new(executor),
         tokenizer,
         EngineConfig {
             max_num_seqs: max_streams,

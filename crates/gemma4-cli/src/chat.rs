@@ -47,14 +47,18 @@ pub fn run(args: Args) -> Result<ExitCode> {
     let mut stops = tokenizer.stop_token_ids();
     stops.extend(loaded.model.config().eos_token_ids.iter().copied());
     let max_model_len = loaded.model.config().max_position_embeddings.min(8192);
-    let engine = gemma4_engine::start(
-        loaded.model,
+    let speculative = args.speculative.config()?;
+    let executor = args
+        .speculative
+        .executor(loaded.model, args.model.policy())?;
+    let engine = gemma4_engine::start_with(
+        Box::new(executor),
         tokenizer.clone(),
         EngineConfig {
             max_num_seqs: 1,
             max_queue: 1,
             max_model_len,
-            speculative: args.speculative.config()?,
+            speculative,
             ..Default::default()
         },
     )?;

@@ -68,8 +68,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     let speculation = args.speculative.config()?;
     let drafting = speculation.is_some();
-    let engine = gemma4_engine::start(
-        loaded.model,
+    let executor = args
+        .speculative
+        .executor(loaded.model, args.model.policy())?;
+    let engine = gemma4_engine::start_with(
+        Box::new(executor),
         Arc::new(loaded.tokenizer),
         EngineConfig {
             max_num_seqs: 1,

@@ -22,6 +22,7 @@ mod plan;
 mod serve;
 mod speculative;
 mod verify;
+mod verify_assistant;
 mod verify_video;
 mod verify_vision;
 

@@ -86,10 +86,11 @@ async fn serve(args: Args) -> Result<ExitCode> {
     };
     let (tx, loaded) = oneshot::channel();
     let model_args = args.model.clone();
+    let speculative = args.speculative.clone();
     std::thread::Builder::new()
         .name("gemma4-load".into())
         .spawn(move || {
-            let _ = tx.send(load(&model_args, &media, engine_config));
+            let _ = tx.send(load(&model_args, &media, &speculative, engine_config));
         })
         .context("cannot start the model-loading thread")?;
     let ready = {

@@ -374,10 +374,11 @@ async fn serve(args: Args) -> Result<ExitCode> {
         encoder_budget: args.encoder_budget.map(|n| n.max(1)),
         speculative: args.speculative.config()?,
     };
+    let speculative = args.speculative.clone();
     std::thread::Builder::new()
         .name("gemma4-load".into())
         .spawn(move || {
-            let _ = tx.send(load(&model_args, &media, engine_config));
+            let _ = tx.send(load(&model_args, &media, &speculative, engine_config));
         })
         .context("cannot start the model-loading thread")?;
     tokio::select! {
@@ -479,6 +480,7 @@ fn model_info(checkpoint: &Path, family: &str) -> gemma4_server::ModelInfo {
 pub(crate) fn load(
     model_args: &ModelArgs,
     media: &MediaArgs,
+    speculative: &SpeculativeArgs,
     mut engine_config: EngineConfig,
 ) -> Result<ModelContext> {
     let loaded = model_args.load()?;
@@ -506,7 +508,8 @@ pub(crate) fn load(
     let mut loaded_encoders: Vec<String> = images.iter().map(|e| e.describe()).collect();
     loaded_encoders.extend(audio.iter().map(|a| a.describe()));
     // The executor runs the encoders; the server only prepares their inputs.
-    let executor = gemma4_engine::CpuExecutor::new(loaded.model)
+    let executor = speculative
+        .executor(loaded.model, model_args.policy())?
         .with_encoders(images, audio)
         .context("cannot start the media encoders")?;
     let engine = gemma4_engine::start_with(

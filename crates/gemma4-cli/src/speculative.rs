@@ -1,8 +1,11 @@
 //! The speculative-decoding flags shared by `serve`, `mcp`, `generate`,
 //! `chat` and `bench local`.
 
-use anyhow::{Context, Result};
-use gemma4_engine::{DraftCounts, SpeculativeConfig};
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use gemma4_engine::{CpuExecutor, DraftCounts, SpeculativeConfig};
+use gemma4_model::{Assistant, Gemma4, LoadPolicy};
 
 /// How drafts are made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -10,6 +13,8 @@ pub enum Mode {
     /// Prompt lookup: the tokens that followed the last few tokens where
     /// they occurred before, in the prompt or the output.
     Ngram,
+    /// The model's assistant (its MTP drafter), given with --draft-model.
+    Assistant,
 }
 
 #[derive(Debug, Clone, clap::Args)]
@@ -28,17 +33,52 @@ pub struct SpeculativeArgs {
     /// The longest run of last tokens looked up (ngram).
     #[arg(long, default_value_t = 4, requires = "speculative")]
     ngram_max: usize,
+    /// The model's assistant checkpoint (a folder with a `gemma4_assistant`
+    /// config.json and its safetensors), for `--speculative assistant`.
+    #[arg(long, value_name = "DIR")]
+    draft_model: Option<PathBuf>,
 }
 
 impl SpeculativeArgs {
     /// The engine's setting, checked.
     pub fn config(&self) -> Result<Option<SpeculativeConfig>> {
-        let Some(Mode::Ngram) = self.speculative else {
-            return Ok(None);
+        let k = self.num_speculative_tokens;
+        match (self.speculative, &self.draft_model) {
+            (None, None) => Ok(None),
+            (Some(Mode::Ngram), None) => {
+                SpeculativeConfig::ngram(self.ngram_min, self.ngram_max, k)
+                    .map(Some)
+                    .context("--num-speculative-tokens, --ngram-min and --ngram-max")
+            }
+            (Some(Mode::Assistant), Some(_)) => SpeculativeConfig::assistant(k)
+                .map(Some)
+                .context("--num-speculative-tokens"),
+            (Some(Mode::Assistant), None) => bail!(
+                "--speculative assistant needs --draft-model DIR: the model's assistant checkpoint"
+            ),
+            (_, Some(_)) => {
+                bail!("--draft-model drafts with --speculative assistant; add that flag")
+            }
+        }
+    }
+
+    /// The CPU executor for `model`, with its assistant loaded (under the
+    /// model's load policy) when drafting with one.
+    pub fn executor(&self, model: Gemma4, policy: LoadPolicy) -> Result<CpuExecutor> {
+        let executor = CpuExecutor::new(model);
+        let (Some(Mode::Assistant), Some(dir)) = (self.speculative, &self.draft_model) else {
+            return Ok(executor);
         };
-        SpeculativeConfig::ngram(self.ngram_min, self.ngram_max, self.num_speculative_tokens)
-            .map(Some)
-            .context("--num-speculative-tokens, --ngram-min and --ngram-max")
+        let shown = dir.display();
+        let assistant = Assistant::load(dir, policy)
+            .with_context(|| format!("cannot load the assistant {shown}"))?;
+        let layers = assistant.config().num_layers();
+        let executor = executor
+            .with_assistant(assistant)
+            .map_err(|e| anyhow::anyhow!("{e}"))
+            .with_context(|| format!("the assistant {shown} cannot draft for this model"))?;
+        tracing::info!(assistant = %shown, layers, "drafting with the model's assistant");
+        Ok(executor)
     }
 }
 

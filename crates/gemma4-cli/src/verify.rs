@@ -24,6 +24,11 @@ pub struct Args {
     /// towers of the checkpoint.
     #[arg(long)]
     mmproj: Option<PathBuf>,
+    /// The model's assistant (MTP drafter) checkpoint, checked against a
+    /// speculative-decoding record (`--golden` with `clean_kv` rounds) round
+    /// by round.
+    #[arg(long, value_name = "DIR")]
+    draft_model: Option<PathBuf>,
 }
 
 /// A golden file with images and audio, or with a video.
@@ -34,6 +39,25 @@ enum MediaGolden {
 
 pub fn run(args: Args) -> Result<ExitCode> {
     let path = args.model.path()?;
+    if let Some(dir) = &args.draft_model {
+        let (model, _) = crate::model_io::load_model(&path, args.model.policy())?;
+        let tokenizer = crate::model_io::load_tokenizer(&path)?;
+        let policy = args.model.policy();
+        let all_match = crate::verify_assistant::verify(
+            model,
+            tokenizer,
+            dir,
+            policy,
+            &args.golden,
+            args.tolerance,
+        )?;
+        println!("SEQ_MATCH {all_match}");
+        return Ok(if all_match {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
+    }
     // Golden files with media are checked stage by stage.
     let media = match crate::verify_vision::VisionGolden::read(&args.golden)? {
         Some(g) => Some(MediaGolden::Vision(g)),

@@ -604,3 +604,87 @@ fn demo_model_answers_paris() {
         "{text}"
     );
 }
+
+fn assistant_fixture(name: &str) -> PathBuf {
+    fixture("assistant").join(name)
+}
+
+/// `gemma4 verify --draft-model` on an assistant record: every round and
+/// every engine run match; a record with one draft changed fails, naming
+/// the round.
+#[test]
+fn verify_checks_an_assistant_round_by_round() {
+    for name in ["e-style-centroid", "dense-k-eq-v-tied"] {
+        let dir = assistant_fixture(name);
+        let verify = |golden: &Path| {
+            run(bin()
+                .args(["verify", "--model"])
+                .arg(dir.join("target"))
+                .arg("--draft-model")
+                .arg(dir.join("assistant"))
+                .arg("--golden")
+                .arg(golden))
+        };
+        let (out, text) = verify(&dir.join("golden.json"));
+        assert!(out.status.success(), "{name}: {text}");
+        assert!(text.contains("SEQ_MATCH true"), "{name}: {text}");
+        assert_eq!(text.matches("MATCH prompt=").count(), 8, "{name}: {text}");
+        assert!(text.contains("drafts=exact"), "{name}: {text}");
+
+        let copy = copy_dir(&dir, &format!("assistant-{name}"), &["target", "assistant"]);
+        let golden_path = copy.join("golden.json");
+        let mut golden: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&golden_path).expect("read"))
+                .expect("json");
+        let draft = &mut golden["prompts"][0]["clean_kv"]["rounds"][1]["draft_ids"][0];
+        *draft = serde_json::json!(draft.as_u64().expect("id") ^ 1);
+        std::fs::write(&golden_path, golden.to_string()).expect("write");
+        let (out, text) = verify(&golden_path);
+        assert!(!out.status.success(), "{name}: {text}");
+        assert!(text.contains("first departing round 2"), "{name}: {text}");
+        assert!(text.contains("SEQ_MATCH false"), "{name}: {text}");
+        let _ = std::fs::remove_dir_all(copy);
+    }
+}
+
+/// `generate --speculative assistant` gives the tokens plain decoding
+/// gives and reports its drafts; an assistant for another model, or none,
+/// is refused with what is wrong named.
+#[test]
+fn generate_drafts_with_an_assistant() {
+    let dir = assistant_fixture("e-style-centroid");
+    let generate = |extra: &[&str]| {
+        run(bin()
+            .args(["generate", "--model"])
+            .arg(dir.join("target"))
+            .args(["--prompt-ids", "2,9,17,31,9,17,31", "--max-tokens", "16"])
+            .arg("--ignore-eos")
+            .args(extra))
+    };
+    let ids = |text: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix("ids: "))
+            .map(str::to_string)
+    };
+    let (out, plain) = generate(&[]);
+    assert!(out.status.success(), "{plain}");
+    let assistant = dir.join("assistant");
+    let assistant = assistant.to_str().expect("path");
+    let (out, drafted) = generate(&["--speculative", "assistant", "--draft-model", assistant]);
+    assert!(out.status.success(), "{drafted}");
+    assert_eq!(ids(&drafted), ids(&plain), "{drafted}");
+    assert!(
+        ids(&plain).is_some_and(|ids| ids.split(',').count() == 16),
+        "{plain}"
+    );
+    assert!(drafted.contains("drafted "), "{drafted}");
+
+    let (out, text) = generate(&["--speculative", "assistant"]);
+    assert!(!out.status.success());
+    assert!(text.contains("needs --draft-model"), "{text}");
+    let other = assistant_fixture("dense-k-eq-v-tied").join("assistant");
+    let other = other.to_str().expect("path");
+    let (out, text) = generate(&["--speculative", "assistant", "--draft-model", other]);
+    assert!(!out.status.success());
+    assert!(text.contains("backbone_hidden_size 128"), "{text}");
+}

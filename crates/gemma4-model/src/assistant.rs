@@ -19,9 +19,10 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
 
+use crate::cache::KvStore;
 use crate::config::{AttentionKind, KvSource, LayerSpec, TextConfig};
 use crate::error::{ConfigError, ModelError, Result, WeightError};
-use crate::gemma4::{Gemma4, Mlp};
+use crate::gemma4::{BatchSeq, Gemma4, LogitsFor, Mlp};
 use crate::layers::{softmax_last_dim, RmsNorm, Rotary};
 use crate::loader::{LoadPolicy, Weights};
 use crate::safetensors_store::SafetensorsStore;
@@ -166,6 +167,13 @@ fn read_config(dir: &Path) -> Result<(TextConfig, HeadConfig)> {
         message: e.to_string(),
     })?;
     let model_type = json.get("model_type").and_then(Value::as_str).unwrap_or("");
+    if model_type == "gemma4_unified_assistant" {
+        return Err(ConfigError::invalid(
+            "model_type",
+            "the unified (12B) assistant is not supported yet; the gemma4_assistant drafters of E2B, E4B, 26B-A4B and 31B are",
+        )
+        .into());
+    }
     if model_type != "gemma4_assistant" {
         return Err(ConfigError::invalid(
             "model_type",
@@ -287,21 +295,23 @@ impl Assistant {
     /// a backbone of the target's width, and store layers whose K/V shapes
     /// the assistant's queries fit.
     pub fn check_target(&self, target: &TextConfig) -> Result<StoreLayers> {
-        let refuse = |why: String| Err(ModelError::Input(format!("the assistant {why}")));
+        let refuse = |why: String| Err(ModelError::Input(format!("the assistant's {why}")));
         if self.backbone_hidden != target.hidden_size {
             return refuse(format!(
-                "drafts for a model of hidden size {}, not {}",
+                "backbone_hidden_size {} is not the model's hidden_size {}",
                 self.backbone_hidden, target.hidden_size
             ));
         }
         if self.cfg.vocab_size != target.vocab_size {
             return refuse(format!(
-                "has a vocabulary of {} tokens, the model {}",
+                "text_config.vocab_size {} is not the model's vocab_size {}",
                 self.cfg.vocab_size, target.vocab_size
             ));
         }
         let Some(store) = StoreLayers::of(target) else {
-            return refuse("needs a model with sliding and full attention layers".into());
+            return refuse(
+                "layers read a sliding and a full layer's K/V, and the model lacks one".into(),
+            );
         };
         for (i, l) in self.layers.iter().enumerate() {
             let t = &target.layers[match l.spec.kind {
@@ -311,9 +321,13 @@ impl Assistant {
             if t.head_dim != l.spec.head_dim
                 || !self.cfg.num_attention_heads.is_multiple_of(t.num_kv_heads)
             {
+                let field = match l.spec.kind {
+                    AttentionKind::Sliding => "head_dim",
+                    AttentionKind::Full => "global_head_dim",
+                };
                 return refuse(format!(
-                    "layer {i} has {} heads of {} values, which the model's K/V ({} heads of {}) cannot serve",
-                    self.cfg.num_attention_heads, l.spec.head_dim, t.num_kv_heads, t.head_dim
+                    "layer {i} ({field} {}, {} heads) cannot read the model's K/V ({field} {}, {} K/V heads)",
+                    l.spec.head_dim, self.cfg.num_attention_heads, t.head_dim, t.num_kv_heads
                 ));
             }
         }
@@ -347,6 +361,60 @@ impl Assistant {
             hidden = step.projected;
         }
         Ok(drafts)
+    }
+
+    /// The `k` draft steps for a sequence whose last token the target has
+    /// not run yet, with the target's state computed from scratch: one
+    /// forward over the other tokens, whose store-layer rows and last
+    /// final-norm row the assistant reads. Slow, and independent of any
+    /// cache an engine keeps: a reference for checks.
+    pub fn draft_from_scratch(
+        &self,
+        target: &Gemma4,
+        tokens: &[u32],
+        k: usize,
+    ) -> Result<Vec<DraftStep>> {
+        let (&last, before) = tokens
+            .split_last()
+            .filter(|(_, before)| !before.is_empty())
+            .ok_or_else(|| ModelError::Input("drafting needs at least two tokens".into()))?;
+        let store = self.check_target(target.config())?;
+        let mut cache = target.new_cache();
+        let seq = BatchSeq {
+            ids: before,
+            start: 0,
+            logits: Some(LogitsFor::Last),
+            soft: None,
+        };
+        let rows = target
+            .forward_batch_rows(&[seq], &mut cache, None)?
+            .pop()
+            .flatten()
+            .ok_or_else(|| ModelError::Input("the target gave no hidden row".into()))?;
+        let last_rows = |layer: usize, reach: usize| -> Result<KvRows> {
+            let (k, v, _) = cache.read(layer, 0)?;
+            let have = k.dim(1)?;
+            let from = have.saturating_sub(reach);
+            Ok(KvRows {
+                k: k.narrow(1, from, have - from)?.contiguous()?,
+                v: v.narrow(1, from, have - from)?.contiguous()?,
+            })
+        };
+        let kv = TargetKv {
+            sliding: last_rows(store.sliding, self.sliding_reach())?,
+            full: last_rows(store.full, usize::MAX)?,
+        };
+        let position = before.len();
+        let mut steps: Vec<DraftStep> = Vec::with_capacity(k);
+        let mut hidden = rows.hidden.squeeze(0)?;
+        let mut token = last;
+        for _ in 0..k {
+            let step = self.step(target, token, &hidden, position, &kv)?;
+            token = step.token;
+            hidden = step.projected.clone();
+            steps.push(step);
+        }
+        Ok(steps)
     }
 
     /// One draft step from its input token and hidden row (`[target hidden]`).

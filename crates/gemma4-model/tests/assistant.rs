@@ -224,6 +224,52 @@ fn check_first_rounds(name: &str) {
     }
 }
 
+/// Every `clean_kv` round (the drafter seeing accepted tokens only), from
+/// the target's state computed from scratch: the drafted ids and every
+/// step's logits.
+fn check_clean_rounds(name: &str) {
+    let case = Case::load(name);
+    for (i, p) in case.golden["prompts"]
+        .as_array()
+        .expect("prompts")
+        .iter()
+        .enumerate()
+    {
+        let clean = &p["clean_kv"];
+        let sequence = [ids(&p["input_ids"]), ids(&clean["generated_ids"])].concat();
+        let mut checked = 0;
+        for round in clean["rounds"].as_array().expect("rounds") {
+            let k = round["num_draft"].as_u64().expect("k") as usize;
+            if k == 0 {
+                continue;
+            }
+            let r = round["round"].as_u64().expect("round");
+            let len = round["seq_len"].as_u64().expect("len") as usize;
+            let steps = case
+                .assistant
+                .draft_from_scratch(&case.target, &sequence[..len], k)
+                .expect("draft");
+            let drafted: Vec<u32> = steps.iter().map(|s| s.token).collect();
+            assert_eq!(
+                drafted,
+                ids(&round["draft_ids"]),
+                "{name} prompt {i} round {r}"
+            );
+            let logits = case.tensor(&format!("prompt{i}.clean.round{r}.draft_logits"));
+            for (j, step) in steps.iter().enumerate() {
+                let want = values(&logits.narrow(0, j, 1).expect("row"));
+                let diff = max_abs_diff(&step.logits, &want);
+                assert!(
+                    diff <= LOGIT_TOL,
+                    "{name} prompt {i} round {r} step {j}: {diff}"
+                );
+            }
+            checked += 1;
+        }
+        assert!(checked > 1, "{name} prompt {i}: {checked} rounds");
+    }
+}
+
 #[test]
 fn a_centroid_head_assistant_drafts_the_reference_round() {
     check_first_rounds("e-style-centroid");
@@ -232,6 +278,12 @@ fn a_centroid_head_assistant_drafts_the_reference_round() {
 #[test]
 fn a_dense_tied_head_assistant_drafts_the_reference_round() {
     check_first_rounds("dense-k-eq-v-tied");
+}
+
+#[test]
+fn every_rolled_back_round_drafts_as_the_reference() {
+    check_clean_rounds("e-style-centroid");
+    check_clean_rounds("dense-k-eq-v-tied");
 }
 
 /// A checkpoint that is not an assistant, or one for another target, is
@@ -250,7 +302,11 @@ fn mismatches_are_refused_by_name() {
     let err = dense
         .check_target(other.config())
         .expect_err("other target");
-    assert!(err.to_string().contains("hidden size 128, not 64"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("backbone_hidden_size 128 is not the model's hidden_size 64"),
+        "{err}"
+    );
     let missing = Assistant::load(Path::new("/nonexistent/assistant"), LoadPolicy::default())
         .expect_err("missing");
     assert!(missing.to_string().contains("does not exist"), "{missing}");
