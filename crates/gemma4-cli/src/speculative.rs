@@ -1,9 +1,10 @@
 //! The speculative-decoding flags shared by `serve`, `mcp`, `generate`,
 //! `chat` and `bench local`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use gemma4_engine::speculative::MAX_SPECULATIVE_TOKENS;
 use gemma4_engine::{CpuExecutor, DraftCounts, SpeculativeConfig};
 use gemma4_model::{Assistant, Gemma4, LoadPolicy};
 
@@ -24,9 +25,10 @@ pub struct SpeculativeArgs {
     /// sampling from the same distribution).
     #[arg(long, value_enum)]
     speculative: Option<Mode>,
-    /// The most tokens drafted per step (1 to 7).
-    #[arg(long, default_value_t = 4, requires = "speculative")]
-    num_speculative_tokens: usize,
+    /// The most tokens drafted per step (1 to 7); by default the
+    /// assistant's `num_assistant_tokens` (at most 7), else 4.
+    #[arg(long, requires = "speculative")]
+    num_speculative_tokens: Option<usize>,
     /// The shortest run of last tokens looked up (ngram).
     #[arg(long, default_value_t = 2, requires = "speculative")]
     ngram_min: usize,
@@ -42,7 +44,11 @@ pub struct SpeculativeArgs {
 impl SpeculativeArgs {
     /// The engine's setting, checked.
     pub fn config(&self) -> Result<Option<SpeculativeConfig>> {
-        let k = self.num_speculative_tokens;
+        let k = match (self.num_speculative_tokens, &self.draft_model) {
+            (Some(k), _) => k,
+            (None, Some(dir)) => assistant_tokens(dir)?.unwrap_or(DEFAULT_TOKENS),
+            (None, None) => DEFAULT_TOKENS,
+        };
         match (self.speculative, &self.draft_model) {
             (None, None) => Ok(None),
             (Some(Mode::Ngram), None) => {
@@ -80,6 +86,32 @@ impl SpeculativeArgs {
         tracing::info!(assistant = %shown, layers, "drafting with the model's assistant");
         Ok(executor)
     }
+}
+
+/// Tokens drafted per step when neither the flag nor the assistant says.
+const DEFAULT_TOKENS: usize = 4;
+
+/// The assistant's `num_assistant_tokens` (its `generation_config.json`),
+/// capped at what a step verifies.
+fn assistant_tokens(dir: &Path) -> Result<Option<usize>> {
+    let path = dir.join("generation_config.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not valid JSON", path.display()))?;
+    let Some(n) = json.get("num_assistant_tokens").and_then(|v| v.as_u64()) else {
+        return Ok(None);
+    };
+    let n = usize::try_from(n).unwrap_or(usize::MAX).max(1);
+    if n > MAX_SPECULATIVE_TOKENS {
+        tracing::info!(
+            "the assistant asks for {n} tokens a step; drafting {MAX_SPECULATIVE_TOKENS}, the most a step verifies"
+        );
+    }
+    Ok(Some(n.min(MAX_SPECULATIVE_TOKENS)))
 }
 
 /// `drafted D, accepted A (R%)`, for timing lines.

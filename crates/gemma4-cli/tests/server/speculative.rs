@@ -1,6 +1,6 @@
-//! `serve --speculative ngram`: drafts never change what is served (the
-//! oracle's greedy ids, whole and streamed alike), and `/metrics` counts
-//! them under vLLM's names.
+//! `serve --speculative ngram` and `--speculative assistant`: drafts never
+//! change what is served (the oracle's greedy ids, whole and streamed
+//! alike), and `/metrics` counts them under vLLM's names.
 
 use serde_json::json;
 
@@ -65,6 +65,31 @@ fn drafting_keeps_the_oracle_output_and_counts_drafts() {
         let r = server.post("/v1/completions", &bad);
         assert_eq!(r.status, 400, "{}", r.body);
         assert_eq!(openai_error(&r)["param"], "speculative_decoding");
+    }
+}
+
+/// The model's assistant drafts for every request; what is served is the
+/// target's own greedy run, and the drafts are counted.
+#[test]
+fn an_assistant_drafts_for_the_server() {
+    for name in ["e-style-centroid", "dense-k-eq-v-tied"] {
+        let dir = fixture("assistant").join(name);
+        let assistant = dir.join("assistant");
+        let drafting = [
+            "--speculative",
+            "assistant",
+            "--draft-model",
+            assistant.to_str().expect("path"),
+        ];
+        let server = ServerProc::start(&dir.join("target"), &drafting, &[]);
+        let g = golden(&format!("assistant/{name}"));
+        for p in g["prompts"].as_array().expect("prompts") {
+            let expected = ids(&p["target_greedy"]["generated_ids"]);
+            let out = generate_ids(&server, &p["input_ids"], expected.len());
+            assert_eq!(ids(&out["token_ids"]), expected, "{name}/{}", p["name"]);
+        }
+        let drafted = server.metric("vllm:spec_decode_num_draft_tokens_total");
+        assert!(drafted > 0.0, "{name}: {drafted} drafted");
     }
 }
 
