@@ -80,6 +80,27 @@ struct Row {
     wall_ratio: Option<f64>,
     draft_tokens: u64,
     accepted_tokens: u64,
+    /// Steps that verified drafts.
+    draft_steps: u64,
+    /// Median milliseconds per decode step, plain and drafted (a drafted
+    /// step verifies its drafts, drafts the next ones and yields the
+    /// accepted tokens and one more).
+    plain_step_ms: f64,
+    drafted_step_ms: f64,
+}
+
+/// What the measured step times imply at acceptance rates the drafts
+/// here did not reach (random weights accept nothing).
+#[derive(Serialize)]
+struct Implied {
+    /// Tokens drafted per step.
+    drafts_per_step: f64,
+    /// Milliseconds the assistant took per drafting step (all its drafts).
+    draft_ms_per_step: f64,
+    /// `(acceptance, speed-up)`: `(1 − a^(K+1)) / (1 − a)` tokens a step
+    /// (each draft accepted with probability a after the one before it),
+    /// at the drafted step's time against the plain step's.
+    speedups: Vec<(f64, f64)>,
 }
 
 #[derive(Serialize)]
@@ -89,6 +110,8 @@ struct Report {
     threads: usize,
     max_tokens: usize,
     rows: Vec<Row>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    implied: Option<Implied>,
 }
 
 pub fn run(args: Args) -> Result<ExitCode> {
@@ -124,6 +147,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
         },
     )
     .context("cannot start the engine")?;
+    let before = engine.stats();
     let mut rows = Vec::new();
     for &streams in &args.streams {
         if streams <= 1 {
@@ -135,12 +159,20 @@ pub fn run(args: Args) -> Result<ExitCode> {
             rows.push(row("all".into(), streams, &runs));
         }
     }
+    let after = engine.stats();
+    // Every drafted request's steps, warm-up rounds included.
+    let drafting_ms_per_step = (after.drafting_ns - before.drafting_ns) as f64 * 1e-6
+        / (after.speculation.drafts - before.speculation.drafts).max(1) as f64;
+    let implied = (config.method == gemma4_engine::DraftMethod::Assistant)
+        .then(|| implied(&rows, drafting_ms_per_step))
+        .flatten();
     let report = Report {
         model: loaded.path.display().to_string(),
         kernels: gemma4_kernels::describe(),
         threads: gemma4_kernels::pool::global().threads(),
         max_tokens: args.max_tokens,
         rows,
+        implied,
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -148,6 +180,28 @@ pub fn run(args: Args) -> Result<ExitCode> {
         print_table(&report);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The speed-ups the one-stream set's step times imply at acceptance 0.6,
+/// 0.7 and 0.8, with the assistant's time per drafting step.
+fn implied(rows: &[Row], draft_ms_per_step: f64) -> Option<Implied> {
+    let all = rows.iter().find(|r| r.streams <= 1 && r.name == "all")?;
+    if all.draft_steps == 0 || all.drafted_step_ms <= 0.0 {
+        return None;
+    }
+    let k = all.draft_tokens as f64 / all.draft_steps as f64;
+    let speedups = [0.6, 0.7, 0.8]
+        .iter()
+        .map(|&a: &f64| {
+            let tokens = (1.0 - a.powf(k + 1.0)) / (1.0 - a);
+            (a, tokens * all.plain_step_ms / all.drafted_step_ms)
+        })
+        .collect();
+    Some(Implied {
+        drafts_per_step: k,
+        draft_ms_per_step,
+        speedups,
+    })
 }
 
 fn read_prompts(path: &PathBuf) -> Result<Vec<Prompt>> {
@@ -181,8 +235,20 @@ impl Sample {
     fn add(&mut self, other: &Sample) {
         self.tokens += other.tokens;
         self.secs += other.secs;
+        self.wall_tokens += other.wall_tokens;
+        self.wall_secs += other.wall_secs;
+        self.drafts.drafts += other.drafts.drafts;
         self.drafts.draft_tokens += other.drafts.draft_tokens;
         self.drafts.accepted_tokens += other.drafts.accepted_tokens;
+    }
+
+    /// Milliseconds per decode step: the tokens after the first, less the
+    /// accepted drafts (which came with the step before them).
+    fn step_ms(&self) -> f64 {
+        let steps = self
+            .tokens
+            .saturating_sub(self.drafts.accepted_tokens as usize);
+        1e3 * self.secs / steps.max(1) as f64
     }
 
     fn rate(&self) -> f64 {
@@ -237,6 +303,9 @@ fn row(name: String, streams: usize, rounds: &[[Sample; 2]]) -> Row {
         wall_ratio: (streams > 1).then(|| wall(0) / wall(1)),
         draft_tokens: rounds.iter().map(|r| r[0].drafts.draft_tokens).sum(),
         accepted_tokens: rounds.iter().map(|r| r[0].drafts.accepted_tokens).sum(),
+        draft_steps: rounds.iter().map(|r| r[0].drafts.drafts).sum(),
+        plain_step_ms: median(&rounds.iter().map(|r| r[1].step_ms()).collect::<Vec<_>>()),
+        drafted_step_ms: median(&rounds.iter().map(|r| r[0].step_ms()).collect::<Vec<_>>()),
         plain_tok_s: plain,
         drafted_tok_s: drafted,
     }
@@ -307,6 +376,7 @@ fn run_set(
     let runs: Vec<Run> = runs.into_iter().flatten().collect();
     let mut sample = Sample::default();
     for r in &runs {
+        sample.drafts.drafts += r.drafts.drafts;
         sample.drafts.draft_tokens += r.drafts.draft_tokens;
         sample.drafts.accepted_tokens += r.drafts.accepted_tokens;
     }
@@ -402,6 +472,24 @@ fn print_table(r: &Report) {
             row.ratio,
             speculative::describe(&counts)
         );
+    }
+    if let Some(i) = &r.implied {
+        let all = r
+            .rows
+            .iter()
+            .find(|row| row.streams <= 1 && row.name == "all");
+        if let Some(all) = all {
+            println!(
+                "one stream, all prompts: plain step {:.2} ms; drafted step {:.2} ms (verifying {:.1} drafts and drafting the next, the assistant {:.2} ms of it)",
+                all.plain_step_ms, all.drafted_step_ms, i.drafts_per_step, i.draft_ms_per_step
+            );
+        }
+        let implied: Vec<String> = i
+            .speedups
+            .iter()
+            .map(|(a, s)| format!("{s:.2}× at acceptance {a:.1}"))
+            .collect();
+        println!("implied decode speed-up: {}", implied.join(", "));
     }
 }
 

@@ -39,6 +39,10 @@ pub struct SpeculativeArgs {
     /// config.json and its safetensors), for `--speculative assistant`.
     #[arg(long, value_name = "DIR")]
     draft_model: Option<PathBuf>,
+    /// Draft the full count at every step, however the drafts fare (by
+    /// default a sequence whose drafts miss drafts fewer and pauses).
+    #[arg(long, requires = "speculative")]
+    draft_every_step: bool,
 }
 
 impl SpeculativeArgs {
@@ -49,7 +53,11 @@ impl SpeculativeArgs {
             (None, Some(dir)) => assistant_tokens(dir)?.unwrap_or(DEFAULT_TOKENS),
             (None, None) => DEFAULT_TOKENS,
         };
-        match (self.speculative, &self.draft_model) {
+        let paced = |c: SpeculativeConfig| match self.draft_every_step {
+            true => c.unpaced(),
+            false => c,
+        };
+        let config = match (self.speculative, &self.draft_model) {
             (None, None) => Ok(None),
             (Some(Mode::Ngram), None) => {
                 SpeculativeConfig::ngram(self.ngram_min, self.ngram_max, k)
@@ -65,7 +73,8 @@ impl SpeculativeArgs {
             (_, Some(_)) => {
                 bail!("--draft-model drafts with --speculative assistant; add that flag")
             }
-        }
+        };
+        config.map(|c| c.map(paced))
     }
 
     /// The CPU executor for `model`, with its assistant loaded (under the

@@ -278,4 +278,6 @@ pub struct EngineStats {
     pub executor_requests: usize,
     /// Tokens drafted and accepted by speculative decoding, over all requests.
     pub speculation: DraftCounts,
+    /// Nanoseconds the executor spent drafting with the model's assistant.
+    pub drafting_ns: u64,
 }

@@ -140,6 +140,8 @@ pub struct CpuExecutor {
     pool: Option<PagedKvPool>,
     requests: HashMap<u64, RequestState>,
     assistant: Option<AssistantDrafter>,
+    /// Time the assistant has spent drafting.
+    drafting: Duration,
     /// Steps whose batch failed and were run again sequence by sequence.
     step_retries: u64,
     #[cfg(feature = "fault-injection")]
@@ -172,6 +174,7 @@ impl CpuExecutor {
             pool: None,
             requests: HashMap::new(),
             assistant: None,
+            drafting: Duration::ZERO,
             step_retries: 0,
             #[cfg(feature = "fault-injection")]
             fault: None,
@@ -404,6 +407,7 @@ impl CpuExecutor {
         let Some(pool) = self.pool.as_mut() else {
             return;
         };
+        let began = std::time::Instant::now();
         let view = pool.view(&views);
         for (i, out, token, k, hidden) in turns {
             let position = out.computed;
@@ -420,6 +424,7 @@ impl CpuExecutor {
                 }
             }
         }
+        self.drafting += began.elapsed();
     }
 
     fn run_step(&mut self, chunks: &[ScheduledChunk], tables: &[SeqBlocks]) -> Vec<SeqOutput> {
@@ -767,6 +772,7 @@ impl Executor for CpuExecutor {
             step_retries: self.step_retries,
             requests: self.requests.len(),
             contended_kernel_jobs: gemma4_kernels::pool::contended_jobs(),
+            drafting_ns: u64::try_from(self.drafting.as_nanos()).unwrap_or(u64::MAX),
         }
     }
 }

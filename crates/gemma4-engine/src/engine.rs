@@ -887,6 +887,7 @@ impl Worker {
             s.contended_kernel_jobs = executor.contended_kernel_jobs;
             s.executor_requests = executor.requests;
             s.speculation = self.speculation;
+            s.drafting_ns = executor.drafting_ns;
         }
     }
 }

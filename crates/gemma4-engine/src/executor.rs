@@ -199,6 +199,8 @@ pub struct ExecutorStats {
     /// Kernel jobs that found the thread pool busy (an encoder beside a
     /// step) and ran on their caller's thread alone.
     pub contended_kernel_jobs: u64,
+    /// Time spent drafting with the model's assistant, in nanoseconds.
+    pub drafting_ns: u64,
 }
 
 /// Why an executor could not start.
