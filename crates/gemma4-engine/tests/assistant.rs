@@ -14,15 +14,15 @@ use gemma4_engine::executor::{
     DraftOutcome, ExecutorError, ExecutorStats, KvLayout, ModelFacts, StepOutput, StepPlan,
 };
 use gemma4_engine::{
-    start_with, CpuExecutor, EngineConfig, EngineHandle, Executor, GenerationRequest,
-    SamplingParams, SpeculativeConfig,
+    start_with, CpuExecutor, EngineConfig, EngineHandle, Executor, SamplingParams,
+    SpeculativeConfig,
 };
 use gemma4_model::{load_hf_dir, Assistant, LoadPolicy};
 use gemma4_text::Tokenizer;
 use serde_json::Value;
 
 mod support;
-use support::{start_executor_on, Seam, SEAMS};
+use support::{run_request, start_executor_on, Seam, SEAMS};
 
 const FIXTURES: &[&str] = &["e-style-centroid", "dense-k-eq-v-tied"];
 
@@ -125,21 +125,11 @@ fn recording_engine(
 }
 
 fn generate(engine: &EngineHandle, prompt: &[u32], max_tokens: usize) -> Vec<u32> {
-    engine
-        .submit(GenerationRequest {
-            prompt_ids: prompt.to_vec(),
-            params: SamplingParams {
-                max_tokens,
-                ..Default::default()
-            },
-            deadline: None,
-            soft_prompt: None,
-            reading: Default::default(),
-        })
-        .expect("submit")
-        .blocking_finish()
-        .expect("stream ended without Finished")
-        .0
+    let params = SamplingParams {
+        max_tokens,
+        ..Default::default()
+    };
+    run_request(engine, prompt, params).0
 }
 
 /// Round `r` of the reference is proposed by the sampled chunk before it

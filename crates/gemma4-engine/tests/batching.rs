@@ -266,18 +266,7 @@ fn sampled(engine: &EngineHandle, ids: &[u32], seed: u64) -> Vec<u32> {
         max_tokens: 16,
         ..Default::default()
     };
-    engine
-        .submit(GenerationRequest {
-            prompt_ids: ids.to_vec(),
-            params,
-            deadline: None,
-            soft_prompt: None,
-            reading: Default::default(),
-        })
-        .expect("submit")
-        .blocking_finish()
-        .expect("stream ended without Finished")
-        .0
+    support::run_request(engine, ids, params).0
 }
 
 /// A seeded request samples the same tokens alone and amid other requests.

@@ -17,7 +17,7 @@ use gemma4_model::Gemma4;
 use gemma4_text::Tokenizer;
 
 mod support;
-use support::{oracle_fixture, oracle_model, oracle_tokenizer, start_on, Seam, SEAMS};
+use support::{oracle_fixture, oracle_model, oracle_tokenizer, run_request, start_on, Seam, SEAMS};
 
 const VARIANTS: &[&str] = &["e-style", "dense-k-eq-v", "moe", "unified"];
 const STEPS: usize = 32;
@@ -57,17 +57,7 @@ fn engine_drafting(variant: &str, seam: Seam, chunk: usize, drafts: Option<usize
 }
 
 fn run(engine: &EngineHandle, ids: &[u32], params: SamplingParams) -> (Vec<u32>, FinishReason) {
-    engine
-        .submit(GenerationRequest {
-            prompt_ids: ids.to_vec(),
-            params,
-            deadline: None,
-            soft_prompt: None,
-            reading: Default::default(),
-        })
-        .expect("submit")
-        .blocking_finish()
-        .expect("stream ended without Finished")
+    run_request(engine, ids, params)
 }
 
 fn greedy_params(max_tokens: usize) -> SamplingParams {

@@ -5,7 +5,10 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use gemma4_engine::{start_with, CpuExecutor, EngineConfig, EngineHandle, ThreadedExecutor};
+use gemma4_engine::{
+    start_with, CpuExecutor, EngineConfig, EngineHandle, FinishReason, GenerationRequest,
+    SamplingParams, ThreadedExecutor,
+};
 use gemma4_model::{load_hf_dir, Gemma4};
 use gemma4_text::Tokenizer;
 
@@ -59,4 +62,24 @@ pub fn oracle_model(variant: &str) -> Gemma4 {
 #[allow(dead_code)]
 pub fn oracle_tokenizer(variant: &str) -> Arc<Tokenizer> {
     Arc::new(Tokenizer::from_dir(&oracle_fixture(variant)).expect("tokenizer"))
+}
+
+/// One text request run to its end: the tokens and why it stopped.
+#[allow(dead_code)] // not every test binary submits plain requests
+pub fn run_request(
+    engine: &EngineHandle,
+    ids: &[u32],
+    params: SamplingParams,
+) -> (Vec<u32>, FinishReason) {
+    engine
+        .submit(GenerationRequest {
+            prompt_ids: ids.to_vec(),
+            params,
+            deadline: None,
+            soft_prompt: None,
+            reading: Default::default(),
+        })
+        .expect("submit")
+        .blocking_finish()
+        .expect("stream ended without Finished")
 }
