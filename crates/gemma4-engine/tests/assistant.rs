@@ -17,7 +17,7 @@ use gemma4_engine::{
     start_with, CpuExecutor, EngineConfig, EngineHandle, Executor, SamplingParams,
     SpeculativeConfig,
 };
-use gemma4_model::{load_hf_dir, Assistant, LoadPolicy};
+use gemma4_model::{load_hf_dir, Assistant, Gemma4, LoadPolicy};
 use gemma4_text::Tokenizer;
 use serde_json::Value;
 
@@ -227,4 +227,161 @@ fn assistant_drafting_needs_an_assistant() {
     .err()
     .expect("refused");
     assert!(err.to_string().contains("assistant"), "{err}");
+}
+
+/// The model's sampling distribution at the end of `ids`: the `top_k` best
+/// tokens with softmax(logits / temperature) over them, as the sampler
+/// keeps them.
+fn next_token_probabilities(model: &Gemma4, ids: &[u32], temperature: f32) -> Vec<(u32, f64)> {
+    let mut cache = model.new_cache();
+    let logits = model
+        .forward(ids, &mut cache, gemma4_model::LogitsFor::Last, None)
+        .expect("forward")
+        .flatten_all()
+        .expect("flat")
+        .to_vec1::<f32>()
+        .expect("f32");
+    let mut order: Vec<usize> = (0..logits.len()).collect();
+    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
+    order.truncate(CHI_TOP_K);
+    let scaled: Vec<f64> = order
+        .iter()
+        .map(|&i| f64::from(logits[i] / temperature))
+        .collect();
+    let total: f64 = scaled.iter().map(|x| (x - scaled[0]).exp()).sum();
+    order
+        .iter()
+        .zip(&scaled)
+        .map(|(&i, x)| (i as u32, (x - scaled[0]).exp() / total))
+        .collect()
+}
+
+const CHI_TOP_K: usize = 4;
+
+/// Pearson's statistic of `counts` against `expected` probabilities over
+/// the same cells (cells expecting fewer than 5 draws pooled), with its
+/// degrees of freedom.
+fn chi_square(
+    counts: &std::collections::HashMap<(u32, u32), u64>,
+    expected: &[((u32, u32), f64)],
+    n: u64,
+) -> (f64, usize) {
+    let (mut stat, mut cells) = (0.0, 0);
+    let (mut pooled_seen, mut pooled_expected) = (0.0, 0.0);
+    for (cell, p) in expected {
+        let seen = counts.get(cell).copied().unwrap_or(0) as f64;
+        let e = p * n as f64;
+        if e < 5.0 {
+            pooled_seen += seen;
+            pooled_expected += e;
+        } else {
+            stat += (seen - e).powi(2) / e;
+            cells += 1;
+        }
+    }
+    if pooled_expected > 0.0 {
+        stat += (pooled_seen - pooled_expected).powi(2) / pooled_expected;
+        cells += 1;
+    }
+    (stat, cells - 1)
+}
+
+/// The chi-square value a statistic with `df` degrees of freedom exceeds
+/// with probability 0.001 (Wilson and Hilferty's approximation).
+fn chi_square_critical(df: usize) -> f64 {
+    let d = df as f64;
+    let z = 3.09;
+    d * (1.0 - 2.0 / (9.0 * d) + z * (2.0 / (9.0 * d)).sqrt()).powi(3)
+}
+
+/// Sampling with drafts draws from the model's own distribution: the first
+/// two tokens of many seeded requests (the second drawn at the position
+/// of the assistant's verified draft) counted against the
+/// probabilities the model gives directly pass a chi-square test at
+/// p = 0.001; against a neighbouring distribution (a hotter temperature)
+/// the same counts fail it, so the test can tell.
+#[test]
+fn sampling_with_drafts_draws_from_the_model_distribution() {
+    const REQUESTS: u64 = 2000;
+    const THREADS: u64 = 8;
+    const TEMPERATURE: f32 = 0.8;
+    // The pair whose assistant's greedy drafts were accepted most often.
+    let name = "dense-k-eq-v-tied";
+    let model = load_hf_dir(&fixture(name).join("target")).expect("target");
+    let g = golden(name);
+    let prompt = ids(&g["prompts"][3]["input_ids"]);
+    let config = EngineConfig {
+        max_num_seqs: THREADS as usize,
+        max_queue: 2 * THREADS as usize,
+        ..config(64)
+    };
+    let engine = start_with(Box::new(executor(name)), tokenizer(name), config).expect("engine");
+    let pairs: Vec<(u32, u32)> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let (engine, prompt) = (engine.clone(), &prompt);
+                s.spawn(move || {
+                    (t..REQUESTS)
+                        .step_by(THREADS as usize)
+                        .map(|seed| {
+                            let params = SamplingParams {
+                                temperature: TEMPERATURE,
+                                top_k: CHI_TOP_K,
+                                seed: Some(seed),
+                                max_tokens: 3,
+                                ..Default::default()
+                            };
+                            let (out, _) = run_request(&engine, prompt, params);
+                            (out[0], out[1])
+                        })
+                        .collect::<Vec<_>>()
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .flat_map(|h| h.join().expect("thread"))
+            .collect()
+    });
+    let drafts = engine.stats().speculation;
+    assert!(
+        drafts.accepted_tokens >= REQUESTS / 20,
+        "{drafts:?}: too few drafts accepted to exercise verification"
+    );
+    let mut counts = std::collections::HashMap::new();
+    for p in &pairs {
+        *counts.entry(*p).or_insert(0u64) += 1;
+    }
+    let expected = |temperature: f32| -> Vec<((u32, u32), f64)> {
+        let mut cells = Vec::new();
+        for (a, pa) in next_token_probabilities(&model, &prompt, temperature) {
+            let after = [&prompt[..], &[a]].concat();
+            for (b, pb) in next_token_probabilities(&model, &after, temperature) {
+                cells.push(((a, b), pa * pb));
+            }
+        }
+        cells
+    };
+    let model_cells = expected(TEMPERATURE);
+    for cell in counts.keys() {
+        assert!(
+            model_cells.iter().any(|(c, _)| c == cell),
+            "{cell:?} was sampled but is outside the model's top {CHI_TOP_K} tokens"
+        );
+    }
+    let (stat, df) = chi_square(&counts, &model_cells, REQUESTS);
+    let critical = chi_square_critical(df);
+    assert!(
+        stat < critical,
+        "chi-square {stat:.1} with {df} degrees of freedom exceeds {critical:.1}"
+    );
+    let (hotter, hot_df) = chi_square(&counts, &expected(2.0 * TEMPERATURE), REQUESTS);
+    eprintln!(
+        "{drafts:?}; chi-square {stat:.1} ({df} degrees, bound {critical:.1}); against the hotter distribution {hotter:.1} ({hot_df} degrees)"
+    );
+    let df = hot_df;
+    assert!(
+        hotter > chi_square_critical(df),
+        "the counts fit a hotter distribution too ({hotter:.1}, {df} degrees): the test cannot tell"
+    );
 }

@@ -692,6 +692,45 @@ mod tests {
         }
     }
 
+    /// A row of a few-row product is the one-row product of that row, bit
+    /// for bit, whatever the rows beside it: batched decode and verified
+    /// drafts sample what a one-token step samples. (The AVX-512 VNNI
+    /// few-row kernel still gathers four rows' sums before scaling, so it is
+    /// held to this only through the AVX2 and portable levels.)
+    #[test]
+    fn each_row_of_a_few_row_product_is_its_one_row_product() {
+        if has_vnni() {
+            eprintln!("the VNNI few-row kernel is not row-independent yet; run at GEMMA4_KERNEL_LEVEL=avx2");
+            return;
+        }
+        let (rows, cols) = (64, 512);
+        for w in matrices(rows, cols) {
+            for n in 2..crate::GEMM_MIN_ROWS {
+                let x = values(n * cols, n as u64 + 60, 1.5);
+                let together = matmul_with(w.as_ref(), &x, n, Precision::Int8Activations);
+                for t in 0..n {
+                    let alone = matmul_with(
+                        w.as_ref(),
+                        &x[t * cols..(t + 1) * cols],
+                        1,
+                        Precision::Int8Activations,
+                    );
+                    for (i, (a, b)) in together[t * rows..(t + 1) * rows]
+                        .iter()
+                        .zip(&alone)
+                        .enumerate()
+                    {
+                        assert!(
+                            a.to_bits() == b.to_bits(),
+                            "{} n={n} row {t} [{i}]: {a} batched, {b} alone",
+                            w.storage()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn several_matrices_in_one_product_give_each_alone() {
         // 256 rows: several chunks per matrix; every storage type, with

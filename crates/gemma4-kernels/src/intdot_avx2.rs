@@ -231,7 +231,13 @@ unsafe fn fifth_bits<const VNNI: bool>(p: *const u8) -> __m256i {
 }
 
 /// `out[k] = Σ w · x` of one weight row of 32-value blocks with the
-/// activation rows `ts` (at most [`GROUP`]).
+/// activation rows `ts` (at most [`GROUP`]). Each row's sum is accumulated
+/// as [`decode32`] accumulates a single row's, bit for bit, so a row's
+/// result does not depend on the rows beside it in the step: a sequence
+/// decodes alike alone and batched, and a verified draft is the token a
+/// one-token step samples. (Gathering four rows' sums into one register
+/// before scaling saved conversions but rounded differently, and changed
+/// greedy output with drafts on an AVX2-only machine.)
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
@@ -247,7 +253,7 @@ pub unsafe fn dots32(
         1 => dots32_t::<1, K>(row, acts, ts.start, out),
         2 => dots32_t::<2, K>(row, acts, ts.start, out),
         3 => dots32_t::<3, K>(row, acts, ts.start, out),
-        _ => dots32_four::<K>(row, acts, ts.start, out),
+        _ => dots32_t::<4, K>(row, acts, ts.start, out),
     })
 }
 
@@ -299,61 +305,6 @@ unsafe fn dots32_t<const T: usize, const K: usize>(
     even_odd!(blocks, step, &mut even, &mut odd);
     for k in 0..T {
         out[k] = hsum_ps(_mm256_add_ps(even[k], odd[k])) + offsets[k];
-    }
-}
-
-/// [`dots32`] for the [`GROUP`] (four) activation rows from `t0` (a
-/// multiple of four): each block's four rows of sums are gathered into one
-/// register by horizontal adds, so that the conversion, the scaling and the
-/// accumulation run once per block, not once per block and row.
-#[inline(always)]
-unsafe fn dots32_four<const K: usize>(row: &Row, acts: &QuantizedActs, t0: usize, out: &mut [f32]) {
-    const { assert!(GROUP == 4) };
-    let kind = Kind32::ALL[K];
-    let blocks = acts.cols / 32;
-    let qs: [*const i8; 4] = [0, 1, 2, 3].map(|k| acts.row(t0 + k).as_ptr());
-    // Block b's four activation scales, at 4 · b.
-    let group = acts.group_scales.as_ptr().add(t0 / 4 * blocks * 4);
-    let mut offsets = [0f32; 4];
-    let ahead = row.data.as_ptr().wrapping_add(PREFETCH_BYTES);
-    macro_rules! step {
-        ($b:expr, $lane:expr) => {{
-            let (b, lane): (usize, &mut __m256) = ($b, $lane);
-            crate::prefetch(ahead.wrapping_add(b * kind.bytes()), 1);
-            let (w, d, m) = block32::<K>(row, b);
-            let w_abs = _mm256_sign_epi8(w, w);
-            let mut s = [_mm256_setzero_si256(); 4];
-            for k in 0..4 {
-                let a = _mm256_loadu_si256(qs[k].add(32 * b) as *const __m256i);
-                s[k] = if kind.affine() {
-                    dot_u8(w, a)
-                } else {
-                    dot_u8(w_abs, _mm256_sign_epi8(a, w))
-                };
-            }
-            let sums =
-                _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
-            let da = _mm256_broadcast_ps(&*(group.add(4 * b) as *const __m128));
-            *lane = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(d, da), *lane);
-            if kind.affine() {
-                for (k, off) in offsets.iter_mut().enumerate() {
-                    let qsum = acts.sum16(t0 + k, 2 * b) + acts.sum16(t0 + k, 2 * b + 1);
-                    *off += acts.scale(t0 + k, b) * m * qsum as f32;
-                }
-            }
-        }};
-    }
-    // Even and odd blocks in their own registers (see `even_odd!`), so
-    // that consecutive blocks' FMAs do not wait on each other. Lane k and k + 4:
-    // activation row k.
-    let (mut even, mut odd) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-    even_odd!(blocks, step, &mut even, &mut odd);
-    let both = _mm256_add_ps(even, odd);
-    let rows = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
-    let mut sums = [0f32; 4];
-    _mm_storeu_ps(sums.as_mut_ptr(), rows);
-    for k in 0..4 {
-        out[k] = sums[k] + offsets[k];
     }
 }
 
