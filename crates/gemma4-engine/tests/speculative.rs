@@ -296,8 +296,13 @@ fn real_weights_keep_the_reference_with_drafts() {
     let start = |policy| {
         let model = gemma4_model::load(&path, policy).expect("demo model");
         let tokenizer = Arc::new(Tokenizer::from_gguf(&path).expect("tokenizer"));
+        // No prefix cache: a request that adopts another's prompt blocks
+        // computes the rest of its prompt in a shorter chunk, whose products
+        // round differently in the default mode; each run here computes
+        // its prompt alike.
         let config = EngineConfig {
             max_model_len: 512,
+            prefix_caching: false,
             speculative: Some(SpeculativeConfig::ngram(2, 4, 4).expect("settings")),
             ..Default::default()
         };
@@ -333,27 +338,22 @@ fn real_weights_keep_the_reference_with_drafts() {
                 .expect("ids")
         })
         .collect();
-    let both: Vec<(Vec<u32>, Vec<u32>)> = std::thread::scope(|s| {
-        let handles: Vec<_> = prompts
-            .iter()
-            .map(|ids| {
-                let engine = engine.clone();
-                s.spawn(move || {
-                    let plain = SamplingParams {
-                        plain_decoding: true,
-                        ..greedy_params(64)
-                    };
-                    let a = run(&engine, ids, greedy_params(64)).0;
-                    let b = run(&engine, ids, plain).0;
-                    (a, b)
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().expect("thread"))
-            .collect()
-    });
+    // One request at a time: in the default (8-bit activation) mode a
+    // decode row that shares its step with another request's prompt chunk
+    // goes through the prompt's product, which rounds differently, so only
+    // a request's own rows may share its steps here.
+    let both: Vec<(Vec<u32>, Vec<u32>)> = prompts
+        .iter()
+        .map(|ids| {
+            let plain = SamplingParams {
+                plain_decoding: true,
+                ..greedy_params(64)
+            };
+            let a = run(&engine, ids, greedy_params(64)).0;
+            let b = run(&engine, ids, plain).0;
+            (a, b)
+        })
+        .collect();
     for (i, (drafted, plain)) in both.iter().enumerate() {
         assert_eq!(drafted, plain, "copy prompt {i}");
     }
