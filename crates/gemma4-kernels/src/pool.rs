@@ -10,6 +10,12 @@
 //! than its thread count (the caller is the last thread), so spinning never
 //! takes a core from the thread that runs the model.
 //!
+//! A worker that finds itself preempted for a time slice while working
+//! (another busy process shares its core) stops spinning for a while: spinning kept it
+//! runnable, so three threads shared two cores and the caller's
+//! single-threaded work between products ran on two thirds of one; two
+//! threads were then no faster than one.
+//!
 //! An idle worker also reads ahead: between two products the caller runs
 //! that short single-threaded work while the memory bus sits idle, so a
 //! worker that knows the next product's weights ([`Pool::read_ahead`])
@@ -25,6 +31,13 @@ const CLOSED: u32 = u32::MAX;
 
 /// How long an idle worker spins before it parks.
 const SPIN: Duration = Duration::from_micros(200);
+
+/// How long an idle worker parks at once, without spinning, after it was
+/// preempted while working for [`PREEMPTED`] or more: another busy process
+/// wants its core. (Shorter preemptions, by this process's own threads or
+/// the system's, are routine and say nothing.)
+const YIELD_AFTER_PREEMPTION: Duration = Duration::from_millis(50);
+const PREEMPTED: Duration = Duration::from_millis(1);
 
 /// Memory runs an idle worker reads ahead, at most.
 pub const READ_AHEAD_RUNS: usize = 4;
@@ -286,17 +299,45 @@ fn read_ahead(s: &Shared, epoch: u64, runs: &ReadAhead) {
     }
 }
 
+/// CPU time the calling thread has run; `None` where the system does not say.
+fn thread_cpu_time() -> Option<Duration> {
+    #[cfg(target_os = "linux")]
+    {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: `clock_gettime` only writes the `timespec` it is given.
+        if unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } == 0 {
+            return Some(Duration::new(
+                u64::try_from(t.tv_sec).ok()?,
+                u32::try_from(t.tv_nsec).ok()?,
+            ));
+        }
+    }
+    None
+}
+
 fn worker(s: &Shared) {
     let mut seen = s.state.load(Ordering::SeqCst) >> 32;
     let mut ahead_seen = s.ahead_serial.load(Ordering::Acquire);
+    let mut spin_again = Instant::now();
     while !s.shutdown.load(Ordering::SeqCst) {
-        let spin_until = Instant::now() + SPIN;
+        let now = Instant::now();
+        let spin_until = if now < spin_again { now } else { now + SPIN };
         let mut spins = 0u32;
         loop {
             let epoch = s.state.load(Ordering::SeqCst) >> 32;
             if epoch != seen {
                 seen = epoch;
+                let (started, cpu) = (Instant::now(), thread_cpu_time());
                 claim_all(s, epoch);
+                let off_cpu = thread_cpu_time()
+                    .zip(cpu)
+                    .map(|(after, before)| started.elapsed().saturating_sub(after - before));
+                if off_cpu.is_some_and(|t| t >= PREEMPTED) {
+                    spin_again = Instant::now() + YIELD_AFTER_PREEMPTION;
+                }
                 break;
             }
             let serial = s.ahead_serial.load(Ordering::Acquire);
@@ -441,6 +482,32 @@ mod tests {
                 assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 1));
             }
         }
+    }
+
+    /// The clock that tells a preempted worker from a working one counts
+    /// this thread's CPU time: it advances while the thread computes and
+    /// stands still while it sleeps.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn thread_cpu_time_advances_only_while_the_thread_runs() {
+        let start = thread_cpu_time().expect("a thread CPU clock");
+        let wall = Instant::now();
+        let mut x = 1u64;
+        while thread_cpu_time().expect("clock") - start < Duration::from_millis(5) {
+            x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+        }
+        let ran = thread_cpu_time().expect("clock") - start;
+        assert!(
+            wall.elapsed() >= ran,
+            "a thread cannot run longer than the wall clock"
+        );
+        let before_sleep = thread_cpu_time().expect("clock");
+        std::thread::sleep(Duration::from_millis(50));
+        let slept = thread_cpu_time().expect("clock") - before_sleep;
+        assert!(
+            slept < Duration::from_millis(5),
+            "sleeping took {slept:?} of CPU"
+        );
     }
 
     #[test]
