@@ -18,7 +18,7 @@ use gemma4_kernels::kquant_x8;
 use gemma4_kernels::q4::{Q4Matrix, Q4Report};
 use gemma4_kernels::{Precision, Rearranged, WeightMatrix};
 
-use crate::error::{ModelError, Result, WeightError};
+use crate::error::{ModelError, Result};
 use crate::source::WeightSource;
 use crate::storage::{
     CandleQuantLinear, Embedding, Experts, KernelLinear, Linear, RowsEmbedding, StoredDtype,
@@ -374,16 +374,7 @@ impl<'a> Weights<'a> {
             return Ok(t.clone());
         }
         let mut piece = gemma4_kernels::arena::alloc_zeroed(t.bytes.len());
-        match t.file_range() {
-            Some((file, range)) => {
-                file.read_at(range.start, piece.as_mut_slice())
-                    .map_err(|source| WeightError::Io {
-                        path: file.path().display().to_string(),
-                        source,
-                    })?
-            }
-            None => piece.as_mut_slice().copy_from_slice(t.bytes.as_slice()),
-        }
+        t.copy_to(piece.as_mut_slice())?;
         Ok(StoredTensor::new(
             t.name.clone(),
             t.dtype,

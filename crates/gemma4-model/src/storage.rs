@@ -559,25 +559,38 @@ impl StoredTensor {
         let mut out = vec![0f32; self.elements()];
         let cols = self.shape.last().copied().unwrap_or(1).max(1);
         let rows = self.elements() / cols;
-        let read = match &self.mapping {
-            Some((file, range)) => {
-                let mut buf = vec![0u8; range.len()];
-                file.read_at(range.start, &mut buf)
-                    .map_err(|source| WeightError::Io {
-                        path: file.path().display().to_string(),
-                        source,
-                    })?;
-                Self::new(
-                    self.name.clone(),
-                    self.dtype,
-                    self.shape.clone(),
-                    Bytes::from_vec(buf),
-                )
-            }
-            None => self.clone(),
+        let read = if self.mapping.is_some() {
+            let mut buf = vec![0u8; self.bytes.len()];
+            self.copy_to(&mut buf)?;
+            Self::new(
+                self.name.clone(),
+                self.dtype,
+                self.shape.clone(),
+                Bytes::from_vec(buf),
+            )
+        } else {
+            self.clone()
         };
         read.matrix(rows, cols)?.dequantize_rows(0..rows, &mut out);
         Ok(out)
+    }
+
+    /// Copies the tensor's bytes into `out` (its length): a mapped tensor
+    /// is read from the file, so none of the mapping becomes resident.
+    pub fn copy_to(&self, out: &mut [u8]) -> Result<(), WeightError> {
+        match &self.mapping {
+            Some((file, range)) => {
+                file.read_at(range.start, out)
+                    .map_err(|source| WeightError::Io {
+                        path: file.path().display().to_string(),
+                        source,
+                    })
+            }
+            None => {
+                out.copy_from_slice(self.bytes.as_slice());
+                Ok(())
+            }
+        }
     }
 
     /// The tensor as a `[rows, cols]` matrix read in place.
