@@ -47,6 +47,11 @@ pub fn run(args: Args) -> Result<ExitCode> {
         );
         return Ok(ExitCode::FAILURE);
     }
+    let why = match std::env::var("GEMMA4_KERNEL_LEVEL") {
+        Ok(cap) => format!("at most {cap:?}, as GEMMA4_KERNEL_LEVEL says"),
+        Err(_) => "the widest this CPU has".to_string(),
+    };
+    r.pass("kernels", format!("{} ({why})", gemma4_kernels::describe()));
     let gguf = gemma4_model::gguf_file(&path)?.is_some();
     let config = check_config(&mut r, &path);
     let tokenizer = check_tokenizer(&mut r, &path, config.as_ref());

@@ -196,13 +196,14 @@ pub fn load_model(path: &Path, policy: LoadPolicy) -> Result<(Gemma4, LoadReport
     }
     let r = &loaded.report;
     let mut line = format!(
-        "loaded {} in {:.1}s: weights {} (quantization: {}); resident ≈ {:.0} MiB, mapped tables {:.0} MiB read by row",
+        "loaded {} in {:.1}s: weights {} (quantization: {}); resident ≈ {:.0} MiB, mapped tables {:.0} MiB read by row; kernels: {}",
         path.display(),
         started.elapsed().as_secs_f64(),
         r.storage_summary(),
         policy.quant.name(),
         r.resident_bytes as f64 / (1 << 20) as f64,
         r.table_bytes as f64 / (1 << 20) as f64,
+        gemma4_kernels::describe(),
     );
     if policy.quant == Quant::Q4 && r.q4_grid_detected() {
         line.push_str("; the weights were already on a Q4_0 grid (quantization-aware training): quantized without changing their levels");

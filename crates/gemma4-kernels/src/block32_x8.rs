@@ -26,7 +26,7 @@
 use std::marker::PhantomData;
 use std::ops::Range;
 
-use crate::intdot::{self, Kind32};
+use crate::intdot::Kind32;
 use crate::legacy::{self, BlockMatrix};
 use crate::q8_0::Q8_0Matrix;
 use crate::{ActBlock, Bytes, IntegerDots, QuantizedActs, Rearranged, WeightMatrix};
@@ -299,7 +299,7 @@ impl<L: Layout32> IntegerDots for Rows8x32<L> {
         assert_eq!(acts.block, ActBlock::B32);
         let len = rows.len();
         #[cfg(target_arch = "x86_64")]
-        if intdot::has_vnni() {
+        if crate::intdot::has_vnni() {
             crate::in_whole_groups(rows, ROWS, acts.n, out, |groups, out| {
                 // SAFETY: `has_vnni` detected the features the kernel needs.
                 unsafe { avx512::dots(self, groups, acts, out) }

@@ -1,20 +1,67 @@
 //! Run-time choice of instruction set. Kernels are written once as
 //! `#[inline(always)]` bodies; thin wrappers compile them for each target
 //! feature set, and [`level`] picks the widest the CPU has.
+//!
+//! On aarch64 every level's float code is the portable code, which the
+//! compiler vectorizes with NEON (part of every aarch64 CPU); the levels
+//! there choose the integer kernels (`intdot_neon`): none (`portable`),
+//! NEON's widening multiplies (`neon`), the `sdot` instruction (`dotprod`),
+//! or `sdot` and, for two activation rows or more, `smmla` (`i8mm`).
 
-/// Instruction sets a kernel may be compiled for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Instruction sets a kernel may be compiled for, narrowest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Level {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
     #[cfg(target_arch = "x86_64")]
     Avx512,
+    #[cfg(target_arch = "aarch64")]
+    Neon,
+    #[cfg(target_arch = "aarch64")]
+    Dotprod,
+    #[cfg(target_arch = "aarch64")]
+    I8mm,
+}
+
+impl Level {
+    /// Every level this architecture has, narrowest first.
+    pub const ALL: &'static [Level] = &[
+        Level::Portable,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx2,
+        #[cfg(target_arch = "x86_64")]
+        Level::Avx512,
+        #[cfg(target_arch = "aarch64")]
+        Level::Neon,
+        #[cfg(target_arch = "aarch64")]
+        Level::Dotprod,
+        #[cfg(target_arch = "aarch64")]
+        Level::I8mm,
+    ];
+
+    /// The name `GEMMA4_KERNEL_LEVEL` and reports use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Level::Portable => "portable",
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx2 => "avx2",
+            #[cfg(target_arch = "x86_64")]
+            Level::Avx512 => "avx512",
+            #[cfg(target_arch = "aarch64")]
+            Level::Neon => "neon",
+            #[cfg(target_arch = "aarch64")]
+            Level::Dotprod => "dotprod",
+            #[cfg(target_arch = "aarch64")]
+            Level::I8mm => "i8mm",
+        }
+    }
 }
 
 /// The widest level this CPU supports, at most the one `GEMMA4_KERNEL_LEVEL`
-/// names (`portable`, `avx2`, `avx512`): the narrower levels' kernels can
-/// then be run, and tested, on a CPU that has a wider one. Decided once.
+/// names (`portable`, `avx2`, `avx512`; on aarch64 `portable`, `neon`,
+/// `dotprod`, `i8mm`): the narrower levels' kernels can then be run, and tested,
+/// on a CPU that has a wider one. Decided once.
 #[inline]
 pub fn level() -> Level {
     static LEVEL: std::sync::OnceLock<Level> = std::sync::OnceLock::new();
@@ -24,8 +71,11 @@ pub fn level() -> Level {
             Ok(name) => match capped(detected, &name) {
                 Some(level) => level,
                 None => {
+                    let names: Vec<&str> = Level::ALL.iter().map(|l| l.name()).collect();
                     eprintln!(
-                        "GEMMA4_KERNEL_LEVEL={name:?} names no kernel level (portable, avx2, avx512); using {detected:?}"
+                        "GEMMA4_KERNEL_LEVEL={name:?} names no kernel level of this CPU's architecture ({}); using {}",
+                        names.join(", "),
+                        detected.name()
                     );
                     detected
                 }
@@ -36,6 +86,7 @@ pub fn level() -> Level {
 }
 
 /// The widest level this CPU supports.
+#[cfg(not(target_arch = "aarch64"))]
 fn detected() -> Level {
     #[cfg(target_arch = "x86_64")]
     {
@@ -52,28 +103,24 @@ fn detected() -> Level {
     Level::Portable
 }
 
+/// The widest level this CPU supports: NEON is part of every aarch64 CPU.
+#[cfg(target_arch = "aarch64")]
+fn detected() -> Level {
+    use std::arch::is_aarch64_feature_detected;
+    if is_aarch64_feature_detected!("dotprod") && is_aarch64_feature_detected!("i8mm") {
+        Level::I8mm
+    } else if is_aarch64_feature_detected!("dotprod") {
+        Level::Dotprod
+    } else {
+        Level::Neon
+    }
+}
+
 /// `detected`, capped at the level `name` names; `None` for no level's name.
 fn capped(detected: Level, name: &str) -> Option<Level> {
-    let rank = |l: Level| match l {
-        Level::Portable => 0,
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx2 => 1,
-        #[cfg(target_arch = "x86_64")]
-        Level::Avx512 => 2,
-    };
-    let cap = match name.trim().to_ascii_lowercase().as_str() {
-        "portable" => Level::Portable,
-        #[cfg(target_arch = "x86_64")]
-        "avx2" => Level::Avx2,
-        #[cfg(target_arch = "x86_64")]
-        "avx512" => Level::Avx512,
-        _ => return None,
-    };
-    Some(if rank(cap) < rank(detected) {
-        cap
-    } else {
-        detected
-    })
+    let wanted = name.trim().to_ascii_lowercase();
+    let cap = Level::ALL.iter().find(|l| l.name() == wanted)?;
+    Some(detected.min(*cap))
 }
 
 /// Defines `pub fn $name(args) -> ret` that calls `$body` compiled for the
@@ -114,11 +161,27 @@ mod tests {
 
     #[test]
     fn a_cap_only_narrows_the_level() {
-        assert_eq!(capped(Level::Portable, "avx512"), Some(Level::Portable));
+        let widest = *Level::ALL.last().expect("levels");
+        assert_eq!(
+            capped(Level::Portable, widest.name()),
+            Some(Level::Portable)
+        );
         assert_eq!(capped(detected(), "portable"), Some(Level::Portable));
-        assert_eq!(capped(detected(), "AVX512"), Some(detected()));
+        assert_eq!(
+            capped(detected(), &widest.name().to_uppercase()),
+            Some(detected())
+        );
         assert_eq!(capped(detected(), "sse9"), None);
         #[cfg(target_arch = "x86_64")]
         assert_eq!(capped(Level::Avx512, "avx2"), Some(Level::Avx2));
+        #[cfg(target_arch = "x86_64")]
+        assert_eq!(capped(Level::Avx2, "neon"), None);
+        #[cfg(target_arch = "aarch64")]
+        {
+            assert_eq!(capped(Level::I8mm, "dotprod"), Some(Level::Dotprod));
+            assert_eq!(capped(Level::Dotprod, "neon"), Some(Level::Neon));
+            assert_eq!(capped(Level::Neon, "dotprod"), Some(Level::Neon));
+            assert_eq!(capped(Level::Dotprod, "avx2"), None);
+        }
     }
 }

@@ -229,6 +229,7 @@ pub fn dot_bf16(x: &[f32], w: &[u8]) -> f32 {
 }
 
 /// The values past the vector loop's last whole step, value by value.
+#[cfg(target_arch = "x86_64")]
 fn dot_bf16_tail(x: &[f32], w: &[u8], from: usize) -> f32 {
     x[from..]
         .iter()

@@ -10,8 +10,9 @@
 //! block decoder, the k-quants (Q4_K, Q5_K, Q6_K) have one each. Chosen at
 //! run time: AVX2 ([`crate::intdot_avx2`], which also holds the AVX-512
 //! VNNI builds: the one-row decode, the few-row product of the 32-value
-//! formats and the k-quant kernel; many rows go to [`crate::intgemm`]), or
-//! portable (the reference in tests).
+//! formats and the k-quant kernel; many rows go to [`crate::intgemm`]),
+//! NEON or `sdot` on aarch64 (`intdot_neon`), or portable (the reference
+//! in tests).
 //! Every kernel decodes a weight block once for up to [`GROUP`] activation
 //! rows.
 
@@ -44,6 +45,7 @@ pub enum Kind32 {
 
 impl Kind32 {
     /// Every kind, indexed by the const parameter of the kernels.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) const ALL: [Kind32; 7] = [
         Kind32::Q8_0,
         Kind32::Q4_0,
@@ -66,6 +68,7 @@ impl Kind32 {
         }
     }
     /// Whether values are `d · u + m` with unsigned `u` (else `d · v`, signed `v`).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) const fn affine(self) -> bool {
         matches!(self, Kind32::Q4_1 | Kind32::Q5_1)
     }
@@ -80,6 +83,7 @@ pub enum KindK {
 }
 
 impl KindK {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     pub(crate) const ALL: [KindK; 3] = [KindK::Q4K, KindK::Q5K, KindK::Q6K];
 }
 
@@ -185,15 +189,31 @@ fn dots32_portable_body(
                 .zip(q)
                 .map(|(&w, &a)| i32::from(w) * i32::from(a))
                 .sum();
-            let da = acts.scale(t, b);
-            acc[k] += da * (d * isum as f32);
-            if m != 0.0 {
-                let qsum = acts.sum16(t, 2 * b) + acts.sum16(t, 2 * b + 1);
-                acc[k] += da * m * qsum as f32;
-            }
+            fold32(&mut acc[k], acts, t, b, (d, m), isum);
         }
     }
     out[..ts.len()].copy_from_slice(&acc[..ts.len()]);
+}
+
+/// Adds block `b`'s part to activation row `t`'s sum: the block's integer
+/// sum `isum` scaled by the weights' `(d, m)` and the activations' scale.
+/// Every kernel of the 32-value formats that keeps a row's sum alone folds
+/// through this, so they give the portable kernel's bits.
+#[inline(always)]
+pub(crate) fn fold32(
+    acc: &mut f32,
+    acts: &QuantizedActs,
+    t: usize,
+    b: usize,
+    (d, m): (f32, f32),
+    isum: i32,
+) {
+    let da = acts.scale(t, b);
+    *acc += da * (d * isum as f32);
+    if m != 0.0 {
+        let qsum = acts.sum16(t, 2 * b) + acts.sum16(t, 2 * b + 1);
+        *acc += da * m * qsum as f32;
+    }
 }
 
 crate::dispatch::multiversion!(
@@ -338,11 +358,19 @@ fn dots_k_portable_body(
                 }
                 msum += mn[g] * gsum;
             }
-            let da = acts.scale(t, s);
-            acc[k] += da * (d * isum as f32 - dmin * msum as f32);
+            fold_k(&mut acc[k], acts.scale(t, s), (d, dmin), isum, msum);
         }
     }
     out[..ts.len()].copy_from_slice(&acc[..ts.len()]);
+}
+
+/// Adds a super-block's part to a row's sum: its integer sums over the
+/// levels (`isum`, the Q6_K offset folded in) and the mins (`msum`)
+/// scaled by the weights' `(d, dmin)` and the activations' scale `da`.
+/// Shared by the kernels that give the portable kernel's bits.
+#[inline(always)]
+pub(crate) fn fold_k(acc: &mut f32, da: f32, (d, dmin): (f32, f32), isum: i32, msum: i32) {
+    *acc += da * (d * isum as f32 - dmin * msum as f32);
 }
 
 crate::dispatch::multiversion!(
@@ -408,6 +436,19 @@ pub fn has_avx2() -> bool {
     }
 }
 
+/// The level of the aarch64 integer kernels ([`crate::intdot_neon`]) to
+/// run, `None` for the portable ones.
+#[cfg(target_arch = "aarch64")]
+#[inline]
+fn neon_level() -> Option<crate::dispatch::Level> {
+    #[cfg(test)]
+    if FORCE_PORTABLE.with(|f| f.get()) {
+        return None;
+    }
+    let level = crate::dispatch::level();
+    (level != crate::dispatch::Level::Portable).then_some(level)
+}
+
 /// `out[t · rows.len() + i] = Σ_c acts[t, c] · W[rows.start + i, c]` for a
 /// matrix of 32-value blocks whose row `r` is `row_of(r)`, with the fastest
 /// kernel this CPU has.
@@ -438,6 +479,10 @@ pub fn matrix32<'a>(
     if avx2 && acts.n == 1 {
         // SAFETY: `has_avx2` detected the features the kernel needs.
         return unsafe { crate::intdot_avx2::decode32(kind, rows, row_of, acts, out) };
+    }
+    #[cfg(target_arch = "aarch64")]
+    if let Some(level) = neon_level() {
+        return crate::intdot_neon::matrix32(level, kind, rows, row_of, acts, out);
     }
     for (i, r) in rows.enumerate() {
         let row = row_of(r);
@@ -482,6 +527,10 @@ pub fn matrix_k(
         };
     }
     let _ = (vnni, avx2);
+    #[cfg(target_arch = "aarch64")]
+    if let Some(level) = neon_level() {
+        return crate::intdot_neon::matrix_k(level, kind, rows, data, acts, out);
+    }
     let len = rows.len();
     for (i, r) in rows.enumerate() {
         let row = row_of(r);
@@ -495,7 +544,7 @@ pub fn matrix_k(
 /// activation rows, then scatters each group's outputs for weight row `i`
 /// of the range into `out` (`[n, len]`).
 #[inline(always)]
-fn for_groups(
+pub(crate) fn for_groups(
     n: usize,
     len: usize,
     i: usize,

@@ -34,6 +34,8 @@ pub mod int8;
 pub mod intdot;
 #[cfg(target_arch = "x86_64")]
 mod intdot_avx2;
+#[cfg(target_arch = "aarch64")]
+mod intdot_neon;
 #[cfg(target_arch = "x86_64")]
 mod intgemm;
 pub mod kquant;
@@ -157,6 +159,7 @@ pub(crate) fn prefetch_ahead(p: *const u8, bytes: usize) {
 /// interleaved rows (`[n, 8 · groups.len()]` into `out`), for the rows
 /// `rows` (`[n, rows.len()]` into `out`): directly when `rows` covers whole
 /// groups, else over every group it touches, keeping the rows asked for.
+#[cfg(target_arch = "x86_64")]
 pub(crate) fn in_whole_groups(
     rows: Range<usize>,
     group: usize,
@@ -193,11 +196,18 @@ pub enum Precision {
 /// The instruction sets the kernels run with on this CPU (for reports):
 /// the float kernels' level and the integer dot products'.
 pub fn describe() -> String {
-    let float = format!("{:?}", dispatch::level()).to_lowercase();
-    let integer = if intdot::has_vnni() {
-        "avx512 vnni".to_string()
+    let level = dispatch::level();
+    // aarch64's float kernels are the portable code, which the compiler
+    // vectorizes with NEON at every level.
+    let float = if cfg!(target_arch = "aarch64") {
+        "neon"
     } else {
-        float.clone()
+        level.name()
+    };
+    let integer = if intdot::has_vnni() {
+        "avx512 vnni"
+    } else {
+        level.name()
     };
     format!("float {float}, integer {integer}")
 }
