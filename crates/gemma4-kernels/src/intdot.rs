@@ -74,6 +74,46 @@ impl Kind32 {
     }
 }
 
+/// `$body` with `$k` a const, the index of `$kind` in [`Kind32::ALL`]: the
+/// x86 and ARM kernels take the kind as a const parameter, so each
+/// format's decoder is inlined into its own copy of the loop.
+macro_rules! with_kind32 {
+    ($kind:expr, $k:ident => $body:expr) => {
+        match $kind {
+            $crate::intdot::Kind32::Q8_0 => {
+                const $k: usize = 0;
+                $body
+            }
+            $crate::intdot::Kind32::Q4_0 => {
+                const $k: usize = 1;
+                $body
+            }
+            $crate::intdot::Kind32::Q4_1 => {
+                const $k: usize = 2;
+                $body
+            }
+            $crate::intdot::Kind32::Q5_0 => {
+                const $k: usize = 3;
+                $body
+            }
+            $crate::intdot::Kind32::Q5_1 => {
+                const $k: usize = 4;
+                $body
+            }
+            $crate::intdot::Kind32::Int8 => {
+                const $k: usize = 5;
+                $body
+            }
+            $crate::intdot::Kind32::Q4 => {
+                const $k: usize = 6;
+                $body
+            }
+        }
+    };
+}
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+pub(crate) use with_kind32;
+
 /// The super-block formats.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum KindK {
@@ -189,30 +229,30 @@ fn dots32_portable_body(
                 .zip(q)
                 .map(|(&w, &a)| i32::from(w) * i32::from(a))
                 .sum();
-            fold32(&mut acc[k], acts, t, b, (d, m), isum);
+            let qsum = || acts.sum16(t, 2 * b) + acts.sum16(t, 2 * b + 1);
+            fold32(&mut acc[k], acts.scale(t, b), (d, m), isum, qsum);
         }
     }
     out[..ts.len()].copy_from_slice(&acc[..ts.len()]);
 }
 
-/// Adds block `b`'s part to activation row `t`'s sum: the block's integer
-/// sum `isum` scaled by the weights' `(d, m)` and the activations' scale.
-/// Every kernel of the 32-value formats that keeps a row's sum alone folds
-/// through this, so they give the portable kernel's bits.
+/// Adds a block's part to an activation row's sum: the block's integer
+/// sum `isum` scaled by the weights' `(d, m)` and the activations' scale
+/// `da`, and for formats with a minimum `m` the activations' own sum over
+/// the block (`qsum`, asked for only then). Every kernel of the 32-value
+/// formats that keeps a row's sum alone folds through this, so they give
+/// the portable kernel's bits.
 #[inline(always)]
 pub(crate) fn fold32(
     acc: &mut f32,
-    acts: &QuantizedActs,
-    t: usize,
-    b: usize,
+    da: f32,
     (d, m): (f32, f32),
     isum: i32,
+    qsum: impl FnOnce() -> i32,
 ) {
-    let da = acts.scale(t, b);
     *acc += da * (d * isum as f32);
     if m != 0.0 {
-        let qsum = acts.sum16(t, 2 * b) + acts.sum16(t, 2 * b + 1);
-        *acc += da * m * qsum as f32;
+        *acc += da * m * qsum() as f32;
     }
 }
 

@@ -13,7 +13,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use crate::acts::QuantizedActs;
-use crate::intdot::{k_bytes, Kind32, KindK, Row, GROUP};
+use crate::intdot::{k_bytes, with_kind32, Kind32, KindK, Row, GROUP};
 
 /// The two builds of a kernel written once with a `VNNI` const parameter:
 /// `$avx2` compiled for AVX2, FMA and F16C, `$vnni` for AVX-512 F, BW, VL
@@ -41,44 +41,6 @@ macro_rules! avx2_and_vnni {
         #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
         pub unsafe fn $vnni $(<$lt>)? ($($arg: $ty),*) {
             $body::<true>($($arg),*)
-        }
-    };
-}
-
-/// `$body` with `$k` a const, the index of `$kind` in `Kind32::ALL`: the
-/// kernels take the kind as a const parameter, so each format's decoder is
-/// inlined into its own copy of the loop.
-macro_rules! with_kind32 {
-    ($kind:expr, $k:ident => $body:expr) => {
-        match $kind {
-            Kind32::Q8_0 => {
-                const $k: usize = 0;
-                $body
-            }
-            Kind32::Q4_0 => {
-                const $k: usize = 1;
-                $body
-            }
-            Kind32::Q4_1 => {
-                const $k: usize = 2;
-                $body
-            }
-            Kind32::Q5_0 => {
-                const $k: usize = 3;
-                $body
-            }
-            Kind32::Q5_1 => {
-                const $k: usize = 4;
-                $body
-            }
-            Kind32::Int8 => {
-                const $k: usize = 5;
-                $body
-            }
-            Kind32::Q4 => {
-                const $k: usize = 6;
-                $body
-            }
         }
     };
 }

@@ -21,7 +21,7 @@ use std::ops::Range;
 
 use crate::acts::QuantizedActs;
 use crate::dispatch::Level;
-use crate::intdot::{self, Kind32, KindK, Row, GROUP};
+use crate::intdot::{self, with_kind32, Kind32, KindK, Row, GROUP};
 
 /// How 16 signed bytes times 16 signed bytes are added into four 32-bit
 /// lanes (which lane gets which products differs between the two; only
@@ -96,114 +96,257 @@ unsafe fn bits_as_16(bits: u16) -> int8x16_t {
     vreinterpretq_s8_u8(vandq_u8(set, vdupq_n_u8(16)))
 }
 
-/// Block `b` of `row` as [`intdot::decode32`] gives it: its 32 levels
-/// (values 0–15, 16–31) and `(d, m)`.
+/// IEEE half → f32 with the conversion instruction (exact, as
+/// [`crate::f16_to_f32`] is, for every value but a NaN's payload).
 #[inline(always)]
-unsafe fn decode32(kind: Kind32, row: &Row, b: usize) -> (int8x16_t, int8x16_t, (f32, f32)) {
-    let blk = &row.data[b * kind.bytes()..(b + 1) * kind.bytes()];
-    let p = blk.as_ptr();
-    let half = |at: usize| crate::f16_to_f32(u16::from_le_bytes([blk[at], blk[at + 1]]));
-    let fifth = |at: usize| {
-        let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
-        (bits_as_16(qh as u16), bits_as_16((qh >> 16) as u16))
-    };
-    match kind {
-        Kind32::Q8_0 => (load(p.add(2)), load(p.add(18)), (half(0), 0.0)),
-        Kind32::Int8 => (load(p), load(p.add(16)), (row.scale, 0.0)),
-        Kind32::Q4_0 => {
-            let (lo, hi) = nibbles(p.add(2), 8);
-            (lo, hi, (half(0), 0.0))
-        }
-        Kind32::Q4 => {
-            let (lo, hi) = nibbles(p, 8);
-            (lo, hi, (row.scales[b], 0.0))
-        }
-        Kind32::Q4_1 => {
-            let (lo, hi) = nibbles(p.add(4), 0);
-            (lo, hi, (half(0), half(2)))
-        }
-        Kind32::Q5_0 => {
-            let (lo, hi) = nibbles(p.add(6), 16);
-            let (f0, f1) = fifth(2);
-            (vaddq_s8(lo, f0), vaddq_s8(hi, f1), (half(0), 0.0))
-        }
-        Kind32::Q5_1 => {
-            let (lo, hi) = nibbles(p.add(8), 0);
-            let (f0, f1) = fifth(4);
-            (vaddq_s8(lo, f0), vaddq_s8(hi, f1), (half(0), half(2)))
+unsafe fn half_to_f32(p: *const u8) -> f32 {
+    let bits = p.cast::<u16>().read_unaligned().to_le();
+    let out: f32;
+    // SAFETY: `fcvt` is part of every aarch64 CPU's floating point; it
+    // touches only registers.
+    asm!(
+        "fcvt {out:s}, {h:h}",
+        out = lateout(vreg) out,
+        h = in(vreg) bits,
+        options(pure, nomem, nostack, preserves_flags)
+    );
+    out
+}
+
+/// A weight row of 32-value blocks checked once for the kernels, which
+/// then read it unchecked.
+#[derive(Clone, Copy)]
+struct Row32<'a, const K: usize> {
+    row: &'a Row<'a>,
+}
+
+impl<'a, const K: usize> Row32<'a, K> {
+    /// `row` as the kernels read it for `blocks` blocks; panics if it is short.
+    fn new(row: &'a Row<'a>, blocks: usize) -> Self {
+        let kind = Kind32::ALL[K];
+        assert!(
+            row.data.len() >= blocks * kind.bytes(),
+            "{kind:?} row too short"
+        );
+        assert!(
+            kind != Kind32::Q4 || row.scales.len() >= blocks,
+            "q4 row without its scales"
+        );
+        Self { row }
+    }
+
+    /// Block `b` (below the `blocks` checked) as [`intdot::decode32`] gives
+    /// it: its 32 levels (values 0–15, 16–31) and `(d, m)`.
+    #[inline(always)]
+    unsafe fn decode(self, b: usize) -> (int8x16_t, int8x16_t, (f32, f32)) {
+        let kind = Kind32::ALL[K];
+        let p = self.row.data.as_ptr().add(b * kind.bytes());
+        let fifth = |at: usize| {
+            let qh = p.add(at).cast::<u32>().read_unaligned().to_le();
+            (bits_as_16(qh as u16), bits_as_16((qh >> 16) as u16))
+        };
+        match kind {
+            Kind32::Q8_0 => (load(p.add(2)), load(p.add(18)), (half_to_f32(p), 0.0)),
+            Kind32::Int8 => (load(p), load(p.add(16)), (self.row.scale, 0.0)),
+            Kind32::Q4_0 => {
+                let (lo, hi) = nibbles(p.add(2), 8);
+                (lo, hi, (half_to_f32(p), 0.0))
+            }
+            Kind32::Q4 => {
+                let (lo, hi) = nibbles(p, 8);
+                (lo, hi, (*self.row.scales.get_unchecked(b), 0.0))
+            }
+            Kind32::Q4_1 => {
+                let (lo, hi) = nibbles(p.add(4), 0);
+                (lo, hi, (half_to_f32(p), half_to_f32(p.add(2))))
+            }
+            Kind32::Q5_0 => {
+                let (lo, hi) = nibbles(p.add(6), 16);
+                let (f0, f1) = fifth(2);
+                (vaddq_s8(lo, f0), vaddq_s8(hi, f1), (half_to_f32(p), 0.0))
+            }
+            Kind32::Q5_1 => {
+                let (lo, hi) = nibbles(p.add(8), 0);
+                let (f0, f1) = fifth(4);
+                let dm = (half_to_f32(p), half_to_f32(p.add(2)));
+                (vaddq_s8(lo, f0), vaddq_s8(hi, f1), dm)
+            }
         }
     }
 }
 
-/// `out[k] = Σ w · x` of one row of 32-value blocks with the activation
-/// rows `ts` (at most [`GROUP`]).
+/// One activation row as the 32-value kernels read it: its bytes, block
+/// scales and per-16 sums, checked once.
+#[derive(Clone, Copy)]
+struct Acts32<'a> {
+    qs: &'a [i8],
+    scales: &'a [f32],
+    sums: &'a [i32],
+}
+
+impl<'a> Acts32<'a> {
+    fn new(acts: &'a QuantizedActs, t: usize) -> Self {
+        let blocks = acts.cols / 32;
+        Self {
+            qs: acts.row(t),
+            scales: &acts.scales[t * blocks..(t + 1) * blocks],
+            sums: &acts.sums[t * 2 * blocks..(t + 1) * 2 * blocks],
+        }
+    }
+
+    /// Every activation row of `acts`.
+    fn all(acts: &'a QuantizedActs) -> Vec<Self> {
+        (0..acts.n).map(|t| Self::new(acts, t)).collect()
+    }
+
+    /// Block `b`'s 16-byte halves (`b` below the row's blocks).
+    #[inline(always)]
+    unsafe fn block(self, b: usize) -> (int8x16_t, int8x16_t) {
+        let q = self.qs.as_ptr().add(32 * b).cast::<u8>();
+        (load(q), load(q.add(16)))
+    }
+
+    /// Folds the integer sum `isum` of block `b` into `acc`.
+    #[inline(always)]
+    unsafe fn fold(self, acc: &mut f32, b: usize, dm: (f32, f32), isum: i32) {
+        let qsum = || *self.sums.get_unchecked(2 * b) + *self.sums.get_unchecked(2 * b + 1);
+        intdot::fold32(acc, *self.scales.get_unchecked(b), dm, isum, qsum);
+    }
+
+    /// The integer sum of a decoded block's halves with block `b`.
+    #[inline(always)]
+    unsafe fn sum<D: Dot>(self, (w0, w1): (int8x16_t, int8x16_t), b: usize) -> i32 {
+        let (x0, x1) = self.block(b);
+        vaddvq_s32(D::dot(D::dot(vdupq_n_s32(0), w0, x0), w1, x1))
+    }
+}
+
+/// `out[t · len + i] = Σ w · x` of weight row `w` (the range's row `i`)
+/// with every activation row, [`GROUP`] rows at a time, each row's sum
+/// folded block by block as the portable kernel folds it.
 #[inline(always)]
-unsafe fn dots32_body<D: Dot>(
-    kind: Kind32,
-    row: &Row,
-    acts: &QuantizedActs,
-    ts: Range<usize>,
+unsafe fn row32<D: Dot, const K: usize>(
+    w: Row32<K>,
+    acts: &[Acts32],
+    blocks: usize,
+    i: usize,
+    len: usize,
     out: &mut [f32],
 ) {
-    let mut acc = [0f32; GROUP];
-    for b in 0..acts.cols / 32 {
-        let (w0, w1, dm) = decode32(kind, row, b);
-        for (k, t) in ts.clone().enumerate() {
-            intdot::fold32(&mut acc[k], acts, t, b, dm, sum32::<D>(w0, w1, acts, t, b));
+    for (g, rows) in acts.chunks(GROUP).enumerate() {
+        let mut acc = [0f32; GROUP];
+        for b in 0..blocks {
+            let (w0, w1, dm) = w.decode(b);
+            for (acc, x) in acc.iter_mut().zip(rows) {
+                x.fold(acc, b, dm, x.sum::<D>((w0, w1), b));
+            }
+        }
+        for (k, acc) in acc[..rows.len()].iter().enumerate() {
+            out[(GROUP * g + k) * len + i] = *acc;
         }
     }
-    out[..ts.len()].copy_from_slice(&acc[..ts.len()]);
 }
 
-/// Activation row `t`'s 16-byte halves of block `b`.
+/// Four weight rows against one activation row `x`: the rows' integer
+/// sums gathered into the lanes of one register, whose float steps are
+/// then each lane's [`intdot::fold32`], in its order (and a minimum's
+/// term added only in the lanes whose `m` is not 0, as the portable kernel
+/// adds it), so each lane gets the portable kernel's bits.
 #[inline(always)]
-unsafe fn acts32(acts: &QuantizedActs, t: usize, b: usize) -> (int8x16_t, int8x16_t) {
-    let q = acts.row(t)[32 * b..32 * b + 32].as_ptr().cast::<u8>();
-    (load(q), load(q.add(16)))
+unsafe fn quad32<D: Dot, const K: usize>(w: [Row32<K>; 4], x: Acts32, blocks: usize) -> [f32; 4] {
+    let zero = vdupq_n_s32(0);
+    let mut acc = vdupq_n_f32(0.0);
+    for b in 0..blocks {
+        let (x0, x1) = x.block(b);
+        let (mut dots, mut d, mut m) = ([zero; 4], [0f32; 4], [0f32; 4]);
+        for r in 0..4 {
+            let (w0, w1, (dr, mr)) = w[r].decode(b);
+            dots[r] = D::dot(D::dot(zero, w0, x0), w1, x1);
+            (d[r], m[r]) = (dr, mr);
+        }
+        let isum = vpaddq_s32(vpaddq_s32(dots[0], dots[1]), vpaddq_s32(dots[2], dots[3]));
+        let da = *x.scales.get_unchecked(b);
+        let part = vmulq_f32(vld1q_f32(d.as_ptr()), vcvtq_f32_s32(isum));
+        acc = vaddq_f32(acc, vmulq_n_f32(part, da));
+        if Kind32::ALL[K].affine() {
+            let qsum = *x.sums.get_unchecked(2 * b) + *x.sums.get_unchecked(2 * b + 1);
+            let m = vld1q_f32(m.as_ptr());
+            let term = vmulq_n_f32(vmulq_n_f32(m, da), qsum as f32);
+            let zero_m = vceqq_f32(m, vdupq_n_f32(0.0));
+            acc = vbslq_f32(zero_m, acc, vaddq_f32(acc, term));
+        }
+    }
+    let mut lanes = [0f32; 4];
+    vst1q_f32(lanes.as_mut_ptr(), acc);
+    lanes
 }
 
-/// The integer sum of a decoded block's halves `w0`, `w1` with block `b`
-/// of activation row `t`.
+/// Weight rows `rows` (skipping the first `skip`): with one activation row,
+/// four at a time; otherwise, and for the last few, one at a time.
 #[inline(always)]
-unsafe fn sum32<D: Dot>(
-    w0: int8x16_t,
-    w1: int8x16_t,
+unsafe fn rows32<'a, D: Dot>(
+    kind: Kind32,
+    rows: Range<usize>,
+    skip: usize,
+    row_of: &dyn Fn(usize) -> Row<'a>,
     acts: &QuantizedActs,
-    t: usize,
-    b: usize,
-) -> i32 {
-    let (x0, x1) = acts32(acts, t, b);
-    vaddvq_s32(D::dot(D::dot(vdupq_n_s32(0), w0, x0), w1, x1))
+    out: &mut [f32],
+) {
+    let (blocks, len) = (acts.cols / 32, rows.len());
+    let views = Acts32::all(acts);
+    with_kind32!(kind, K => {
+        let mut i = skip;
+        if acts.n == 1 {
+            while i + 4 <= len {
+                let r = rows.start + i;
+                let ws = [row_of(r), row_of(r + 1), row_of(r + 2), row_of(r + 3)];
+                let quad = ws.each_ref().map(|w| Row32::<K>::new(w, blocks));
+                let sums = quad32::<D, K>(quad, views[0], blocks);
+                out[i..i + 4].copy_from_slice(&sums);
+                i += 4;
+            }
+        }
+        for (i, r) in rows.enumerate().skip(i) {
+            let row = row_of(r);
+            row32::<D, K>(Row32::new(&row, blocks), &views, blocks, i, len, out);
+        }
+    })
 }
 
 #[target_feature(enable = "dotprod")]
-unsafe fn dots32_sdot(
+unsafe fn rows32_sdot<'a>(
     kind: Kind32,
-    row: &Row,
+    rows: Range<usize>,
+    row_of: &dyn Fn(usize) -> Row<'a>,
     acts: &QuantizedActs,
-    ts: Range<usize>,
     out: &mut [f32],
 ) {
-    dots32_body::<Sdot>(kind, row, acts, ts, out)
+    rows32::<Sdot>(kind, rows, 0, row_of, acts, out)
 }
 
-/// [`intdot::dots32_portable`] with the kernels of `level` (`neon`, or
-/// `sdot` from `dotprod` on; the CPU must have them).
-fn dots32(
-    level: Level,
+/// Pairs of weight rows through `smmla` when there are two activation
+/// rows or more, then a last odd row through `sdot`.
+#[target_feature(enable = "dotprod,i8mm")]
+unsafe fn rows32_mmla<'a>(
     kind: Kind32,
-    row: &Row,
+    rows: Range<usize>,
+    row_of: &dyn Fn(usize) -> Row<'a>,
     acts: &QuantizedActs,
-    ts: Range<usize>,
     out: &mut [f32],
 ) {
-    // SAFETY: `level` is one the CPU has; NEON is part of every aarch64 CPU.
-    unsafe {
-        match level {
-            Level::Dotprod | Level::I8mm => dots32_sdot(kind, row, acts, ts, out),
-            _ => dots32_body::<Widening>(kind, row, acts, ts, out),
-        }
+    let (blocks, len) = (acts.cols / 32, rows.len());
+    if acts.n < 2 {
+        return rows32::<Sdot>(kind, rows, 0, row_of, acts, out);
     }
+    let views = Acts32::all(acts);
+    with_kind32!(kind, K => {
+        for (pair, r) in rows.clone().step_by(2).take(len / 2).enumerate() {
+            let (a, b) = (row_of(r), row_of(r + 1));
+            let w = [Row32::<K>::new(&a, blocks), Row32::<K>::new(&b, blocks)];
+            pair32_mmla(w, &views, blocks, 2 * pair, len, out);
+        }
+    });
+    rows32::<Sdot>(kind, rows, len / 2 * 2, row_of, acts, out)
 }
 
 /// `out[t · rows.len() + i] = Σ_c acts[t, c] · W[rows.start + i, c]` for a
@@ -217,20 +360,13 @@ pub(crate) fn matrix32<'a>(
     acts: &QuantizedActs,
     out: &mut [f32],
 ) {
-    let (n, len) = (acts.n, rows.len());
-    let mut i = 0;
-    if level == Level::I8mm && n >= 2 {
-        // SAFETY: `level` says the CPU has i8mm and dotprod.
-        for (pair, r) in rows.clone().step_by(2).take(len / 2).enumerate() {
-            unsafe { pair32_mmla(kind, [&row_of(r), &row_of(r + 1)], acts, 2 * pair, len, out) };
+    // SAFETY: `level` is one the CPU has; NEON is part of every aarch64 CPU.
+    unsafe {
+        match level {
+            Level::I8mm => rows32_mmla(kind, rows, row_of, acts, out),
+            Level::Dotprod => rows32_sdot(kind, rows, row_of, acts, out),
+            _ => rows32::<Widening>(kind, rows, 0, row_of, acts, out),
         }
-        i = len / 2 * 2;
-    }
-    for (i, r) in rows.enumerate().skip(i) {
-        let row = row_of(r);
-        intdot::for_groups(n, len, i, out, |ts, part| {
-            dots32(level, kind, &row, acts, ts, part)
-        });
     }
 }
 
@@ -274,49 +410,44 @@ unsafe fn lanes(v: int32x4_t) -> [i32; 4] {
 /// activation row, into `out` (`[n, len]`): pairs of activation rows in
 /// `smmla`, a last odd one in `sdot`; each (row, activation row) sum
 /// folded block by block as the portable kernel folds it.
+#[inline]
 #[target_feature(enable = "dotprod,i8mm")]
-unsafe fn pair32_mmla(
-    kind: Kind32,
-    w: [&Row; 2],
-    acts: &QuantizedActs,
+unsafe fn pair32_mmla<const K: usize>(
+    w: [Row32<K>; 2],
+    acts: &[Acts32],
+    blocks: usize,
     i: usize,
     len: usize,
     out: &mut [f32],
 ) {
-    let n = acts.n;
-    for t0 in (0..n).step_by(GROUP) {
-        let ts = t0..(t0 + GROUP).min(n);
-        // acc[r][k]: weight row i + r, activation row t0 + k.
+    for (g, rows) in acts.chunks(GROUP).enumerate() {
+        // acc[r][k]: weight row i + r, activation row GROUP · g + k.
         let mut acc = [[0f32; GROUP]; 2];
-        for b in 0..acts.cols / 32 {
-            let (a0, a1, dm0) = decode32(kind, w[0], b);
-            let (b0, b1, dm1) = decode32(kind, w[1], b);
+        for b in 0..blocks {
+            let (a0, a1, dm0) = w[0].decode(b);
+            let (b0, b1, dm1) = w[1].decode(b);
             let dm = [dm0, dm1];
-            let mut t = ts.start;
-            while t + 1 < ts.end {
-                let ((x0, x1), (y0, y1)) = (acts32(acts, t, b), acts32(acts, t + 1, b));
+            let mut k = 0;
+            while k + 1 < rows.len() {
+                let (x, y) = (rows[k], rows[k + 1]);
+                let ((x0, x1), (y0, y1)) = (x.block(b), y.block(b));
                 let lo = mmla16(vdupq_n_s32(0), [a0, b0], [x0, y0]);
                 let sums = lanes(mmla16(lo, [a1, b1], [x1, y1]));
-                for (r, k, sum) in [
-                    (0, 0, sums[0]),
-                    (0, 1, sums[1]),
-                    (1, 0, sums[2]),
-                    (1, 1, sums[3]),
-                ] {
-                    intdot::fold32(&mut acc[r][t - t0 + k], acts, t + k, b, dm[r], sum);
-                }
-                t += 2;
+                x.fold(&mut acc[0][k], b, dm[0], sums[0]);
+                y.fold(&mut acc[0][k + 1], b, dm[0], sums[1]);
+                x.fold(&mut acc[1][k], b, dm[1], sums[2]);
+                y.fold(&mut acc[1][k + 1], b, dm[1], sums[3]);
+                k += 2;
             }
-            if t < ts.end {
-                for (r, (v0, v1)) in [(a0, a1), (b0, b1)].into_iter().enumerate() {
-                    let sum = sum32::<Sdot>(v0, v1, acts, t, b);
-                    intdot::fold32(&mut acc[r][t - t0], acts, t, b, dm[r], sum);
+            if let Some(x) = rows.get(k) {
+                for (r, halves) in [(a0, a1), (b0, b1)].into_iter().enumerate() {
+                    x.fold(&mut acc[r][k], b, dm[r], x.sum::<Sdot>(halves, b));
                 }
             }
         }
         for (r, acc) in acc.iter().enumerate() {
-            for (k, t) in ts.clone().enumerate() {
-                out[t * len + i + r] = acc[k];
+            for (k, acc) in acc[..rows.len()].iter().enumerate() {
+                out[(GROUP * g + k) * len + i + r] = *acc;
             }
         }
     }
@@ -409,7 +540,9 @@ unsafe fn levels16(u: &[u8; 256], g: usize) -> int8x16_t {
 
 /// Super-block `s` of activation row `t` against unpacked levels, per-16
 /// scales and mins: the sums over the levels (less `offset` each: Q6_K's
-/// 32) and over the mins, as the portable kernel forms them.
+/// 32) and over the mins, the portable kernel's integers (formed four
+/// sub-blocks to a register: the order of integer additions changes
+/// nothing).
 #[inline(always)]
 unsafe fn sums_k<D: Dot>(
     (u, sc, mn): (&[u8; 256], &[i32; 16], &[i32; 16]),
@@ -419,14 +552,20 @@ unsafe fn sums_k<D: Dot>(
     s: usize,
 ) -> (i32, i32) {
     let q = acts.row(t)[256 * s..256 * s + 256].as_ptr().cast::<u8>();
-    let (mut isum, mut msum) = (0i32, 0i32);
-    for g in 0..16 {
-        let part = vaddvq_s32(D::dot(vdupq_n_s32(0), levels16(u, g), load(q.add(16 * g))));
-        let gsum = acts.sum16(t, 16 * s + g);
-        isum += sc[g] * (part - offset * gsum);
-        msum += mn[g] * gsum;
+    let sums = acts.sums[t * (acts.cols / 16) + 16 * s..][..16].as_ptr();
+    let (mut isum, mut msum) = (vdupq_n_s32(0), vdupq_n_s32(0));
+    for g in (0..16).step_by(4) {
+        let dot = |g: usize| D::dot(vdupq_n_s32(0), levels16(u, g), load(q.add(16 * g)));
+        // Pairwise adds leave sub-block g + j's sum in lane j.
+        let lo = vpaddq_s32(dot(g), dot(g + 1));
+        let hi = vpaddq_s32(dot(g + 2), dot(g + 3));
+        let parts = vpaddq_s32(lo, hi);
+        let gsum = vld1q_s32(sums.add(g));
+        let levels = vsubq_s32(parts, vmulq_n_s32(gsum, offset));
+        isum = vmlaq_s32(isum, vld1q_s32(sc[g..g + 4].as_ptr()), levels);
+        msum = vmlaq_s32(msum, vld1q_s32(mn[g..g + 4].as_ptr()), gsum);
     }
-    (isum, msum)
+    (vaddvq_s32(isum), vaddvq_s32(msum))
 }
 
 #[target_feature(enable = "dotprod")]
@@ -613,6 +752,21 @@ mod tests {
         }
     }
 
+    /// The conversion instruction gives `f16_to_f32`'s value for every
+    /// half but the NaNs (whose payloads the scales never carry).
+    #[test]
+    fn the_conversion_instruction_widens_every_half_exactly() {
+        for h in 0..=u16::MAX {
+            let want = crate::f16_to_f32(h);
+            // SAFETY: two readable bytes.
+            let got = unsafe { half_to_f32(h.to_le_bytes().as_ptr()) };
+            assert!(
+                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                "{h:#06x}: {got} vs {want}"
+            );
+        }
+    }
+
     /// The portable kernel's `[n, rows]` product, row by row.
     fn portable(rows: usize, n: usize, each: impl Fn(usize, Range<usize>, &mut [f32])) -> Vec<f32> {
         let mut want = vec![0f32; n * rows];
@@ -637,7 +791,13 @@ mod tests {
             let acts256 = QuantizedActs::quantize(&x, n, cols, ActBlock::B256);
             for (seed, kind) in Kind32::ALL.into_iter().enumerate() {
                 let blocks = rows * cols / 32;
-                let data = random_blocks(blocks, kind.bytes(), halves32(kind), seed as u64);
+                let mut data = random_blocks(blocks, kind.bytes(), halves32(kind), seed as u64);
+                if kind.affine() {
+                    // Some minimums exactly 0: the term is then not added.
+                    for blk in data.chunks_exact_mut(kind.bytes()).step_by(3) {
+                        blk[2..4].fill(0);
+                    }
+                }
                 let width = cols / 32 * kind.bytes();
                 let row_of = |r: usize| Row {
                     data: &data[r * width..(r + 1) * width],
