@@ -696,6 +696,7 @@ impl CpuExecutor {
                     embeds: w.embeds,
                     blocks: &w.blocks,
                 }),
+                lora: None,
             })
             .collect();
         let model = &self.model;

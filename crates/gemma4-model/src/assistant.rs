@@ -385,6 +385,7 @@ impl Assistant {
             start: 0,
             logits: Some(LogitsFor::Last),
             soft: None,
+            lora: None,
         };
         let rows = target
             .forward_batch_rows(&[seq], &mut cache, None)?

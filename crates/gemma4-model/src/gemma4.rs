@@ -16,6 +16,7 @@ use crate::config::{
 use crate::error::{ModelError, Result};
 use crate::layers::{gated_gelu, ids_tensor, softcap, softmax_last_dim, RmsNorm, Rotary};
 use crate::loader::Weights;
+use crate::lora::{LoraAdapter, Projection};
 use crate::storage::{Embedding, Experts, Linear};
 
 /// Which positions need logits.
@@ -39,6 +40,8 @@ pub struct BatchSeq<'a> {
     /// Rows of `ids` whose embeddings come from an encoder (image soft
     /// tokens), not from the token table.
     pub soft: Option<SoftTokens<'a>>,
+    /// The LoRA adapter this sequence runs with, if any.
+    pub lora: Option<&'a LoraAdapter>,
 }
 
 /// Encoder outputs that replace token embeddings, as the reference's
@@ -83,6 +86,8 @@ struct Step<'a> {
     blocks: &'a [Vec<(usize, usize)>],
     image_attention: ImageAttention,
     rope: &'a [RopeTable],
+    /// Per span, its adapter.
+    lora: &'a [Option<&'a LoraAdapter>],
 }
 
 /// What a forward pass gives for one sequence's requested positions.
@@ -332,6 +337,7 @@ impl Gemma4 {
             start: cache.len(),
             logits: Some(want),
             soft,
+            lora: None,
         };
         let mut out = self.forward_batch(&[seq], cache, trace)?;
         cache.advance(ids.len());
@@ -458,11 +464,13 @@ impl Gemma4 {
                 });
             }
         }
+        let lora: Vec<Option<&LoraAdapter>> = seqs.iter().map(|s| s.lora).collect();
         let step = Step {
             spans: &spans,
             blocks: &blocks,
             image_attention: self.cfg.image_attention,
             rope: &rope,
+            lora: &lora,
         };
         for layer in &self.layers {
             let ple_i = match &ple {
@@ -679,6 +687,38 @@ fn load_moe(
     })
 }
 
+impl Step<'_> {
+    /// `y` (the base product of `x` by `proj` of `layer`) plus each
+    /// sequence's LoRA term for its own rows: one low-rank product per
+    /// adapter over all the rows that use it.
+    fn adapt(&self, layer: usize, proj: Projection, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        let mut groups: Vec<(&crate::lora::LoraModule, Vec<u32>)> = Vec::new();
+        for sp in self.spans {
+            let Some(module) = self.lora[sp.seq].and_then(|a| a.module(layer, proj)) else {
+                continue;
+            };
+            let rows = (sp.offset..sp.offset + sp.len).map(|r| r as u32);
+            match groups.iter_mut().find(|(m, _)| std::ptr::eq(*m, module)) {
+                Some((_, g)) => g.extend(rows),
+                None => groups.push((module, rows.collect())),
+            }
+        }
+        let n = x.dim(0)?;
+        let mut y = y;
+        for (module, rows) in groups {
+            if rows.len() == n {
+                // Every row (rows are distinct and in range): no gather.
+                y = (y + module.delta(x)?)?;
+            } else {
+                let index = ids_tensor(&rows, x.device())?;
+                let delta = module.delta(&x.index_select(&index, 0)?)?;
+                y = y.index_add(&index, &delta, 0)?;
+            }
+        }
+        Ok(y)
+    }
+}
+
 impl DecoderLayer {
     fn forward(
         &self,
@@ -692,7 +732,10 @@ impl DecoderLayer {
         let a = self.attention(&self.input_norm.forward(h)?, step, kv)?;
         let h = (residual + self.post_attention_norm.forward(&a)?)?;
         let residual = &h;
-        let mut m = self.mlp.forward(&self.pre_ffn_norm.forward(&h)?)?;
+        let adapt = |proj, x: &Tensor, y| step.adapt(self.index, proj, x, y);
+        let mut m = self
+            .mlp
+            .forward_adapted(&self.pre_ffn_norm.forward(&h)?, &adapt)?;
         if let Some(moe) = &self.moe {
             let m1 = moe.post_ffn_norm_1.forward(&m)?;
             let (experts, routing) = moe.forward(residual)?;
@@ -730,11 +773,19 @@ impl DecoderLayer {
             projections.push(&p.k_proj);
             projections.extend(p.v_proj.as_ref());
         }
-        let mut projected = Linear::forward_many(&projections, x)?.into_iter();
+        let mut kinds = vec![Projection::Q];
+        if let Some(p) = &at.own_kv {
+            kinds.push(Projection::K);
+            kinds.extend(p.v_proj.as_ref().map(|_| Projection::V));
+        }
+        let mut projected = Linear::forward_many(&projections, x)?
+            .into_iter()
+            .zip(kinds)
+            .map(|(y, kind)| step.adapt(self.index, kind, x, y));
         let mut next = || {
             projected
                 .next()
-                .ok_or_else(|| ModelError::Input("a projection is missing".into()))
+                .ok_or_else(|| ModelError::Input("a projection is missing".into()))?
         };
         let q = next()?.reshape((n, at.num_heads, hd))?;
         let q = Rotary::apply(&at.q_norm.forward(&q)?, cos, sin)?;
@@ -802,7 +853,7 @@ impl DecoderLayer {
         } else {
             Tensor::cat(&outs, 0)?
         };
-        at.o_proj.forward(&out)
+        step.adapt(self.index, Projection::O, &out, at.o_proj.forward(&out)?)
     }
 }
 
@@ -817,10 +868,23 @@ impl Mlp {
     }
 
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_adapted(x, &|_, _, y| Ok(y))
+    }
+
+    /// [`forward`](Self::forward), each projection's output `y` of input
+    /// `x` passed through `adapt` (a LoRA term added).
+    fn forward_adapted(
+        &self,
+        x: &Tensor,
+        adapt: &dyn Fn(Projection, &Tensor, Tensor) -> Result<Tensor>,
+    ) -> Result<Tensor> {
         let [gate, up]: [Tensor; 2] = Linear::forward_many(&[&self.gate, &self.up], x)?
             .try_into()
             .map_err(|_| ModelError::Input("gate/up projections missing".into()))?;
-        self.down.forward(&gated_gelu(&gate, &up)?)
+        let gate = adapt(Projection::Gate, x, gate)?;
+        let up = adapt(Projection::Up, x, up)?;
+        let g = gated_gelu(&gate, &up)?;
+        adapt(Projection::Down, &g, self.down.forward(&g)?)
     }
 }
 

@@ -16,6 +16,8 @@ pub mod gguf_source;
 pub mod golden;
 pub mod layers;
 pub mod loader;
+pub mod lora;
+pub mod lora_golden;
 pub mod mapped;
 pub mod mmproj;
 pub mod paged;
@@ -38,6 +40,7 @@ pub use gemma4::{
     SoftTokenSource, SoftTokens,
 };
 pub use gguf_source::GgufSource;
+pub use lora::{LoraAdapter, Projection};
 pub use loader::{LoadPolicy, LoadReport, Progress, Quant, Weights};
 pub use source::{HfSafetensors, RandomWeights, TowerSource, WeightSource};
 pub use storage::{Embedding, Linear};

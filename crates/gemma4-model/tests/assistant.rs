@@ -115,6 +115,7 @@ fn prefill(target: &Gemma4, prompt: &[u32]) -> (KvCache, Tensor) {
         start: 0,
         logits: Some(LogitsFor::Last),
         soft: None,
+        lora: None,
     };
     let rows = target
         .forward_batch_rows(&[seq], &mut cache, None)

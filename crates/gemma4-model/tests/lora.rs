@@ -1,0 +1,286 @@
+//! LoRA adapters against PEFT's float32 reference (`tests/fixtures/lora`):
+//! every adapter of both targets, bf16 and f32 files, whole and chunked
+//! prompts, several sequences with different adapters in one batch, and
+//! adapters that do not fit the model refused with the module named.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Tensor;
+use gemma4_model::golden::{argmax, DEFAULT_TOLERANCE};
+use gemma4_model::lora_golden::{verify_lora_prompt, LoraGolden, ReferenceLogits};
+use gemma4_model::{load_hf_dir, BatchSeq, KvCache, KvStore, LogitsFor, LoraAdapter, Projection};
+
+const TARGETS: &[&str] = &["e-style", "dense-k-eq-v"];
+
+fn fixture(target: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/lora")
+        .join(target)
+}
+
+fn golden(target: &str) -> (LoraGolden, ReferenceLogits) {
+    let dir = fixture(target);
+    (
+        LoraGolden::read(&dir.join("golden.json")).expect("golden"),
+        ReferenceLogits::open(&dir.join("golden_tensors.safetensors")).expect("tensors"),
+    )
+}
+
+#[test]
+fn every_adapter_matches_peft_whole_and_chunked() {
+    for target in TARGETS {
+        let dir = fixture(target);
+        let model = load_hf_dir(&dir.join("target")).expect("target");
+        let (golden, reference) = golden(target);
+        let mut runs: Vec<(String, Option<LoraAdapter>, &Vec<_>)> =
+            vec![("base".into(), None, &golden.base.prompts)];
+        for a in &golden.adapters {
+            for folder in [&a.folder, &a.folder_f32] {
+                let adapter = LoraAdapter::load(&a.name, &dir.join(folder), model.config())
+                    .unwrap_or_else(|e| panic!("{target}/{folder}: {e}"));
+                runs.push((a.name.clone(), Some(adapter), &a.prompts));
+            }
+        }
+        for (run, adapter, prompts) in &runs {
+            for (i, p) in prompts.iter().enumerate() {
+                let rows = reference.rows(run, i, "logits").expect("logits");
+                let steps = reference.rows(run, i, "greedy_step_logits").expect("steps");
+                for chunk in [None, Some(3)] {
+                    let r = verify_lora_prompt(
+                        &model,
+                        adapter.as_ref(),
+                        p,
+                        (&rows, &steps),
+                        chunk,
+                        DEFAULT_TOLERANCE,
+                    )
+                    .expect("verify");
+                    println!(
+                        "{target}/{run}/{} chunk {chunk:?}: max diff {:.2e}, match {}",
+                        p.name, r.max_abs_logit_diff, r.seq_match
+                    );
+                    assert_eq!(r.generated_ids, p.greedy_ids, "{target}/{run}/{}", p.name);
+                    assert!(
+                        r.max_abs_logit_diff <= DEFAULT_TOLERANCE,
+                        "{target}/{run}/{}: logits off by {}",
+                        p.name,
+                        r.max_abs_logit_diff
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// The adapter's scaling of every module is PEFT's (rank and alpha
+/// patterns, rsLoRA), and it adapts exactly the tensors the file holds.
+#[test]
+fn scalings_are_the_ones_peft_used() {
+    for target in TARGETS {
+        let dir = fixture(target);
+        let model = load_hf_dir(&dir.join("target")).expect("target");
+        let (golden, _) = golden(target);
+        for a in &golden.adapters {
+            let adapter = LoraAdapter::load(&a.name, &dir.join(&a.folder), model.config())
+                .expect("adapter");
+            let mut modules = 0;
+            for (layer, proj, m) in adapter.modules() {
+                let want = a.scaling_per_module[proj.name()];
+                assert_eq!(m.rank(), want.r, "{target}/{}: {layer} {proj:?}", a.name);
+                assert!(
+                    (m.scale() - want.scaling).abs() < 1e-12,
+                    "{target}/{}: layer {layer} {proj:?} scale {} against {}",
+                    a.name,
+                    m.scale(),
+                    want.scaling
+                );
+                modules += 1;
+            }
+            let file = std::fs::read(dir.join(&a.folder).join("adapter_model.safetensors"))
+                .expect("file");
+            let tensors = safetensors::SafeTensors::deserialize(&file)
+                .expect("safetensors")
+                .len();
+            assert_eq!(2 * modules, tensors, "{target}/{}", a.name);
+        }
+    }
+}
+
+/// Several sequences in one step, each with its own adapter or none: each
+/// gets its own run's logits, the base product shared and each adapter's
+/// term added to its rows only.
+#[test]
+fn sequences_with_different_adapters_share_a_batch() {
+    for target in TARGETS {
+        let dir = fixture(target);
+        let model = load_hf_dir(&dir.join("target")).expect("target");
+        let (golden, reference) = golden(target);
+        let adapters: Vec<LoraAdapter> = golden
+            .adapters
+            .iter()
+            .map(|a| LoraAdapter::load(&a.name, &dir.join(&a.folder), model.config()).unwrap())
+            .collect();
+        // (run, adapter, prompt index): base, a and b interleaved, one
+        // adapter twice on different prompts.
+        let cases: Vec<(&str, Option<&LoraAdapter>, usize)> = vec![
+            (&golden.adapters[0].name, Some(&adapters[0]), 0),
+            ("base", None, 1),
+            (&golden.adapters[1].name, Some(&adapters[1]), 2),
+            (&golden.adapters[0].name, Some(&adapters[0]), 1),
+        ];
+        let prompts: Vec<&[u32]> = cases
+            .iter()
+            .map(|&(run, _, i)| {
+                let list = if run == "base" {
+                    &golden.base.prompts
+                } else {
+                    &golden.adapters.iter().find(|a| a.name == run).unwrap().prompts
+                };
+                list[i].input_ids.as_slice()
+            })
+            .collect();
+        let mut store = Caches(vec![KvCache::new(model.config().num_layers()); cases.len()]);
+        let batch: Vec<BatchSeq<'_>> = cases
+            .iter()
+            .zip(&prompts)
+            .map(|(&(_, lora, _), ids)| BatchSeq {
+                ids,
+                start: 0,
+                logits: Some(LogitsFor::All),
+                soft: None,
+                lora,
+            })
+            .collect();
+        let out = model.forward_batch(&batch, &mut store, None).expect("batch");
+        let mut next = Vec::new();
+        for ((run, _, i), logits) in cases.iter().zip(out) {
+            let ours = logits.expect("logits").to_vec2::<f32>().unwrap();
+            let gold = reference.rows(run, *i, "logits").unwrap();
+            assert_within(&ours, &gold, &format!("{target}/{run}/prompt{i} prefill"));
+            next.push(argmax(ours.last().unwrap()).0);
+        }
+        // One decode step for all four at once.
+        let steps: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
+        let batch: Vec<BatchSeq<'_>> = cases
+            .iter()
+            .zip(&prompts)
+            .zip(&steps)
+            .map(|((&(_, lora, _), ids), step)| BatchSeq {
+                ids: step,
+                start: ids.len(),
+                logits: Some(LogitsFor::Last),
+                soft: None,
+                lora,
+            })
+            .collect();
+        let out = model.forward_batch(&batch, &mut store, None).expect("decode");
+        for ((run, _, i), logits) in cases.iter().zip(out) {
+            let ours = logits.expect("logits").to_vec2::<f32>().unwrap();
+            let gold = reference.rows(run, *i, "greedy_step_logits").unwrap();
+            assert_within(&ours, &gold[1..2], &format!("{target}/{run}/prompt{i} step 1"));
+        }
+    }
+}
+
+fn assert_within(ours: &[Vec<f32>], gold: &[Vec<f32>], what: &str) {
+    assert_eq!(ours.len(), gold.len(), "{what}");
+    let diff = ours
+        .iter()
+        .zip(gold)
+        .flat_map(|(a, b)| a.iter().zip(b).map(|(x, y)| (x - y).abs()))
+        .fold(0f32, f32::max);
+    assert!(diff <= DEFAULT_TOLERANCE, "{what}: logits off by {diff}");
+}
+
+/// Several sequences, each in a whole-sequence cache of its own.
+struct Caches(Vec<KvCache>);
+
+impl KvStore for Caches {
+    fn write(
+        &mut self,
+        layer: usize,
+        seq: usize,
+        start: usize,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> gemma4_model::Result<()> {
+        self.0[seq].write(layer, 0, start, k, v)
+    }
+
+    fn read(&self, layer: usize, seq: usize) -> gemma4_model::Result<(Tensor, Tensor, usize)> {
+        self.0[seq].read(layer, 0)
+    }
+}
+
+/// Copies adapter folder `from` into a fresh folder, with `edit` applied
+/// to its config text and `rename` to its tensor names.
+fn edited_adapter(
+    from: &Path,
+    tag: &str,
+    edit: impl Fn(&str) -> String,
+    rename: impl Fn(&str) -> String,
+) -> PathBuf {
+    let out = std::env::temp_dir().join(format!("gemma4-lora-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    let config = std::fs::read_to_string(from.join("adapter_config.json")).unwrap();
+    std::fs::write(out.join("adapter_config.json"), edit(&config)).unwrap();
+    let bytes = std::fs::read(from.join("adapter_model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (rename(&n), v))
+        .collect();
+    safetensors::serialize_to_file(views, None, &out.join("adapter_model.safetensors")).unwrap();
+    out
+}
+
+#[test]
+fn adapters_that_do_not_fit_are_refused_naming_the_module() {
+    let dir = fixture("e-style");
+    let model = load_hf_dir(&dir.join("target")).expect("target");
+    let cfg = model.config();
+    let a = dir.join("adapter-a");
+    let refuse = |path: &Path| -> String {
+        LoraAdapter::load("x", path, cfg)
+            .map(|_| ())
+            .expect_err("must be refused")
+            .to_string()
+    };
+    // The other target's adapter: its shapes are not this model's.
+    let other = refuse(&fixture("dense-k-eq-v").join("adapter-a"));
+    assert!(other.contains("model.language_model.layers.") && other.contains("another model"), "{other}");
+    // A KV-shared layer (5) has no k_proj.
+    let shared = edited_adapter(&a, "shared", |c| c.to_string(), |n| {
+        n.replace("layers.4.self_attn.k_proj", "layers.5.self_attn.k_proj")
+    });
+    let msg = refuse(&shared);
+    assert!(msg.contains("layers.5.self_attn.k_proj") && msg.contains("KV sharing"), "{msg}");
+    // A module outside the attention and MLP projections.
+    let head = edited_adapter(&a, "head", |c| c.to_string(), |n| {
+        n.replace("layers.0.mlp.up_proj", "per_layer_model_projection")
+    });
+    let msg = refuse(&head);
+    assert!(msg.contains("per_layer_model_projection") && msg.contains("cannot be adapted"), "{msg}");
+    // DoRA, and a rank that the config and the file disagree on.
+    let dora = edited_adapter(&a, "dora", |c| c.replace("\"use_dora\": false", "\"use_dora\": true"), str::to_string);
+    assert!(refuse(&dora).contains("use_dora"));
+    let rank = edited_adapter(&a, "rank", |c| c.replace("\"r\": 8", "\"r\": 4"), str::to_string);
+    assert!(refuse(&rank).contains("rank 4"), "{}", refuse(&rank));
+    // A truncated weights file names the file.
+    let cut = edited_adapter(&a, "cut", |c| c.to_string(), str::to_string);
+    let w = cut.join("adapter_model.safetensors");
+    let bytes = std::fs::read(&w).unwrap();
+    std::fs::write(&w, &bytes[..bytes.len() / 2]).unwrap();
+    assert!(refuse(&cut).contains("adapter_model.safetensors"));
+    // A folder without an adapter.
+    assert!(refuse(&dir.join("target")).contains("adapter_config.json"));
+    for d in [shared, head, dora, rank, cut] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    // The adapter that fits loads, with its modules where the file puts them.
+    let ok = LoraAdapter::load("a", &a, cfg).expect("adapter-a");
+    assert!(ok.module(0, Projection::Q).is_some());
+    assert!(ok.module(5, Projection::K).is_none());
+    assert_eq!(ok.max_rank(), 8);
+}
