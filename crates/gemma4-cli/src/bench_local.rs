@@ -219,6 +219,7 @@ fn one_run(engine: &gemma4_engine::EngineHandle, prompt: &[u32], n: usize) -> Re
         deadline: None,
         soft_prompt: None,
         reading: Default::default(),
+        adapter: None,
     };
     let t0 = Instant::now();
     let mut stream = engine

@@ -405,6 +405,7 @@ fn one_run(engine: &EngineHandle, prompt: &[u32], max_tokens: usize, plain: bool
             deadline: None,
             soft_prompt: None,
             reading: Default::default(),
+            adapter: None,
         })
         .context("the engine refused a prompt")?;
     let mut ids = Vec::new();

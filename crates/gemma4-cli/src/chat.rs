@@ -111,6 +111,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 deadline: None,
                 soft_prompt: None,
                 reading: Default::default(),
+                adapter: None,
             })
             .context("cannot start the reply")?;
         let mut reply = String::new();

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use gemma4_engine::{EngineConfig, EngineEvent, FinishReason, GenerationRequest, SamplingParams};
 
+use crate::lora::LoraArgs;
 use crate::model_io::ModelArgs;
 use crate::speculative::{self, SpeculativeArgs};
 
@@ -18,6 +19,8 @@ pub struct Args {
     model: ModelArgs,
     #[command(flatten)]
     speculative: SpeculativeArgs,
+    #[command(flatten)]
+    lora: LoraArgs,
     /// Prompt text (tokenized with the checkpoint's tokenizer).
     #[arg(long, conflicts_with = "prompt_ids")]
     prompt: Option<String>,
@@ -68,9 +71,16 @@ pub fn run(args: Args) -> Result<ExitCode> {
     }
     let speculation = args.speculative.config()?;
     let drafting = speculation.is_some();
+    let adapters = args.lora.load(model.config(), None)?;
+    if adapters.len() > 1 {
+        bail!("generate runs with one LoRA adapter; give --lora once");
+    }
+    let adapter = adapters.first().map(|a| a.name().to_string());
     let executor = args
         .speculative
-        .executor(loaded.model, args.model.policy())?;
+        .executor(loaded.model, args.model.policy())?
+        .with_adapters(adapters)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let engine = gemma4_engine::start_with(
         Box::new(executor),
         Arc::new(loaded.tokenizer),
@@ -98,6 +108,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
             deadline: None,
             soft_prompt: None,
             reading: Default::default(),
+            adapter,
         })
         .context("the engine refused the prompt")?;
     let mut stdout = std::io::stdout();

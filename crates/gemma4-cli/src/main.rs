@@ -16,6 +16,7 @@ mod chat;
 mod demo;
 mod doctor;
 mod generate;
+mod lora;
 mod mcp;
 mod model_io;
 mod plan;
@@ -23,6 +24,7 @@ mod serve;
 mod speculative;
 mod verify;
 mod verify_assistant;
+mod verify_lora;
 mod verify_video;
 mod verify_vision;
 

@@ -12,6 +12,7 @@ use gemma4_server::media::MaxItems;
 use gemma4_server::{Server, ServerConfig};
 use tokio::sync::oneshot;
 
+use crate::lora::LoraArgs;
 use crate::model_io::ModelArgs;
 use crate::serve::{init_logging, load, model_name, run_async, seconds, MediaArgs};
 use crate::speculative::SpeculativeArgs;
@@ -22,6 +23,8 @@ pub struct Args {
     model: ModelArgs,
     #[command(flatten)]
     speculative: SpeculativeArgs,
+    #[command(flatten)]
+    lora: LoraArgs,
     /// A llama.cpp multimodal projector file (`mmproj` GGUF) for the model's towers.
     #[arg(long)]
     mmproj: Option<std::path::PathBuf>,
@@ -87,10 +90,19 @@ async fn serve(args: Args) -> Result<ExitCode> {
     let (tx, loaded) = oneshot::channel();
     let model_args = args.model.clone();
     let speculative = args.speculative.clone();
+    let lora = args.lora.clone();
+    let served = server.config().served_model_name.clone();
     std::thread::Builder::new()
         .name("gemma4-load".into())
         .spawn(move || {
-            let _ = tx.send(load(&model_args, &media, &speculative, engine_config));
+            let adapters = (&lora, served.as_str());
+            let _ = tx.send(load(
+                &model_args,
+                &media,
+                &speculative,
+                adapters,
+                engine_config,
+            ));
         })
         .context("cannot start the model-loading thread")?;
     let ready = {

@@ -20,6 +20,7 @@ use tokio::net::TcpListener;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 use tokio::sync::oneshot;
 
+use crate::lora::LoraArgs;
 use crate::model_io::ModelArgs;
 use crate::speculative::SpeculativeArgs;
 
@@ -32,6 +33,8 @@ pub struct Args {
     model: ModelArgs,
     #[command(flatten)]
     speculative: SpeculativeArgs,
+    #[command(flatten)]
+    lora: LoraArgs,
     /// A llama.cpp multimodal projector file (`mmproj` GGUF: Gemma 4's vision
     /// and audio towers) to read images and audio with; it replaces any
     /// towers of the checkpoint.
@@ -375,10 +378,19 @@ async fn serve(args: Args) -> Result<ExitCode> {
         speculative: args.speculative.config()?,
     };
     let speculative = args.speculative.clone();
+    let lora = args.lora.clone();
+    let served = server.config().served_model_name.clone();
     std::thread::Builder::new()
         .name("gemma4-load".into())
         .spawn(move || {
-            let _ = tx.send(load(&model_args, &media, &speculative, engine_config));
+            let adapters = (&lora, served.as_str());
+            let _ = tx.send(load(
+                &model_args,
+                &media,
+                &speculative,
+                adapters,
+                engine_config,
+            ));
         })
         .context("cannot start the model-loading thread")?;
     tokio::select! {
@@ -481,9 +493,11 @@ pub(crate) fn load(
     model_args: &ModelArgs,
     media: &MediaArgs,
     speculative: &SpeculativeArgs,
+    (lora, served): (&LoraArgs, &str),
     mut engine_config: EngineConfig,
 ) -> Result<ModelContext> {
     let loaded = model_args.load()?;
+    let adapters = lora.load(loaded.model.config(), Some(served))?;
     let checkpoint = loaded.path.clone();
     let (images, audio) = crate::model_io::load_media_encoders(
         &loaded.path,
@@ -511,7 +525,9 @@ pub(crate) fn load(
     let executor = speculative
         .executor(loaded.model, model_args.policy())?
         .with_encoders(images, audio)
-        .context("cannot start the media encoders")?;
+        .context("cannot start the media encoders")?
+        .with_adapters(adapters)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let engine = gemma4_engine::start_with(
         Box::new(executor),
         Arc::new(loaded.tokenizer),

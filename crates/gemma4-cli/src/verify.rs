@@ -29,6 +29,10 @@ pub struct Args {
     /// by round.
     #[arg(long, value_name = "DIR")]
     draft_model: Option<PathBuf>,
+    /// A LoRA adapter (PEFT folder) to check against a golden file of the
+    /// LoRA oracle (its run for that adapter; without it, the base run).
+    #[arg(long, value_name = "DIR")]
+    lora: Option<PathBuf>,
 }
 
 /// A golden file with images and audio, or with a video.
@@ -57,6 +61,29 @@ pub fn run(args: Args) -> Result<ExitCode> {
         } else {
             ExitCode::FAILURE
         });
+    }
+    if let Some(golden) = crate::verify_lora::read(&args.golden)? {
+        let (model, _) = crate::model_io::load_model(&path, args.model.policy())?;
+        let tokenizer = crate::model_io::load_tokenizer(&path).ok();
+        let all_match = crate::verify_lora::verify(
+            &model,
+            tokenizer.as_ref(),
+            &args.golden,
+            &golden,
+            args.lora.as_deref(),
+            args.tolerance,
+        )?;
+        return Ok(if all_match {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        });
+    }
+    if args.lora.is_some() {
+        anyhow::bail!(
+            "--lora is checked against a golden file of the LoRA oracle (with `base` and `adapters`); {} is not one",
+            args.golden.display()
+        );
     }
     // Golden files with media are checked stage by stage.
     let media = match crate::verify_vision::VisionGolden::read(&args.golden)? {

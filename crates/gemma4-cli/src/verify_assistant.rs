@@ -154,6 +154,7 @@ pub fn verify(
             deadline: None,
             soft_prompt: None,
             reading: Default::default(),
+            adapter: None,
         })?;
         let mut out = Vec::new();
         let mut counts = None;

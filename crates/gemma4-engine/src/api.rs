@@ -126,6 +126,9 @@ pub struct GenerationRequest {
     pub soft_prompt: Option<std::sync::Arc<crate::media::SoftPrompt>>,
     /// How the output is read: plain text, or a chat turn parsed into events.
     pub reading: Reading,
+    /// The LoRA adapter to run with, by name (one the executor loaded);
+    /// `None` runs the base model.
+    pub adapter: Option<String>,
 }
 
 impl GenerationRequest {
@@ -137,6 +140,7 @@ impl GenerationRequest {
             deadline: None,
             soft_prompt: None,
             reading: Reading::Text,
+            adapter: None,
         }
     }
 }

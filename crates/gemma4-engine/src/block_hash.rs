@@ -6,9 +6,11 @@
 //! `(parent hash, token ids, extra keys)`: the parent is the previous
 //! block's 32-byte hash (for the first block, the hash of the CBOR string
 //! `"vllm-none-hash"`), the token ids an array of integers, and the extra
-//! keys `null`, or an array holding one `["mm", identifier, offset]` for
-//! each media item the block overlaps (`offset`: where the item starts,
-//! relative to the block's first position). Events carry a hash as vLLM's
+//! keys `null`, or an array holding the LoRA adapter's name (when the
+//! sequence runs with one; every block of it is so keyed) and then one
+//! `["mm", identifier, offset]` for each media item the block overlaps
+//! (`offset`: where the item starts, relative to the block's first
+//! position). Events carry a hash as vLLM's
 //! integer block hashes do: its last 8 bytes, big-endian.
 
 use sha2::{Digest, Sha256};
@@ -76,8 +78,14 @@ pub fn media_keys(media: &[MediaSpan], start: usize, end: usize) -> Vec<MediaKey
         .collect()
 }
 
-/// The hash of a block of `tokens` after the block hashed `parent`.
-pub fn block_hash(parent: &BlockHash, tokens: &[u32], media: &[MediaKey]) -> BlockHash {
+/// The hash of a block of `tokens` after the block hashed `parent`, of a
+/// sequence running with the LoRA adapter named `adapter`, if any.
+pub fn block_hash(
+    parent: &BlockHash,
+    tokens: &[u32],
+    adapter: Option<&str>,
+    media: &[MediaKey],
+) -> BlockHash {
     let mut out = Vec::with_capacity(48 + 5 * tokens.len());
     head(&mut out, 4, 3);
     head(&mut out, 2, 32);
@@ -86,10 +94,14 @@ pub fn block_hash(parent: &BlockHash, tokens: &[u32], media: &[MediaKey]) -> Blo
     for &t in tokens {
         head(&mut out, 0, u64::from(t));
     }
-    if media.is_empty() {
+    let extra = media.len() + usize::from(adapter.is_some());
+    if extra == 0 {
         out.push(0xf6); // null
     } else {
-        head(&mut out, 4, media.len() as u64);
+        head(&mut out, 4, extra as u64);
+        if let Some(name) = adapter {
+            text(&mut out, name);
+        }
         for (identifier, offset) in media {
             head(&mut out, 4, 3);
             text(&mut out, "mm");
@@ -158,19 +170,40 @@ mod tests {
             hex(&root),
             "9bd96a485ad84efdafb72ee48a1d7a69bcead0f8f0433173941b276b9581eef0"
         );
-        let first = block_hash(&root, &[1, 2, 300, 70000], &[]);
+        let first = block_hash(&root, &[1, 2, 300, 70000], None, &[]);
         assert_eq!(
             hex(&first),
             "67516cd611fd0d7e4c5c7f6fdbf4d93a304496db502c69895dc6a82deea8ae72"
         );
         assert_eq!(external(&first), 6757273206147034738);
         let media = [("abc".to_string(), -3), ("def".to_string(), 2)];
-        let second = block_hash(&first, &[5, 6, 7, 8], &media);
+        let second = block_hash(&first, &[5, 6, 7, 8], None, &media);
         assert_eq!(
             hex(&second),
             "9fa3c61bddabc52051d638c336269ac97f96e546e46d0d8d7194a3ed26f991ac"
         );
         assert_eq!(external(&second), 8184346661795500460);
+    }
+
+    /// A LoRA adapter's name leads the extra keys, before any media key
+    /// (values from cbor2 and hashlib over the same objects).
+    #[test]
+    fn an_adapter_keys_every_block() {
+        let root = root_hash();
+        let tokens = [1, 2, 3, 4];
+        assert_eq!(
+            hex(&block_hash(&root, &tokens, Some("tone"), &[])),
+            "ba8d0755bf8d889042c2cbee285a578877176c89cfdd07a70f30c6864fb893d1"
+        );
+        let media = [("abc".to_string(), -3)];
+        assert_eq!(
+            hex(&block_hash(&root, &tokens, Some("tone"), &media)),
+            "ce20773503256c48d1a56c05f83fcf9d277e17e62c556262bef416811b9768c5"
+        );
+        assert_ne!(
+            block_hash(&root, &tokens, Some("tone"), &[]),
+            block_hash(&root, &tokens, None, &[])
+        );
     }
 
     #[test]

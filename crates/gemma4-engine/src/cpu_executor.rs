@@ -18,7 +18,7 @@ use gemma4_model::paged::{kv_groups, GroupBlocks, PagedKvPool, SeqBlocks};
 use gemma4_model::storage::with_f32_values;
 use gemma4_model::{
     Assistant, AudioEncoder, BatchSeq, Gemma4, ImageEncoder, KvRows, KvStore, LogitsFor,
-    OutputRows, SoftTokens, StoreLayers, TargetKv,
+    LoraAdapter, OutputRows, SoftTokens, StoreLayers, TargetKv,
 };
 
 use gemma4_text::Tokenizer;
@@ -27,8 +27,8 @@ use crate::api::TokenConstraint;
 use crate::encoders::EncoderThread;
 use crate::engine::{start_with, EngineConfig, EngineHandle};
 use crate::executor::{
-    DraftOutcome, EncodeRequest, EncodedItem, Executor, ExecutorError, ExecutorStats, KvLayout,
-    ModelFacts, ScheduledChunk, SeqOutput, StepOutput, StepPlan,
+    AdapterFacts, DraftOutcome, EncodeRequest, EncodedItem, Executor, ExecutorError, ExecutorStats,
+    KvLayout, ModelFacts, ScheduledChunk, SeqOutput, StepOutput, StepPlan,
 };
 use crate::media::{EncoderInput, MediaFacts, SoftPrompt, SoftWindow};
 use crate::panic_message;
@@ -120,6 +120,8 @@ struct RequestState {
     /// For the assistant: how many tokens to draft after this step, from
     /// the target's final-norm row that predicted the last sampled token.
     assistant_turn: Option<(usize, Tensor)>,
+    /// Index of its LoRA adapter.
+    adapter: Option<usize>,
 }
 
 /// The model's assistant and the target layers whose K/V it reads.
@@ -140,6 +142,8 @@ pub struct CpuExecutor {
     pool: Option<PagedKvPool>,
     requests: HashMap<u64, RequestState>,
     assistant: Option<AssistantDrafter>,
+    /// LoRA adapters, in [`ModelFacts::adapters`] order.
+    adapters: Vec<LoraAdapter>,
     /// Time the assistant has spent drafting.
     drafting: Duration,
     /// Steps whose batch failed and were run again sequence by sequence.
@@ -166,6 +170,7 @@ impl CpuExecutor {
             kv_groups: kv_groups(cfg),
             media: MediaFacts::default(),
             assistant: false,
+            adapters: Vec::new(),
         };
         Self {
             model,
@@ -174,6 +179,7 @@ impl CpuExecutor {
             pool: None,
             requests: HashMap::new(),
             assistant: None,
+            adapters: Vec::new(),
             drafting: Duration::ZERO,
             step_retries: 0,
             #[cfg(feature = "fault-injection")]
@@ -215,6 +221,29 @@ impl CpuExecutor {
         Ok(self)
     }
 
+    /// The executor with LoRA adapters requests may run with (each read
+    /// for this model by [`LoraAdapter::load`]); names must differ.
+    pub fn with_adapters(mut self, adapters: Vec<LoraAdapter>) -> Result<Self, ExecutorError> {
+        for (i, a) in adapters.iter().enumerate() {
+            if adapters[..i].iter().any(|b| b.name() == a.name()) {
+                return Err(ExecutorError(format!(
+                    "two LoRA adapters are named `{}`",
+                    a.name()
+                )));
+            }
+        }
+        self.facts.adapters = adapters
+            .iter()
+            .map(|a| AdapterFacts {
+                name: a.name().to_string(),
+                max_rank: a.max_rank(),
+                bytes: a.bytes(),
+            })
+            .collect();
+        self.adapters = adapters;
+        Ok(self)
+    }
+
     /// The executor with a fault to inject (tests of the supervision only).
     #[cfg(feature = "fault-injection")]
     pub fn with_fault(mut self, fault: crate::fault::FaultPlan) -> Self {
@@ -240,6 +269,7 @@ impl CpuExecutor {
                 tables: Vec::new(),
                 drafter: r.speculative.map(|c| Drafter::new(c, r.prompt)),
                 assistant_turn: None,
+                adapter: r.adapter,
             };
             self.requests.insert(r.seq_id, state);
         }
@@ -680,23 +710,34 @@ impl CpuExecutor {
                 (!window.rows.is_empty()).then_some(window)
             })
             .collect();
-        let batch: Vec<BatchSeq<'_>> = chunks
+        let logits: Vec<Option<LogitsFor>> = chunks
             .iter()
-            .zip(&soft)
-            .map(|(c, soft)| BatchSeq {
-                ids: &c.tokens,
-                start: c.start,
-                logits: if self.scores(c) || c.drafts > 0 {
+            .map(|c| {
+                if self.scores(c) || c.drafts > 0 {
                     Some(LogitsFor::All)
                 } else {
                     c.samples.then_some(LogitsFor::Last)
-                },
+                }
+            })
+            .collect();
+        let (requests, adapters) = (&self.requests, &self.adapters);
+        let batch: Vec<BatchSeq<'_>> = chunks
+            .iter()
+            .zip(&soft)
+            .zip(logits)
+            .map(|((c, soft), logits)| BatchSeq {
+                ids: &c.tokens,
+                start: c.start,
+                logits,
                 soft: soft.as_ref().map(|w| SoftTokens {
                     rows: &w.rows,
                     embeds: w.embeds,
                     blocks: &w.blocks,
                 }),
-                lora: None,
+                lora: requests
+                    .get(&c.seq_id)
+                    .and_then(|r| r.adapter)
+                    .and_then(|i| adapters.get(i)),
             })
             .collect();
         let model = &self.model;

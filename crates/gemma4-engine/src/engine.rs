@@ -24,7 +24,7 @@ use crate::api::{EngineEvent, EngineStats, FinishReason, GenerationRequest, Subm
 #[cfg(feature = "fault-injection")]
 use crate::executor::ScheduledChunk;
 use crate::executor::{Executor, KvLayout, NewRequest, SeqOutput, StepPlan};
-use crate::kv_manager::{KvEvent, KvManager};
+use crate::kv_manager::{AdapterKey, KvEvent, KvManager};
 use crate::limits::RequestLimits;
 use crate::media::MediaFacts;
 use crate::output_processor::{self, OutputMsg, StopNotice};
@@ -352,6 +352,7 @@ pub(crate) fn start_worker(
         hidden_size: facts.hidden_size,
         bidirectional_vision: facts.bidirectional_vision,
         media: facts.media.clone(),
+        adapters: facts.adapters.iter().map(|a| a.name.clone()).collect(),
     };
     let groups = facts.kv_groups.clone();
     let bs = config.block_size.max(1);
@@ -454,6 +455,11 @@ pub(crate) fn start_worker(
         kv_events: config.kv_events.clone(),
         speculative: config.speculative,
         speculation: DraftCounts::default(),
+        adapters: facts
+            .adapters
+            .iter()
+            .map(|a| a.name.as_str().into())
+            .collect(),
         #[cfg(feature = "fault-injection")]
         fault,
     };
@@ -508,6 +514,8 @@ struct Worker {
     speculative: Option<SpeculativeConfig>,
     /// Drafted and accepted tokens over all requests.
     speculation: DraftCounts,
+    /// The executor's LoRA adapters by name, in its order.
+    adapters: Vec<Arc<str>>,
     #[cfg(feature = "fault-injection")]
     fault: Option<crate::fault::FaultPlan>,
 }
@@ -638,6 +646,11 @@ impl Worker {
                     _ => Vec::new(),
                 };
                 let speculative = self.speculative.filter(|_| !params.plain_decoding);
+                // Checked on submission: the name is one of the executor's.
+                let adapter = request.adapter.as_deref().and_then(|name| {
+                    let index = self.adapters.iter().position(|a| &**a == name)?;
+                    Some((index, name))
+                });
                 self.new_requests.push(NewRequest {
                     seq_id: id,
                     sampler: Sampler::new(request.params.clone(), &request.prompt_ids),
@@ -645,9 +658,14 @@ impl Worker {
                     prompt: request.prompt_ids.clone(),
                     prompt_logprobs: params.prompt_logprobs,
                     speculative,
+                    adapter: adapter.map(|(index, _)| index),
+                });
+                let key = adapter.map(|(index, name)| AdapterKey {
+                    id: index as u32 + 1,
+                    name: name.into(),
                 });
                 let mut seq =
-                    SeqState::new(id, request.prompt_ids, self.kv.empty_with_media(media));
+                    SeqState::new(id, request.prompt_ids, self.kv.empty_keyed(media, key));
                 seq.reuse_prefix = params.prompt_logprobs.is_none();
                 seq.whole_spans = whole_spans;
                 if let Some(soft) = soft {

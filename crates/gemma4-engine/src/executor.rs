@@ -45,6 +45,18 @@ pub struct ModelFacts {
     /// Whether it runs the model's assistant, which drafts for requests
     /// that speculate with [`DraftMethod::Assistant`](crate::DraftMethod::Assistant).
     pub assistant: bool,
+    /// The LoRA adapters it holds; a request names one by its index here.
+    pub adapters: Vec<AdapterFacts>,
+}
+
+/// A LoRA adapter an executor holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterFacts {
+    pub name: String,
+    /// The largest rank of its modules.
+    pub max_rank: usize,
+    /// Bytes its factors hold.
+    pub bytes: usize,
 }
 
 /// The KV pools the engine asks an executor to allocate.
@@ -68,6 +80,8 @@ pub struct NewRequest {
     pub prompt_logprobs: Option<usize>,
     /// How the sequence drafts tokens for speculative decoding, if it does.
     pub speculative: Option<SpeculativeConfig>,
+    /// The LoRA adapter it runs with: an index into [`ModelFacts::adapters`].
+    pub adapter: Option<usize>,
 }
 
 /// How one group's block table changed since the executor last saw it.

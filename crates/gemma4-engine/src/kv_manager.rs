@@ -95,6 +95,16 @@ pub struct SeqKv {
     last_hash: BlockHash,
     /// The prompt's media: the blocks they overlap are keyed on them.
     media: Arc<[MediaSpan]>,
+    /// The LoRA adapter it runs with: every block is keyed on it.
+    adapter: Option<AdapterKey>,
+}
+
+/// A LoRA adapter as the prefix cache and KV events know it: vLLM's
+/// integer id (from 1) and its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterKey {
+    pub id: u32,
+    pub name: Arc<str>,
 }
 
 /// Usage figures.
@@ -123,6 +133,8 @@ pub enum KvEvent {
         /// The media the block overlaps: identifier and start, relative to
         /// the block.
         media: Vec<MediaKey>,
+        /// The LoRA adapter whose sequence computed it.
+        adapter: Option<AdapterKey>,
     },
     /// The block `group` held under `hash` was reused for other tokens.
     BlockRemoved { group: usize, hash: u64 },
@@ -214,11 +226,19 @@ impl KvManager {
     /// as on the tokens, where they overlap (prompts whose placeholders
     /// stand for media).
     pub fn empty_with_media(&self, media: Arc<[MediaSpan]>) -> SeqKv {
+        self.empty_keyed(media, None)
+    }
+
+    /// [`empty_with_media`](Self::empty_with_media) for a sequence that
+    /// runs with a LoRA adapter: its blocks are keyed on it too, so no
+    /// other adapter's sequence (nor the base model's) adopts them.
+    pub fn empty_keyed(&self, media: Arc<[MediaSpan]>, adapter: Option<AdapterKey>) -> SeqKv {
         SeqKv {
             tables: vec![GroupBlocks::default(); self.groups.len()],
             registered_blocks: 0,
             last_hash: self.root,
             media,
+            adapter,
         }
     }
 
@@ -331,7 +351,12 @@ impl KvManager {
         let mut parent = self.root;
         for b in 0..max_blocks {
             let media = self.media_keys(seq, b);
-            parent = block_hash::block_hash(&parent, &tokens[b * bs..(b + 1) * bs], &media);
+            parent = block_hash::block_hash(
+                &parent,
+                &tokens[b * bs..(b + 1) * bs],
+                seq.adapter.as_ref().map(|a| &*a.name),
+                &media,
+            );
             hashes.push(parent);
         }
         // Longest k such that each group has the blocks it needs for a resume at k·bs.
@@ -380,7 +405,8 @@ impl KvManager {
             let b = seq.registered_blocks;
             let block_tokens = &tokens[b * bs..(b + 1) * bs];
             let media = self.media_keys(seq, b);
-            let h = block_hash::block_hash(&seq.last_hash, block_tokens, &media);
+            let adapter = seq.adapter.as_ref().map(|a| &*a.name);
+            let h = block_hash::block_hash(&seq.last_hash, block_tokens, adapter, &media);
             let mut stored = Vec::new();
             for (group, (g, t)) in self.groups.iter_mut().zip(&seq.tables).enumerate() {
                 let Some(&phys) = b.checked_sub(t.first_block).and_then(|i| t.blocks.get(i)) else {
@@ -400,6 +426,7 @@ impl KvManager {
                     parent: (b > 0).then(|| block_hash::external(&seq.last_hash)),
                     token_ids: block_tokens.to_vec(),
                     media: media.clone(),
+                    adapter: seq.adapter.clone(),
                 });
             }
             seq.last_hash = h;
@@ -493,7 +520,7 @@ mod tests {
         tokens
             .chunks_exact(bs)
             .map(|block| {
-                parent = block_hash::block_hash(&parent, block, &[]);
+                parent = block_hash::block_hash(&parent, block, None, &[]);
                 block_hash::external(&parent)
             })
             .collect()
@@ -507,6 +534,7 @@ mod tests {
             parent,
             token_ids,
             media: vec![],
+            adapter: None,
         }
     }
 

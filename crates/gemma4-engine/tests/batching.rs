@@ -46,6 +46,7 @@ fn request(ids: &[u32]) -> GenerationRequest {
         deadline: None,
         soft_prompt: None,
         reading: Default::default(),
+        adapter: None,
     }
 }
 
@@ -199,6 +200,7 @@ fn sliding_layers_hold_only_their_window() {
             deadline: None,
             soft_prompt: None,
             reading: Default::default(),
+            adapter: None,
         })
         .expect("submit");
     let mut n = 0;
@@ -346,6 +348,7 @@ fn stop_strings_cut_the_text() {
             deadline: None,
             soft_prompt: None,
             reading: Default::default(),
+            adapter: None,
         })
         .expect("submit");
     let (mut text, mut tokens) = (String::new(), 0);
@@ -402,6 +405,7 @@ fn timeouts_and_cancellation_free_blocks() {
             deadline,
             soft_prompt: None,
             reading: Default::default(),
+            adapter: None,
         })
         .expect("submit");
     let mut reason = None;
@@ -425,6 +429,7 @@ fn timeouts_and_cancellation_free_blocks() {
             deadline: None,
             soft_prompt: None,
             reading: Default::default(),
+            adapter: None,
         })
         .expect("submit");
     for _ in 0..3 {

@@ -192,6 +192,7 @@ fn media_request(
         },
         deadline: None,
         reading: Default::default(),
+        adapter: None,
         soft_prompt: Some(Arc::new(SoftPrompt::from_embeds(
             placed.rows,
             placed.embeds,
@@ -454,6 +455,7 @@ fn encoder_rows_that_do_not_fit_the_prompt_are_refused() {
     let r = GenerationRequest {
         prompt_ids: ids,
         reading: Default::default(),
+        adapter: None,
         soft_prompt: Some(Arc::new(SoftPrompt::from_embeds(
             (1..82).collect(),
             vec![0.0; 81 * 128],
@@ -552,6 +554,7 @@ fn video_requests(variant: &str) -> Vec<(GenerationRequest, Vec<u32>)> {
             deadline: None,
             soft_prompt,
             reading: Default::default(),
+            adapter: None,
         };
         out.push((request, ints(&chat["greedy"])));
     }
@@ -566,6 +569,7 @@ fn video_requests(variant: &str) -> Vec<(GenerationRequest, Vec<u32>)> {
             deadline: None,
             soft_prompt: None,
             reading: Default::default(),
+            adapter: None,
         },
         ints(&plain["greedy"]),
     ));

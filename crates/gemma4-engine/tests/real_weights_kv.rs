@@ -64,6 +64,7 @@ fn leading_tokens(path: &Path, dtype: KvDtype) -> Vec<(usize, usize)> {
                     deadline: None,
                     soft_prompt: None,
                     reading: Default::default(),
+                    adapter: None,
                 })
                 .expect("submit")
                 .blocking_finish()

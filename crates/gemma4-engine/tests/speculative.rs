@@ -256,6 +256,7 @@ fn a_request_can_turn_drafting_off() {
                 deadline: None,
                 soft_prompt: None,
                 reading: Default::default(),
+                adapter: None,
             })
             .expect("submit");
         let mut tokens = 0;

@@ -59,6 +59,7 @@ fn request(ids: &[u32]) -> GenerationRequest {
         deadline: None,
         soft_prompt: None,
         reading: Default::default(),
+        adapter: None,
     }
 }
 

@@ -40,8 +40,8 @@ pub use gemma4::{
     SoftTokenSource, SoftTokens,
 };
 pub use gguf_source::GgufSource;
-pub use lora::{LoraAdapter, Projection};
 pub use loader::{LoadPolicy, LoadReport, Progress, Quant, Weights};
+pub use lora::{LoraAdapter, Projection};
 pub use source::{HfSafetensors, RandomWeights, TowerSource, WeightSource};
 pub use storage::{Embedding, Linear};
 pub use vision::{read_config, ImageEncoder, MediaTokens, VisionConfig, VisionInput, VisionTower};

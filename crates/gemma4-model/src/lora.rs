@@ -181,9 +181,8 @@ impl LoraAdapter {
                     "{shown}: {module_name} has only one of lora_A and lora_B"
                 )));
             };
-            let (out, inp) = module_shape(cfg, layer, proj).map_err(|why| {
-                ModelError::Input(format!("{shown}: {module_name} {why}"))
-            })?;
+            let (out, inp) = module_shape(cfg, layer, proj)
+                .map_err(|why| ModelError::Input(format!("{shown}: {module_name} {why}")))?;
             let rank = a.dim(0)?;
             if a.dims() != [rank, inp] || b.dims() != [out, rank] {
                 return Err(ModelError::Input(format!(
@@ -284,9 +283,11 @@ fn parse_name(name: &str) -> std::result::Result<(usize, Projection, bool), Stri
         }
     }
     if module.contains("experts") || module.contains("router") {
-        return Err("adapts the mixture of experts, which LoRA adapters cannot change here \
+        return Err(
+            "adapts the mixture of experts, which LoRA adapters cannot change here \
              (only the attention and dense MLP projections)"
-            .into());
+                .into(),
+        );
     }
     Err(
         "adapts a module that cannot be adapted: only the text decoder's \
@@ -321,9 +322,11 @@ fn module_shape(
             )
         }
         Projection::V if spec.v_is_k => {
-            return Err("does not exist: the layer's V is its K (attention_k_eq_v); \
+            return Err(
+                "does not exist: the layer's V is its K (attention_k_eq_v); \
                  is the adapter for another model?"
-                .into())
+                    .into(),
+            )
         }
         Projection::K | Projection::V => (kv, h),
         Projection::O => (h, q),
@@ -333,7 +336,10 @@ fn module_shape(
 }
 
 fn f32_values(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, String> {
-    let pairs = || data.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]));
+    let pairs = || {
+        data.chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+    };
     Ok(match dtype {
         Dtype::F32 => data
             .chunks_exact(4)
@@ -341,7 +347,11 @@ fn f32_values(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, String
             .collect(),
         Dtype::BF16 => pairs().map(|b| half::bf16::from_bits(b).to_f32()).collect(),
         Dtype::F16 => pairs().map(|b| half::f16::from_bits(b).to_f32()).collect(),
-        other => return Err(format!("is stored as {other:?}; LoRA factors are read in bf16, f16 or f32")),
+        other => {
+            return Err(format!(
+                "is stored as {other:?}; LoRA factors are read in bf16, f16 or f32"
+            ))
+        }
     })
 }
 
@@ -368,7 +378,12 @@ impl AdapterSettings {
         let bad = |field: &str, why: &str| ModelError::Input(format!("{shown}: `{field}` {why}"));
         match fields.get("peft_type").and_then(|v| v.as_str()) {
             Some("LORA") | None => {}
-            Some(other) => return Err(bad("peft_type", &format!("is {other}; only LORA adapters are read"))),
+            Some(other) => {
+                return Err(bad(
+                    "peft_type",
+                    &format!("is {other}; only LORA adapters are read"),
+                ))
+            }
         }
         let truthy = |v: &Value| match v {
             Value::Null | Value::Bool(false) => false,
@@ -389,8 +404,11 @@ impl AdapterSettings {
             ("alora_invocation_tokens", "activated LoRA"),
             ("use_qalora", "QA-LoRA"),
         ] {
-            if fields.get(field).is_some_and(|v| truthy(v)) {
-                return Err(bad(field, &format!("asks for {what}, which is not supported")));
+            if fields.get(field).is_some_and(&truthy) {
+                return Err(bad(
+                    field,
+                    &format!("asks for {what}, which is not supported"),
+                ));
             }
         }
         let number = |field: &str| -> Result<f64> {
@@ -414,7 +432,10 @@ impl AdapterSettings {
                 .iter()
                 .map(|(key, value)| {
                     let re = regex::Regex::new(&format!(r"^(.*\.)?({key})$")).map_err(|e| {
-                        bad(field, &format!("key `{key}` is not a regular expression: {e}"))
+                        bad(
+                            field,
+                            &format!("key `{key}` is not a regular expression: {e}"),
+                        )
                     })?;
                     let n = value
                         .as_f64()
@@ -426,7 +447,9 @@ impl AdapterSettings {
         Ok(Self {
             r: number("r")?,
             alpha: number("lora_alpha")?,
-            rslora: fields.get("use_rslora").is_some_and(|v| v.as_bool() == Some(true)),
+            rslora: fields
+                .get("use_rslora")
+                .is_some_and(|v| v.as_bool() == Some(true)),
             rank_pattern: pattern("rank_pattern")?,
             alpha_pattern: pattern("alpha_pattern")?,
         })

@@ -127,7 +127,10 @@ pub fn verify_lora_prompt(
     let mut logits = rows.pop().unwrap_or_default();
     for step in 0..steps {
         if let Some(gold) = step_rows.get(step) {
-            max_diff = max_diff.max(max_row_diff(std::slice::from_ref(&logits), std::slice::from_ref(gold))?);
+            max_diff = max_diff.max(max_row_diff(
+                std::slice::from_ref(&logits),
+                std::slice::from_ref(gold),
+            )?);
         }
         let (arg, _) = argmax(&logits);
         if first_token_mismatch.is_none() && arg != prompt.greedy_ids[step] {

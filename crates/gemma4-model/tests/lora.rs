@@ -81,8 +81,8 @@ fn scalings_are_the_ones_peft_used() {
         let model = load_hf_dir(&dir.join("target")).expect("target");
         let (golden, _) = golden(target);
         for a in &golden.adapters {
-            let adapter = LoraAdapter::load(&a.name, &dir.join(&a.folder), model.config())
-                .expect("adapter");
+            let adapter =
+                LoraAdapter::load(&a.name, &dir.join(&a.folder), model.config()).expect("adapter");
             let mut modules = 0;
             for (layer, proj, m) in adapter.modules() {
                 let want = a.scaling_per_module[proj.name()];
@@ -96,8 +96,8 @@ fn scalings_are_the_ones_peft_used() {
                 );
                 modules += 1;
             }
-            let file = std::fs::read(dir.join(&a.folder).join("adapter_model.safetensors"))
-                .expect("file");
+            let file =
+                std::fs::read(dir.join(&a.folder).join("adapter_model.safetensors")).expect("file");
             let tensors = safetensors::SafeTensors::deserialize(&file)
                 .expect("safetensors")
                 .len();
@@ -134,7 +134,12 @@ fn sequences_with_different_adapters_share_a_batch() {
                 let list = if run == "base" {
                     &golden.base.prompts
                 } else {
-                    &golden.adapters.iter().find(|a| a.name == run).unwrap().prompts
+                    &golden
+                        .adapters
+                        .iter()
+                        .find(|a| a.name == run)
+                        .unwrap()
+                        .prompts
                 };
                 list[i].input_ids.as_slice()
             })
@@ -151,7 +156,9 @@ fn sequences_with_different_adapters_share_a_batch() {
                 lora,
             })
             .collect();
-        let out = model.forward_batch(&batch, &mut store, None).expect("batch");
+        let out = model
+            .forward_batch(&batch, &mut store, None)
+            .expect("batch");
         let mut next = Vec::new();
         for ((run, _, i), logits) in cases.iter().zip(out) {
             let ours = logits.expect("logits").to_vec2::<f32>().unwrap();
@@ -173,11 +180,17 @@ fn sequences_with_different_adapters_share_a_batch() {
                 lora,
             })
             .collect();
-        let out = model.forward_batch(&batch, &mut store, None).expect("decode");
+        let out = model
+            .forward_batch(&batch, &mut store, None)
+            .expect("decode");
         for ((run, _, i), logits) in cases.iter().zip(out) {
             let ours = logits.expect("logits").to_vec2::<f32>().unwrap();
             let gold = reference.rows(run, *i, "greedy_step_logits").unwrap();
-            assert_within(&ours, &gold[1..2], &format!("{target}/{run}/prompt{i} step 1"));
+            assert_within(
+                &ours,
+                &gold[1..2],
+                &format!("{target}/{run}/prompt{i} step 1"),
+            );
         }
     }
 }
@@ -249,23 +262,48 @@ fn adapters_that_do_not_fit_are_refused_naming_the_module() {
     };
     // The other target's adapter: its shapes are not this model's.
     let other = refuse(&fixture("dense-k-eq-v").join("adapter-a"));
-    assert!(other.contains("model.language_model.layers.") && other.contains("another model"), "{other}");
+    assert!(
+        other.contains("model.language_model.layers.") && other.contains("another model"),
+        "{other}"
+    );
     // A KV-shared layer (5) has no k_proj.
-    let shared = edited_adapter(&a, "shared", |c| c.to_string(), |n| {
-        n.replace("layers.4.self_attn.k_proj", "layers.5.self_attn.k_proj")
-    });
+    let shared = edited_adapter(
+        &a,
+        "shared",
+        |c| c.to_string(),
+        |n| n.replace("layers.4.self_attn.k_proj", "layers.5.self_attn.k_proj"),
+    );
     let msg = refuse(&shared);
-    assert!(msg.contains("layers.5.self_attn.k_proj") && msg.contains("KV sharing"), "{msg}");
+    assert!(
+        msg.contains("layers.5.self_attn.k_proj") && msg.contains("KV sharing"),
+        "{msg}"
+    );
     // A module outside the attention and MLP projections.
-    let head = edited_adapter(&a, "head", |c| c.to_string(), |n| {
-        n.replace("layers.0.mlp.up_proj", "per_layer_model_projection")
-    });
+    let head = edited_adapter(
+        &a,
+        "head",
+        |c| c.to_string(),
+        |n| n.replace("layers.0.mlp.up_proj", "per_layer_model_projection"),
+    );
     let msg = refuse(&head);
-    assert!(msg.contains("per_layer_model_projection") && msg.contains("cannot be adapted"), "{msg}");
+    assert!(
+        msg.contains("per_layer_model_projection") && msg.contains("cannot be adapted"),
+        "{msg}"
+    );
     // DoRA, and a rank that the config and the file disagree on.
-    let dora = edited_adapter(&a, "dora", |c| c.replace("\"use_dora\": false", "\"use_dora\": true"), str::to_string);
+    let dora = edited_adapter(
+        &a,
+        "dora",
+        |c| c.replace("\"use_dora\": false", "\"use_dora\": true"),
+        str::to_string,
+    );
     assert!(refuse(&dora).contains("use_dora"));
-    let rank = edited_adapter(&a, "rank", |c| c.replace("\"r\": 8", "\"r\": 4"), str::to_string);
+    let rank = edited_adapter(
+        &a,
+        "rank",
+        |c| c.replace("\"r\": 8", "\"r\": 4"),
+        str::to_string,
+    );
     assert!(refuse(&rank).contains("rank 4"), "{}", refuse(&rank));
     // A truncated weights file names the file.
     let cut = edited_adapter(&a, "cut", |c| c.to_string(), str::to_string);

@@ -96,6 +96,7 @@ fn main() {
                                 deadline: None,
                                 soft_prompt: None,
                                 reading: Default::default(),
+                                adapter: None,
                             })
                             .expect("submit");
                         let mut n = 0;

@@ -45,6 +45,7 @@ pub fn limit_error(e: LimitError, prompt_param: &str) -> ApiError {
         RequestPart::StopTokenIds => "stop_token_ids",
         RequestPart::StopStrings => "stop",
         RequestPart::LogitBias => "logit_bias",
+        RequestPart::Adapter => "model",
     };
     let message = match e.part {
         RequestPart::Prompt | RequestPart::MaxTokens => e.message,
@@ -100,6 +101,7 @@ mod tests {
             hidden_size: 8,
             bidirectional_vision: false,
             media: Default::default(),
+            adapters: Vec::new(),
         }
     }
 

@@ -37,6 +37,8 @@ pub(crate) struct OpenAiJob {
     pub arrival: Instant,
     /// The request field blamed when a prompt breaks a limit.
     pub prompt_param: &'static str,
+    /// The LoRA adapter `model` named, if it named one.
+    pub adapter: Option<String>,
 }
 
 /// A chat request as a job: remote media fetched (within its limits), the
@@ -47,7 +49,7 @@ pub(crate) async fn chat_job(
     mut req: ChatRequest,
     arrival: Instant,
 ) -> Result<OpenAiJob, ApiError> {
-    check_model_name(state, req.model.as_deref())?;
+    let adapter = check_model_name(state, req.model.as_deref())?;
     if let Some(media) = model.media.as_ref() {
         if let Some(remote) = media.remote.as_ref() {
             // Too many items are refused before any of them is fetched.
@@ -81,6 +83,7 @@ pub(crate) async fn chat_job(
         streaming,
         arrival,
         prompt_param: "messages",
+        adapter,
     })
 }
 
@@ -92,7 +95,7 @@ pub(crate) async fn completion_job(
     req: CompletionRequest,
     arrival: Instant,
 ) -> Result<OpenAiJob, ApiError> {
-    check_model_name(state, req.model.as_deref())?;
+    let adapter = check_model_name(state, req.model.as_deref())?;
     let (echo, listed) = (req.echo, req.list_prompt_logprobs);
     let prompts: Vec<(Vec<u32>, PromptOutput)> = {
         let model = model.clone();
@@ -128,6 +131,7 @@ pub(crate) async fn completion_job(
         streaming: req.streaming,
         arrival,
         prompt_param: "prompt",
+        adapter,
     })
 }
 

@@ -414,6 +414,7 @@ pub(crate) fn build_requests(
                     },
                     None => Reading::Text,
                 },
+                adapter: job.adapter.clone(),
             });
         }
         if let Some(first) = requests.last() {

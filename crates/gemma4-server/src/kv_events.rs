@@ -148,6 +148,7 @@ fn write_event(out: &mut ByteBuf, event: &KvEvent, block_size: usize) -> Written
             parent,
             token_ids,
             media,
+            adapter,
         } => {
             encode::write_array_len(out, 12)?;
             encode::write_str(out, "BlockStored")?;
@@ -162,11 +163,17 @@ fn write_event(out: &mut ByteBuf, event: &KvEvent, block_size: usize) -> Written
                 encode::write_uint(out, u64::from(id))?;
             }
             encode::write_uint(out, block_size as u64)?;
-            // No LoRA adapter (id, then name around the medium); the medium
-            // left to the reader's default.
+            // The LoRA adapter's id, the medium (left to the reader's
+            // default), the adapter's name.
+            match adapter {
+                Some(a) => encode::write_uint(out, u64::from(a.id)).map(drop)?,
+                None => nil(out)?,
+            }
             nil(out)?;
-            nil(out)?;
-            nil(out)?;
+            match adapter {
+                Some(a) => encode::write_str(out, &a.name)?,
+                None => nil(out)?,
+            }
             // One entry per hash: the block's media keys, or nil.
             encode::write_array_len(out, 1)?;
             if media.is_empty() {
@@ -206,6 +213,7 @@ fn write_event(out: &mut ByteBuf, event: &KvEvent, block_size: usize) -> Written
 #[cfg(test)]
 mod tests {
     use super::*;
+    use gemma4_engine::AdapterKey;
 
     #[test]
     fn a_dropped_batch_leaves_a_gap_in_the_numbers() {
@@ -232,6 +240,7 @@ mod tests {
                 parent: None,
                 token_ids: vec![2, 300],
                 media: vec![],
+                adapter: None,
             },
             KvEvent::BlockStored {
                 group: 0,
@@ -240,6 +249,10 @@ mod tests {
                 parent: Some(u64::MAX),
                 token_ids: vec![1],
                 media: vec![("ab".into(), -3)],
+                adapter: Some(AdapterKey {
+                    id: 2,
+                    name: "tone".into(),
+                }),
             },
             KvEvent::BlockRemoved { group: 0, hash: 7 },
         ];
@@ -257,13 +270,14 @@ mod tests {
         expected.extend([0x91, 0xc0, 0x01, 0xae]);
         expected.extend(b"full_attention");
         expected.push(0xc0);
-        // ["BlockStored", [7], u64::MAX, [1], 16, nil, nil, nil, [[["ab", -3]]],
+        // ["BlockStored", [7], u64::MAX, [1], 16, 2, nil, "tone", [[["ab", -3]]],
         //  0, "sliding_window", 512]
         expected.extend([0x9c, 0xab]);
         expected.extend(b"BlockStored");
         expected.extend([0x91, 0x07, 0xcf]);
         expected.extend(u64::MAX.to_be_bytes());
-        expected.extend([0x91, 0x01, 0x10, 0xc0, 0xc0, 0xc0]);
+        expected.extend([0x91, 0x01, 0x10, 0x02, 0xc0, 0xa4]);
+        expected.extend(b"tone");
         expected.extend([0x91, 0x91, 0x92, 0xa2]);
         expected.extend(b"ab");
         expected.extend([0xfd, 0x00, 0xae]);

@@ -184,26 +184,35 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-fn served_card(state: &AppState) -> Result<ModelCard, ApiError> {
+/// The served model's card, then one per LoRA adapter (`parent`: the
+/// served model), as vLLM lists them.
+fn served_cards(state: &AppState) -> Result<Vec<ModelCard>, ApiError> {
     let Some(model) = state.model() else {
         return Err(ApiError::unavailable(
             "the model is still loading; retry when GET /ready returns 200",
             "model_loading",
         ));
     };
-    Ok(ModelCard {
-        id: state.config.served_model_name.clone(),
+    let served = &state.config.served_model_name;
+    let card = |id: &str, parent: Option<&str>| ModelCard {
+        id: id.to_string(),
         object: "model",
         created: state.created,
         owned_by: "gemma4",
+        parent: parent.map(str::to_string),
         max_model_len: model.max_model_len(),
-    })
+    };
+    let mut cards = vec![card(served, None)];
+    for name in &model.engine.limits().adapters {
+        cards.push(card(name, Some(served)));
+    }
+    Ok(cards)
 }
 
 async fn models(State(state): State<Arc<AppState>>) -> Result<Json<ModelList>, ApiError> {
     Ok(Json(ModelList {
         object: "list",
-        data: vec![served_card(&state)?],
+        data: served_cards(&state)?,
     }))
 }
 
@@ -211,22 +220,51 @@ async fn model_card(
     State(state): State<Arc<AppState>>,
     Path(id): Path<String>,
 ) -> Result<Json<ModelCard>, ApiError> {
-    check_model_name(&state, Some(id.as_str()))?;
-    Ok(Json(served_card(&state)?))
+    let adapter = check_model_name(&state, Some(id.as_str()))?;
+    let cards = served_cards(&state)?;
+    let wanted = adapter
+        .as_deref()
+        .unwrap_or(&state.config.served_model_name);
+    cards
+        .into_iter()
+        .find(|c| c.id == wanted)
+        .map(Json)
+        .ok_or_else(|| ApiError::not_found(format!("the model `{id}` does not exist")))
 }
 
 /// An absent or empty `model` means the served one; any other name is a 404.
-pub(crate) fn check_model_name(state: &AppState, requested: Option<&str>) -> Result<(), ApiError> {
+/// What a request's `model` names: the served model (or no name: `None`),
+/// one of the LoRA adapters (its name), or nothing served here (404).
+pub(crate) fn check_model_name(
+    state: &AppState,
+    requested: Option<&str>,
+) -> Result<Option<String>, ApiError> {
     let served = &state.config.served_model_name;
+    let adapters = adapter_names(state);
     match requested {
-        None | Some("") => Ok(()),
-        Some(name) if name == served => Ok(()),
-        Some(name) => Err(ApiError::not_found(format!(
-            "the model `{name}` does not exist; this server serves `{served}` (see GET /v1/models)"
-        ))
-        .with_param("model")
-        .with_code("model_not_found")),
+        None | Some("") => Ok(None),
+        Some(name) if name == served => Ok(None),
+        Some(name) if adapters.iter().any(|a| a == name) => Ok(Some(name.to_string())),
+        Some(name) => {
+            let also = match adapters.len() {
+                0 => String::new(),
+                _ => format!(" and the LoRA adapters `{}`", adapters.join("`, `")),
+            };
+            Err(ApiError::not_found(format!(
+                "the model `{name}` does not exist; this server serves `{served}`{also} (see GET /v1/models)"
+            ))
+            .with_param("model")
+            .with_code("model_not_found"))
+        }
     }
+}
+
+/// The LoRA adapters requests may name (none while the model loads).
+fn adapter_names(state: &AppState) -> Vec<String> {
+    state
+        .model()
+        .map(|m| m.engine.limits().adapters.clone())
+        .unwrap_or_default()
 }
 
 async fn chat(State(state): State<Arc<AppState>>, body: Body) -> Result<Response, ApiError> {

@@ -78,6 +78,7 @@ pub fn run_request(
             deadline: None,
             soft_prompt: None,
             reading: Default::default(),
+            adapter: None,
         })
         .expect("submit")
         .blocking_finish()

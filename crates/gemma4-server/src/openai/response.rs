@@ -405,6 +405,8 @@ pub struct ModelCard {
     pub object: &'static str,
     pub created: u64,
     pub owned_by: &'static str,
+    /// The base model, for a LoRA adapter (`null` for the model itself).
+    pub parent: Option<String>,
     pub max_model_len: usize,
 }
 

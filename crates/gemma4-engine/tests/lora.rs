@@ -1,0 +1,127 @@
+//! LoRA adapters through the engine: requests with two adapters and none
+//! batched together, prompts chunked, the prefix cache keyed by adapter,
+//! each request's tokens PEFT's reference greedy ids (`tests/fixtures/lora`).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use gemma4_engine::{
+    CpuExecutor, EngineConfig, EngineHandle, GenerationRequest, SamplingParams, SubmitError,
+};
+use gemma4_model::lora_golden::LoraGolden;
+use gemma4_model::{load_hf_dir, LoraAdapter};
+use gemma4_text::Tokenizer;
+
+mod support;
+use support::{start_executor_on, SEAMS};
+
+fn fixture(target: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/lora")
+        .join(target)
+}
+
+fn request(ids: &[u32], steps: usize, adapter: Option<&str>) -> GenerationRequest {
+    GenerationRequest {
+        prompt_ids: ids.to_vec(),
+        params: SamplingParams {
+            max_tokens: steps,
+            ..Default::default()
+        },
+        deadline: None,
+        soft_prompt: None,
+        reading: Default::default(),
+        adapter: adapter.map(str::to_string),
+    }
+}
+
+/// Every (run, prompt) of the golden: the adapter's name (none for the
+/// base run), the prompt and the reference's greedy ids.
+fn cases(golden: &LoraGolden) -> Vec<(Option<String>, Vec<u32>, Vec<u32>)> {
+    let mut out: Vec<_> = golden
+        .base
+        .prompts
+        .iter()
+        .map(|p| (None, p.input_ids.clone(), p.greedy_ids.clone()))
+        .collect();
+    for a in &golden.adapters {
+        out.extend(a.prompts.iter().map(|p| {
+            (
+                Some(a.name.clone()),
+                p.input_ids.clone(),
+                p.greedy_ids.clone(),
+            )
+        }));
+    }
+    out
+}
+
+/// Submits every case at once and checks each against its reference.
+fn run_wave(engine: &EngineHandle, cases: &[(Option<String>, Vec<u32>, Vec<u32>)], what: &str) {
+    let streams: Vec<_> = cases
+        .iter()
+        .map(|(adapter, ids, want)| {
+            engine
+                .submit(request(ids, want.len(), adapter.as_deref()))
+                .expect("submit")
+        })
+        .collect();
+    for (stream, (adapter, _, want)) in streams.into_iter().zip(cases) {
+        let (ids, _) = stream.blocking_finish().expect("finished");
+        assert_eq!(&ids, want, "{what}: adapter {adapter:?}");
+    }
+}
+
+#[test]
+fn adapters_and_base_batched_chunked_and_cached_match_peft() {
+    for target in ["e-style", "dense-k-eq-v"] {
+        let dir = fixture(target);
+        let golden = LoraGolden::read(&dir.join("golden.json")).expect("golden");
+        let cases = cases(&golden);
+        for seam in SEAMS {
+            let model = load_hf_dir(&dir.join("target")).expect("target");
+            let adapters: Vec<LoraAdapter> = golden
+                .adapters
+                .iter()
+                .map(|a| LoraAdapter::load(&a.name, &dir.join(&a.folder), model.config()).unwrap())
+                .collect();
+            let executor = CpuExecutor::new(model)
+                .with_adapters(adapters)
+                .expect("adapters");
+            let tokenizer = Arc::new(Tokenizer::from_dir(&dir.join("target")).expect("tokenizer"));
+            let engine = start_executor_on(
+                seam,
+                executor,
+                tokenizer,
+                EngineConfig {
+                    max_model_len: 128,
+                    block_size: 4,
+                    // Prompts run in chunks, several sequences per step.
+                    max_batch_tokens: 24,
+                    ..EngineConfig::default()
+                },
+            );
+            run_wave(&engine, &cases, &format!("{target} {seam:?} first"));
+            // Every prompt's blocks are now cached under each run's key:
+            // a request adopting another adapter's blocks would depart.
+            run_wave(&engine, &cases, &format!("{target} {seam:?} cached"));
+            let unknown = engine.submit(request(&cases[0].1, 4, Some("no-such-adapter")));
+            match unknown {
+                Err(SubmitError::Invalid(why)) => assert!(why.contains("no-such-adapter"), "{why}"),
+                Err(other) => panic!("{other}"),
+                Ok(_) => panic!("an unknown adapter was accepted"),
+            }
+        }
+    }
+}
+
+#[test]
+fn two_adapters_with_one_name_are_refused() {
+    let dir = fixture("e-style");
+    let model = load_hf_dir(&dir.join("target")).expect("target");
+    let load = || LoraAdapter::load("same", &dir.join("adapter-a"), model.config()).unwrap();
+    let (a, b) = (load(), load());
+    let refused = CpuExecutor::new(model).with_adapters(vec![a, b]);
+    let why = refused.err().expect("refused").to_string();
+    assert!(why.contains("same"), "{why}");
+}
