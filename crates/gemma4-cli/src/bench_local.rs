@@ -7,6 +7,11 @@
 //! a prompt of `-p` random token ids run in one step, then `-n` greedy
 //! tokens. Prompt speed is `p` over the time to the first token; generation
 //! speed is `n - 1` over the time from the first token to the last.
+//!
+//! With a LoRA adapter (`--lora`, or `--lora-rank R` for a random one on
+//! every projection) each repetition runs the request twice, without and
+//! with the adapter, in turn, and the report gives the adapter's rates
+//! beside the base model's and their ratio.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -18,6 +23,7 @@ use gemma4_engine::{
 };
 use serde::Serialize;
 
+use crate::lora::LoraArgs;
 use crate::model_io::{load_model, load_tokenizer, release_freed_memory, ModelArgs};
 use crate::speculative::{self, SpeculativeArgs};
 
@@ -27,6 +33,13 @@ pub struct LocalArgs {
     model: ModelArgs,
     #[command(flatten)]
     speculative: SpeculativeArgs,
+    /// A LoRA adapter to time against the base model (one).
+    #[command(flatten)]
+    lora: LoraArgs,
+    /// Time a random LoRA adapter of this rank on every projection against
+    /// the base model.
+    #[arg(long, value_name = "R", conflicts_with = "lora")]
+    lora_rank: Option<usize>,
     /// Prompt tokens per repetition (0 skips the prompt test; one token still starts generation).
     #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
     n_prompt: usize,
@@ -95,6 +108,20 @@ struct LocalReport {
     speculation: Option<SpeculationFigures>,
     #[serde(skip_serializing_if = "Option::is_none")]
     roofline: Option<Roofline>,
+    /// The adapter's tests, timed in turn with the base model's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    adapter: Option<AdapterFigures>,
+}
+
+/// A LoRA adapter's rates beside the base model's.
+#[derive(Serialize)]
+struct AdapterFigures {
+    name: String,
+    max_rank: usize,
+    bytes: usize,
+    tests: Vec<Figure>,
+    /// Per test, the adapter's mean rate over the base model's.
+    ratios: Vec<f64>,
 }
 
 pub fn run(args: LocalArgs) -> Result<ExitCode> {
@@ -124,17 +151,48 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         speculative: drafting,
         ..EngineConfig::default()
     };
-    let executor = args.speculative.executor(model, args.model.policy())?;
+    let mut adapters = args.lora.load(model.config(), None)?;
+    if let Some(rank) = args.lora_rank {
+        let name = format!("random-rank-{rank}");
+        adapters.push(gemma4_model::LoraAdapter::random(
+            &name,
+            model.config(),
+            rank,
+            args.seed,
+        )?);
+    }
+    if adapters.len() > 1 {
+        bail!("bench local times one LoRA adapter against the base model; give --lora once");
+    }
+    let adapter = adapters
+        .first()
+        .map(|a| (a.name().to_string(), a.max_rank(), a.bytes()));
+    let executor = args
+        .speculative
+        .executor(model, args.model.policy())?
+        .with_adapters(adapters)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let engine = gemma4_engine::start_with(Box::new(executor), tokenizer, config)
         .context("cannot start the engine")?;
     let prompt = random_ids(args.seed, prompt_len, vocab);
     let bandwidth_before = args.bandwidth.then(measure_bandwidth);
     let mut prompt_rates = Vec::new();
     let mut gen_rates = Vec::new();
+    let mut adapter_rates = (Vec::new(), Vec::new());
     for rep in 0..=args.repetitions {
-        let run = one_run(&engine, &prompt, args.n_gen.max(1))?;
+        let run = one_run(&engine, &prompt, args.n_gen.max(1), None)?;
+        let with_adapter = match &adapter {
+            Some((name, ..)) => Some(one_run(&engine, &prompt, args.n_gen.max(1), Some(name))?),
+            None => None,
+        };
         if rep == 0 {
             continue; // warm-up: pages the weights in, sizes the buffers
+        }
+        if let Some(a) = with_adapter {
+            adapter_rates.0.push(prompt_len as f64 / a.first_token_s);
+            if args.n_gen >= 2 {
+                adapter_rates.1.push((args.n_gen - 1) as f64 / a.decode_s);
+            }
         }
         drafts.draft_tokens += run.drafts.draft_tokens;
         drafts.accepted_tokens += run.drafts.accepted_tokens;
@@ -167,6 +225,35 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         }
         tests.push(tg);
     }
+    let adapter = adapter.map(|(name, max_rank, bytes)| {
+        let mut figures = Vec::new();
+        if args.n_prompt > 0 {
+            figures.push(figure(
+                format!("pp{}", args.n_prompt),
+                args.n_prompt,
+                adapter_rates.0,
+            ));
+        }
+        if args.n_gen >= 2 {
+            figures.push(figure(
+                format!("tg{}", args.n_gen),
+                args.n_gen,
+                adapter_rates.1,
+            ));
+        }
+        let ratios = figures
+            .iter()
+            .zip(&tests)
+            .map(|(a, b)| a.mean / b.mean)
+            .collect();
+        AdapterFigures {
+            name,
+            max_rank,
+            bytes,
+            tests: figures,
+            ratios,
+        }
+    });
     let out = LocalReport {
         model: path.display().to_string(),
         storage: report
@@ -180,6 +267,7 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         tests,
         peak_rss_mib: peak_rss_bytes() as f64 / MIB,
         roofline,
+        adapter,
         speculation: drafting.map(|_| SpeculationFigures {
             draft_tokens: drafts.draft_tokens,
             accepted_tokens: drafts.accepted_tokens,
@@ -207,8 +295,14 @@ struct Run {
     decode_s: f64,
 }
 
-/// One request: the prompt, then `n` greedy tokens (end-of-sequence ignored).
-fn one_run(engine: &gemma4_engine::EngineHandle, prompt: &[u32], n: usize) -> Result<Run> {
+/// One request: the prompt, then `n` greedy tokens (end-of-sequence
+/// ignored), with the LoRA adapter `adapter` if one is named.
+fn one_run(
+    engine: &gemma4_engine::EngineHandle,
+    prompt: &[u32],
+    n: usize,
+    adapter: Option<&str>,
+) -> Result<Run> {
     let request = GenerationRequest {
         prompt_ids: prompt.to_vec(),
         params: SamplingParams {
@@ -219,7 +313,7 @@ fn one_run(engine: &gemma4_engine::EngineHandle, prompt: &[u32], n: usize) -> Re
         deadline: None,
         soft_prompt: None,
         reading: Default::default(),
-        adapter: None,
+        adapter: adapter.map(str::to_string),
     };
     let t0 = Instant::now();
     let mut stream = engine
@@ -298,6 +392,25 @@ fn print_table(r: &LocalReport) {
             "| {} | {} | {:.2} ± {:.2} |",
             r.threads, t.test, t.mean, t.stddev
         );
+    }
+    if let Some(a) = &r.adapter {
+        println!(
+            "LoRA adapter {} (rank {}, {:.1} MiB), timed in turn with the base model:",
+            a.name,
+            a.max_rank,
+            a.bytes as f64 / MIB
+        );
+        for (t, ratio) in a.tests.iter().zip(&a.ratios) {
+            println!(
+                "| {} | {} lora | {:.2} ± {:.2} | the base model's rate ×{:.3}: a step costs {:.3}× its |",
+                r.threads,
+                t.test,
+                t.mean,
+                t.stddev,
+                ratio,
+                1.0 / ratio
+            );
+        }
     }
     println!("peak RSS: {:.0} MiB", r.peak_rss_mib);
     if let Some(s) = &r.speculation {

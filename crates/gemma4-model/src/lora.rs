@@ -16,12 +16,18 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use gemma4_kernels::float::{widen, FloatMatrix, FloatType};
+use gemma4_kernels::Bytes;
+use gemma4_kernels::WeightMatrix;
 use safetensors::tensor::{Dtype, SafeTensors};
 use serde_json::Value;
 
 use crate::config::{KvSource, TextConfig};
 use crate::error::{ModelError, Result};
+use crate::storage::{with_f32_values, KernelLinear, Linear};
 
 /// The projections an adapter may change, in the order a layer runs them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -74,16 +80,24 @@ impl Projection {
     }
 }
 
-/// One adapted projection: `s · B (A x)`.
+/// One adapted projection: `s · B (A x)`, its factors kept as stored
+/// (f32, bf16 or f16) and multiplied by the float kernels with f32
+/// activations.
 #[derive(Debug)]
 pub struct LoraModule {
     /// `[r, in]`.
-    a: Tensor,
-    /// `[out, r]`.
-    b: Tensor,
+    a: Factor,
+    /// `lora_B` transposed, `[r, out]`: `B (A x)` is then `r` scaled rows
+    /// added up, each read once in order.
+    b_t: StoredFactor,
     scale: f64,
     rank: usize,
 }
+
+/// Activation rows up to which a module's products run on the calling
+/// thread: a decode step's low-rank products are a few thousand
+/// multiply-adds each, less than waking the pool costs.
+const INLINE_ROWS: usize = 8;
 
 impl LoraModule {
     pub fn rank(&self) -> usize {
@@ -95,10 +109,34 @@ impl LoraModule {
         self.scale
     }
 
-    /// `s · B (A x)` for the rows of `x` (`[n, in]` → `[n, out]`).
+    /// `s · B (A x)` for the rows of `x` (`[n, in]` → `[n, out]`); the
+    /// scaling is applied to the `[n, r]` product.
     pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
-        let low = x.matmul(&self.a.t()?)?;
-        Ok((low.matmul(&self.b.t()?)? * self.scale)?)
+        let n = x.dim(0)?;
+        let [rank, out] = self.b_t.shape;
+        if n > INLINE_ROWS {
+            // Many rows: both products as matrix products.
+            let low = (self.a.linear.forward(x)? * self.scale)?;
+            let mut b_t = vec![0f32; rank * out];
+            widen(self.b_t.ty, self.b_t.bytes.as_slice(), &mut b_t);
+            let b_t = Tensor::from_vec(b_t, (rank, out), x.device())?;
+            return Ok(low.matmul(&b_t)?);
+        }
+        let a = self.a.matrix.as_ref();
+        let mut low = vec![0f32; n * rank];
+        with_f32_values(&x.contiguous()?, |xs| a.dots(0..rank, xs, n, &mut low))?;
+        let scale = self.scale as f32;
+        let mut delta = vec![0f32; n * out];
+        let mut row = vec![0f32; out];
+        let width = out * self.b_t.ty.size();
+        for (k, bytes) in self.b_t.bytes.as_slice().chunks_exact(width).enumerate() {
+            widen(self.b_t.ty, bytes, &mut row);
+            for (t, d) in delta.chunks_exact_mut(out).enumerate() {
+                let l = low[t * rank + k] * scale;
+                d.iter_mut().zip(&row).for_each(|(d, w)| *d += l * w);
+            }
+        }
+        Ok(Tensor::from_vec(delta, (n, out), x.device())?)
     }
 }
 
@@ -141,28 +179,8 @@ impl LoraAdapter {
                 weights_path.display()
             ))
         })?;
-        let mut halves: HashMap<(usize, Projection), (Option<Tensor>, Option<Tensor>)> =
-            HashMap::new();
         let shown = weights_path.display().to_string();
-        for (tensor_name, view) in file.tensors() {
-            let (layer, proj, is_a) = parse_name(&tensor_name)
-                .map_err(|why| ModelError::Input(format!("{shown}: `{tensor_name}` {why}")))?;
-            let values = f32_values(view.dtype(), view.data())
-                .map_err(|why| ModelError::Input(format!("{shown}: `{tensor_name}` {why}")))?;
-            let shape = view.shape().to_vec();
-            if shape.len() != 2 {
-                return Err(ModelError::Input(format!(
-                    "{shown}: `{tensor_name}` has shape {shape:?}; a LoRA factor is a matrix"
-                )));
-            }
-            let t = Tensor::from_vec(values, (shape[0], shape[1]), &Device::Cpu)?;
-            let entry = halves.entry((layer, proj)).or_default();
-            if is_a {
-                entry.0 = Some(t);
-            } else {
-                entry.1 = Some(t);
-            }
-        }
+        let halves = read_factors(&file, &shown)?;
         if halves.is_empty() {
             return Err(ModelError::Input(format!("{shown} holds no LoRA tensors")));
         }
@@ -183,26 +201,30 @@ impl LoraAdapter {
             };
             let (out, inp) = module_shape(cfg, layer, proj)
                 .map_err(|why| ModelError::Input(format!("{shown}: {module_name} {why}")))?;
-            let rank = a.dim(0)?;
-            if a.dims() != [rank, inp] || b.dims() != [out, rank] {
+            let rank = a.shape[0];
+            if a.shape != [rank, inp] || b.shape != [out, rank] {
                 return Err(ModelError::Input(format!(
                     "{shown}: {module_name} has lora_A {:?} and lora_B {:?}, but the model's \
                      module takes {inp} values to {out} (expected [r, {inp}] and [{out}, r]); \
                      is the adapter for another model?",
-                    a.dims(),
-                    b.dims()
+                    a.shape, b.shape
                 )));
             }
             let scale = settings.scale(&module_name, rank).map_err(|why| {
                 ModelError::Input(format!("{}: {module_name}: {why}", config_path.display()))
             })?;
             max_rank = max_rank.max(rank);
-            total += 4 * rank * (inp + out);
+            total += a.bytes.len() + b.bytes.len();
             let slot = Projection::ALL
                 .iter()
                 .position(|&p| p == proj)
                 .unwrap_or_default();
-            layers[layer][slot] = Some(LoraModule { a, b, scale, rank });
+            layers[layer][slot] = Some(LoraModule {
+                a: a.factor()?,
+                b_t: b.transposed(),
+                scale,
+                rank,
+            });
         }
         Ok(Self {
             name: name.to_string(),
@@ -210,6 +232,53 @@ impl LoraAdapter {
             layers,
             max_rank,
             bytes: total,
+        })
+    }
+
+    /// An adapter of rank `rank` on every projection the model has, with
+    /// random bf16 factors (`seed` fixes them) and scaling 2: what a benchmark
+    /// measures the cost of adapters with, not a fine-tune.
+    pub fn random(name: &str, cfg: &TextConfig, rank: usize, seed: u64) -> Result<Self> {
+        if rank == 0 {
+            return Err(ModelError::Input("a LoRA rank must be at least 1".into()));
+        }
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let mut uniform = move || {
+            // xorshift64*, mapped to [-1, 1)
+            state ^= state >> 12;
+            state ^= state << 25;
+            state ^= state >> 27;
+            let x = state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
+            x as f32 / (1u64 << 23) as f32 - 1.0
+        };
+        let mut layers: Vec<[Option<LoraModule>; 7]> = Vec::new();
+        let mut bytes = 0;
+        for layer in 0..cfg.num_layers() {
+            let mut slots: [Option<LoraModule>; 7] = Default::default();
+            for (slot, proj) in slots.iter_mut().zip(Projection::ALL) {
+                let Ok((out, inp)) = module_shape(cfg, layer, proj) else {
+                    continue;
+                };
+                let a_scale = 1.0 / (inp as f32).sqrt();
+                let a =
+                    StoredFactor::bf16((0..rank * inp).map(|_| uniform() * a_scale), [rank, inp]);
+                let b = StoredFactor::bf16((0..out * rank).map(|_| uniform() * 0.01), [out, rank]);
+                bytes += a.bytes.len() + b.bytes.len();
+                *slot = Some(LoraModule {
+                    a: a.factor()?,
+                    b_t: b.transposed(),
+                    scale: 2.0,
+                    rank,
+                });
+            }
+            layers.push(slots);
+        }
+        Ok(Self {
+            name: name.to_string(),
+            path: PathBuf::new(),
+            layers,
+            max_rank: rank,
+            bytes,
         })
     }
 
@@ -228,7 +297,7 @@ impl LoraAdapter {
         self.max_rank
     }
 
-    /// Bytes its f32 factors hold.
+    /// Bytes its factors hold.
     pub fn bytes(&self) -> usize {
         self.bytes
     }
@@ -335,24 +404,106 @@ fn module_shape(
     })
 }
 
-fn f32_values(dtype: Dtype, data: &[u8]) -> std::result::Result<Vec<f32>, String> {
-    let pairs = || {
-        data.chunks_exact(2)
-            .map(|c| u16::from_le_bytes([c[0], c[1]]))
-    };
-    Ok(match dtype {
-        Dtype::F32 => data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::BF16 => pairs().map(|b| half::bf16::from_bits(b).to_f32()).collect(),
-        Dtype::F16 => pairs().map(|b| half::f16::from_bits(b).to_f32()).collect(),
-        other => {
-            return Err(format!(
-                "is stored as {other:?}; LoRA factors are read in bf16, f16 or f32"
-            ))
+/// A LoRA factor as stored: its bytes, element type and `[rows, cols]`.
+#[derive(Debug)]
+struct StoredFactor {
+    bytes: Bytes,
+    ty: FloatType,
+    shape: [usize; 2],
+}
+
+impl StoredFactor {
+    fn bf16(values: impl Iterator<Item = f32>, shape: [usize; 2]) -> Self {
+        let bytes = values
+            .flat_map(|v| half::bf16::from_f32(v).to_le_bytes())
+            .collect();
+        Self {
+            bytes: Bytes::from_vec(bytes),
+            ty: FloatType::Bf16,
+            shape,
         }
-    })
+    }
+
+    /// The `[cols, rows]` transpose, in the same element type.
+    fn transposed(self) -> Self {
+        let [rows, cols] = self.shape;
+        let size = self.ty.size();
+        let src = self.bytes.as_slice();
+        let mut out = vec![0u8; src.len()];
+        for r in 0..rows {
+            for c in 0..cols {
+                let from = (r * cols + c) * size;
+                let to = (c * rows + r) * size;
+                out[to..to + size].copy_from_slice(&src[from..from + size]);
+            }
+        }
+        Self {
+            bytes: Bytes::from_vec(out),
+            ty: self.ty,
+            shape: [cols, rows],
+        }
+    }
+
+    fn factor(self) -> Result<Factor> {
+        let [rows, cols] = self.shape;
+        let m: Arc<dyn WeightMatrix> = Arc::new(
+            FloatMatrix::new(self.bytes, self.ty, rows, cols).ok_or_else(|| {
+                ModelError::Input(format!("a LoRA factor's bytes are not [{rows}, {cols}]"))
+            })?,
+        );
+        Ok(Factor {
+            linear: Linear::new(Arc::new(KernelLinear::new(m.clone()))),
+            matrix: m,
+        })
+    }
+}
+
+/// A factor's matrix, for products on the calling thread, and the same
+/// matrix as a [`Linear`], for products over the pool.
+#[derive(Debug)]
+struct Factor {
+    matrix: Arc<dyn WeightMatrix>,
+    linear: Linear,
+}
+
+/// Both factors of each adapted projection in an adapter file, by
+/// `(layer, projection)`: `(lora_A, lora_B)`.
+type Halves = HashMap<(usize, Projection), (Option<StoredFactor>, Option<StoredFactor>)>;
+
+fn read_factors(file: &SafeTensors<'_>, shown: &str) -> Result<Halves> {
+    let mut halves = Halves::new();
+    for (tensor_name, view) in file.tensors() {
+        let bad = |why: String| ModelError::Input(format!("{shown}: `{tensor_name}` {why}"));
+        let (layer, proj, is_a) = parse_name(&tensor_name).map_err(bad)?;
+        let ty = match view.dtype() {
+            Dtype::F32 => FloatType::F32,
+            Dtype::BF16 => FloatType::Bf16,
+            Dtype::F16 => FloatType::F16,
+            other => {
+                return Err(bad(format!(
+                    "is stored as {other:?}; LoRA factors are read in bf16, f16 or f32"
+                )))
+            }
+        };
+        let [rows, cols] = view.shape()[..] else {
+            return Err(bad(format!(
+                "has shape {:?}; a LoRA factor is a matrix",
+                view.shape()
+            )));
+        };
+        let factor = StoredFactor {
+            bytes: Bytes::from_vec(view.data().to_vec()),
+            ty,
+            shape: [rows, cols],
+        };
+        let entry = halves.entry((layer, proj)).or_default();
+        if is_a {
+            entry.0 = Some(factor);
+        } else {
+            entry.1 = Some(factor);
+        }
+    }
+    Ok(halves)
 }
 
 /// The parts of `adapter_config.json` that decide the computation.

@@ -232,7 +232,6 @@ async fn model_card(
         .ok_or_else(|| ApiError::not_found(format!("the model `{id}` does not exist")))
 }
 
-/// An absent or empty `model` means the served one; any other name is a 404.
 /// What a request's `model` names: the served model (or no name: `None`),
 /// one of the LoRA adapters (its name), or nothing served here (404).
 pub(crate) fn check_model_name(
@@ -344,7 +343,7 @@ async fn generate(State(state): State<Arc<AppState>>, body: Body) -> Result<Resp
     let req = GenerateRequest::parse(&bytes)?;
     // One plain completion, through the same front.
     let req = CompletionRequest {
-        model: None,
+        model: req.model,
         prompts: vec![req.prompt],
         sampling: req.sampling,
         logprobs: None,
@@ -421,7 +420,11 @@ async fn submit_openai(
     Ok(Submitted {
         generation,
         id,
-        served: state.config.served_model_name.clone(),
+        // The name the request chose: an adapter's, or the served model's.
+        served: job
+            .adapter
+            .clone()
+            .unwrap_or_else(|| state.config.served_model_name.clone()),
         fold,
         streaming: job.streaming,
     })

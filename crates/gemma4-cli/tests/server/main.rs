@@ -8,6 +8,7 @@ mod anthropic;
 mod conformance;
 mod harness;
 mod images;
+mod lora;
 mod mcp;
 mod ollama;
 mod protocol;

@@ -156,16 +156,25 @@ impl McpServer {
             return json!({"models": [{"id": name, "status": self.state.phase().as_str()}]});
         };
         let (info, can) = (&model.info, model.capabilities());
-        json!({"models": [{
-            "id": name,
-            "status": self.state.phase().as_str(),
-            "family": info.family,
-            "format": info.format,
-            "size_bytes": info.size_bytes,
-            "max_model_len": model.max_model_len(),
-            "chat": can.chat,
-            "images": can.images,
-        }]})
+        let entry = |id: &str, parent: Option<&str>| {
+            json!({
+                "id": id,
+                "parent": parent,
+                "status": self.state.phase().as_str(),
+                "family": info.family,
+                "format": info.format,
+                "size_bytes": info.size_bytes,
+                "max_model_len": model.max_model_len(),
+                "chat": can.chat,
+                "images": can.images,
+            })
+        };
+        // The served model, then its LoRA adapters.
+        let mut models = vec![entry(name, None)];
+        for adapter in &model.engine.limits().adapters {
+            models.push(entry(adapter, Some(name)));
+        }
+        json!({"models": models})
     }
 
     fn server_status(&self) -> Value {

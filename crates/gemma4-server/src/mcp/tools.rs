@@ -136,7 +136,7 @@ pub fn declarations() -> Vec<Tool> {
     .with_annotations(read_only.clone());
     let models = Tool::new(
         "list_models",
-        "The model this server runs: its name, family, file format, size and context length.",
+        "The model this server runs (its name, family, file format, size and context length), then its LoRA adapters (with the model as `parent`), each a name a request may give as `model`.",
         object(json!({"type": "object", "properties": {}})),
     )
     .with_annotations(read_only.clone());

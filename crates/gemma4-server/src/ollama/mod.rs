@@ -162,6 +162,11 @@ fn chat_fields(f: &Fields, route: Route, max_model_len: usize) -> Result<Fields,
         }
     }
     let mut body = Map::new();
+    // The served model or one of its LoRA adapters, as the chat front names it.
+    if let Some(name) = f.string("model")?.filter(|m| !m.is_empty()) {
+        let name = name.strip_suffix(":latest").unwrap_or(name);
+        body.insert("model".into(), json!(name));
+    }
     let messages = match route {
         Route::Chat => chat_messages(f)?,
         Route::Generate => generate_messages(f)?,
@@ -364,9 +369,15 @@ fn image_type(head: &[u8]) -> &'static str {
 
 /// The served model as Ollama's listings describe it.
 fn model_entry(state: &AppState, model: &ModelContext) -> Value {
+    named_entry(&state.config.served_model_name, None, model)
+}
+
+/// An entry of Ollama's listings: the served model, or one of its LoRA
+/// adapters with the served model as `parent_model`.
+fn named_entry(name: &str, parent: Option<&str>, model: &ModelContext) -> Value {
     let info = &model.info;
-    let name = &state.config.served_model_name;
     let details = json!({
+        "parent_model": parent.unwrap_or_default(),
         "format": info.format,
         "family": info.family,
         "families": [info.family],
@@ -390,10 +401,15 @@ fn loaded(state: &AppState) -> Result<Arc<ModelContext>, ApiError> {
     })
 }
 
-/// `GET /api/tags`: the served model.
+/// `GET /api/tags`: the served model and its LoRA adapters.
 pub async fn tags(State(state): State<Arc<AppState>>) -> Result<Json<Value>, OllamaError> {
     let model = loaded(&state)?;
-    Ok(Json(json!({"models": [model_entry(&state, &model)]})))
+    let served = &state.config.served_model_name;
+    let mut models = vec![model_entry(&state, &model)];
+    for name in &model.engine.limits().adapters {
+        models.push(named_entry(name, Some(served), &model));
+    }
+    Ok(Json(json!({"models": models})))
 }
 
 /// `GET /api/ps`: the served model, loaded for as long as the server runs.

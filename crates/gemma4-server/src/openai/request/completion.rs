@@ -121,6 +121,8 @@ fn parse_prompts(v: Option<&Value>) -> Result<Vec<Prompt>, ApiError> {
 /// `POST /generate`: one prompt, one answer.
 #[derive(Debug, Clone)]
 pub struct GenerateRequest {
+    /// The served model or one of its LoRA adapters.
+    pub model: Option<String>,
     pub prompt: Prompt,
     pub sampling: Sampling,
 }
@@ -157,7 +159,11 @@ impl GenerateRequest {
             )
             .with_param("n"));
         }
-        Ok(Self { prompt, sampling })
+        Ok(Self {
+            model: f.string("model")?.map(str::to_owned),
+            prompt,
+            sampling,
+        })
     }
 }
 
