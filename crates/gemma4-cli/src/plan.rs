@@ -1,5 +1,6 @@
 //! `gemma4 plan`: memory plan from the configuration alone.
 
+use crate::lora::LoraArgs;
 use std::path::Path;
 use std::process::ExitCode;
 
@@ -42,6 +43,10 @@ pub struct Args {
     /// published figures), f32 (what `serve` uses by default) for the resident prediction].
     #[arg(long, value_parser = |s: &str| s.parse::<KvDtype>())]
     kv_dtype: Option<KvDtype>,
+    /// LoRA adapters `serve --lora` would load (read and checked against
+    /// the model, counted in the resident prediction).
+    #[command(flatten)]
+    lora: LoraArgs,
 }
 
 /// Parses `16GiB`, `24G`, `512MiB`, `1e9`, or plain bytes.
@@ -128,6 +133,12 @@ fn resident_of_load(
     )?;
     estimate.media =
         images.map_or(0, |(_, r)| r.resident_bytes) + audio.map_or(0, |(_, r)| r.resident_bytes);
+    estimate.adapters = args
+        .lora
+        .load(cfg, None)?
+        .iter()
+        .map(|a| a.bytes() as u64)
+        .sum();
     Ok(Some(estimate))
 }
 
@@ -162,6 +173,7 @@ pub fn run(args: Args) -> Result<ExitCode> {
                 "kv_bytes": r.kv,
                 "runtime_bytes": r.runtime,
                 "media_encoders_bytes": r.media,
+                "lora_adapters_bytes": r.adapters,
                 "max_model_len": ctx,
                 "max_num_seqs": args.max_num_seqs,
                 "quant": args.quant.name(),
@@ -268,6 +280,9 @@ pub fn run(args: Args) -> Result<ExitCode> {
         println!("  tokenizer, activations  {:>12}", human(r.runtime as f64));
         if r.media > 0 {
             println!("  vision and audio towers {:>12}", human(r.media as f64));
+        }
+        if r.adapters > 0 {
+            println!("  LoRA adapters           {:>12}", human(r.adapters as f64));
         }
         println!("  predicted peak          {:>12}", human(r.total() as f64));
     }

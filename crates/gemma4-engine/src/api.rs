@@ -255,6 +255,18 @@ pub enum SubmitError {
     Stopped,
 }
 
+/// One LoRA adapter's requests, for `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AdapterLoad {
+    pub name: String,
+    /// Requests being generated (admitted, preempted ones included).
+    pub running: usize,
+    /// Requests not yet admitted.
+    pub waiting: usize,
+    /// Requests submitted with it since the engine started.
+    pub requests: u64,
+}
+
 /// A point-in-time view of the engine for `/metrics` and `/health`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct EngineStats {

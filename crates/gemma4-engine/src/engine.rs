@@ -20,7 +20,9 @@ use gemma4_model::plan::group_pool_blocks;
 use gemma4_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use crate::api::{EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, Usage};
+use crate::api::{
+    AdapterLoad, EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, Usage,
+};
 #[cfg(feature = "fault-injection")]
 use crate::executor::ScheduledChunk;
 use crate::executor::{Executor, KvLayout, NewRequest, SeqOutput, StepPlan};
@@ -123,6 +125,8 @@ struct Pending {
 
 struct Shared {
     stats: Mutex<EngineStats>,
+    /// Per LoRA adapter, in the executor's order.
+    adapters: Mutex<Vec<AdapterLoad>>,
     waiting: AtomicUsize,
     draining: AtomicBool,
     stopped: AtomicBool,
@@ -253,6 +257,15 @@ impl EngineHandle {
             return Err("the engine thread has stopped".into());
         }
         Ok(())
+    }
+
+    /// Requests per LoRA adapter, in the executor's order.
+    pub fn adapter_load(&self) -> Vec<AdapterLoad> {
+        self.shared
+            .adapters
+            .lock()
+            .map(|a| a.clone())
+            .unwrap_or_default()
     }
 
     pub fn stats(&self) -> EngineStats {
@@ -419,6 +432,16 @@ pub(crate) fn start_worker(
             kv_block_size: bs,
             ..Default::default()
         }),
+        adapters: Mutex::new(
+            facts
+                .adapters
+                .iter()
+                .map(|a| AdapterLoad {
+                    name: a.name.clone(),
+                    ..AdapterLoad::default()
+                })
+                .collect(),
+        ),
         waiting: AtomicUsize::new(0),
         draining: AtomicBool::new(false),
         stopped: AtomicBool::new(false),
@@ -492,6 +515,8 @@ struct Live {
     /// Left the wait queue for the first time (later re-queues are preemptions).
     admitted: bool,
     speculation: DraftCounts,
+    /// Index of its LoRA adapter.
+    adapter: Option<usize>,
 }
 
 struct Worker {
@@ -630,6 +655,7 @@ impl Worker {
                         generated: 0,
                         admitted: false,
                         speculation: DraftCounts::default(),
+                        adapter: None,
                     },
                 );
                 let _ = self.output.send(OutputMsg::Start {
@@ -660,6 +686,14 @@ impl Worker {
                     speculative,
                     adapter: adapter.map(|(index, _)| index),
                 });
+                if let (Some(l), Some((index, _))) = (self.live.get_mut(&id), adapter) {
+                    l.adapter = Some(index);
+                    if let Ok(mut loads) = self.shared.adapters.lock() {
+                        if let Some(load) = loads.get_mut(index) {
+                            load.requests += 1;
+                        }
+                    }
+                }
                 let key = adapter.map(|(index, name)| AdapterKey {
                     id: index as u32 + 1,
                     name: name.into(),
@@ -906,6 +940,20 @@ impl Worker {
             s.executor_requests = executor.requests;
             s.speculation = self.speculation;
             s.drafting_ns = executor.drafting_ns;
+        }
+        if let Ok(mut loads) = self.shared.adapters.lock() {
+            for load in loads.iter_mut() {
+                load.running = 0;
+                load.waiting = 0;
+            }
+            for l in self.live.values() {
+                if let Some(load) = l.adapter.and_then(|i| loads.get_mut(i)) {
+                    match l.admitted {
+                        true => load.running += 1,
+                        false => load.waiting += 1,
+                    }
+                }
+            }
         }
     }
 }

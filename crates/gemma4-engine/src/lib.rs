@@ -27,8 +27,8 @@ pub mod speculative;
 pub mod threaded_executor;
 
 pub use api::{
-    ConstraintFactory, EngineEvent, EngineStats, FinishReason, GenerationRequest, SamplingParams,
-    SubmitError, ThinkingBudget, TokenConstraint, TokenLogprob, Usage,
+    AdapterLoad, ConstraintFactory, EngineEvent, EngineStats, FinishReason, GenerationRequest,
+    SamplingParams, SubmitError, ThinkingBudget, TokenConstraint, TokenLogprob, Usage,
 };
 #[cfg(feature = "fault-injection")]
 pub use cpu_executor::start_with_fault;

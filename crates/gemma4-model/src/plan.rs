@@ -141,11 +141,13 @@ pub struct ResidentEstimate {
     pub runtime: u64,
     /// The media encoders (vision and audio towers), as they load.
     pub media: u64,
+    /// LoRA adapters' factors, as stored.
+    pub adapters: u64,
 }
 
 impl ResidentEstimate {
     pub fn total(&self) -> u64 {
-        self.weights + self.kv + self.runtime + self.media
+        self.weights + self.kv + self.runtime + self.media + self.adapters
     }
 }
 
@@ -194,6 +196,7 @@ pub fn resident_estimate(
         kv,
         runtime: PROCESS_BASE + TOKENIZER_PER_ENTRY * cfg.vocab_size as u64 + activations + logits,
         media: 0,
+        adapters: 0,
     }
 }
 

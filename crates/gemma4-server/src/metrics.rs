@@ -6,21 +6,25 @@
 //! Beside ours, the gauges a Kubernetes endpoint picker (llm-d, the Gateway
 //! API Inference Extension) reads from every replica, by vLLM's names and
 //! meanings and with its `model_name` label, so a fleet of gemma4 servers is
-//! routed and scaled as a fleet of vLLM servers would be.
+//! routed and scaled as a fleet of vLLM servers would be: among them
+//! `vllm:lora_requests_info`, which names the LoRA adapters with running and
+//! waiting requests, as the pickers' LoRA affinity reads it.
 
 use std::sync::Mutex;
 use std::time::Duration;
 
-use gemma4_engine::EngineStats;
+use gemma4_engine::{AdapterLoad, EngineStats};
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 /// Every metric the server exports.
 pub struct Metrics {
     registry: Registry,
     requests: IntCounterVec,
+    /// Generation requests per LoRA adapter.
+    lora_requests: IntCounterVec,
     finished: IntCounterVec,
     prompt_tokens: IntCounter,
     generation_tokens: IntCounter,
@@ -55,6 +59,8 @@ pub struct Metrics {
 pub struct EngineSnapshot {
     pub stats: EngineStats,
     pub kv_cache_bytes: usize,
+    /// Per LoRA adapter the engine holds.
+    pub adapters: Vec<AdapterLoad>,
 }
 
 /// The vLLM-named gauges endpoint pickers read.
@@ -72,6 +78,10 @@ struct VllmGauges {
     spec_drafts: IntCounter,
     spec_draft_tokens: IntCounter,
     spec_accepted_tokens: IntCounter,
+    /// The time of the scrape, under labels naming the adapters with
+    /// running and waiting requests (comma-separated) and how many adapters
+    /// the server holds: vLLM's one current series.
+    lora_info: GaugeVec,
 }
 
 impl VllmGauges {
@@ -106,6 +116,14 @@ impl VllmGauges {
         register(Box::new(kv_usage.clone()))?;
         register(Box::new(gpu_cache_usage.clone()))?;
         register(Box::new(cache_config.clone()))?;
+        let lora_info = GaugeVec::new(
+            opts(
+                "vllm:lora_requests_info",
+                "Running and waiting requests' LoRA adapters (labels); the value is the time of the update",
+            ),
+            &["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )?;
+        register(Box::new(lora_info.clone()))?;
         let spec_counter = |name: &str, help: &str| -> prometheus::Result<IntCounter> {
             let c = IntCounter::with_opts(opts(name, help))?;
             register(Box::new(c.clone()))?;
@@ -117,6 +135,7 @@ impl VllmGauges {
             kv_usage,
             gpu_cache_usage,
             cache_config,
+            lora_info,
             spec_drafts: spec_counter(
                 "vllm:spec_decode_num_drafts_total",
                 "Steps that verified drafted tokens (speculative decoding)",
@@ -138,6 +157,26 @@ impl VllmGauges {
         up_to(&self.spec_drafts, s.speculation.drafts);
         up_to(&self.spec_draft_tokens, s.speculation.draft_tokens);
         up_to(&self.spec_accepted_tokens, s.speculation.accepted_tokens);
+    }
+
+    /// One series, labelled with the adapters now running and waiting.
+    fn set_adapters(&self, adapters: &[AdapterLoad]) {
+        let names = |busy: fn(&AdapterLoad) -> bool| {
+            adapters
+                .iter()
+                .filter(|a| busy(a))
+                .map(|a| a.name.as_str())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        let (running, waiting) = (names(|a| a.running > 0), names(|a| a.waiting > 0));
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        self.lora_info.reset();
+        self.lora_info
+            .with_label_values(&[adapters.len().to_string().as_str(), &running, &waiting])
+            .set(now);
     }
 
     fn set(&self, s: &EngineStats) {
@@ -210,6 +249,12 @@ impl Metrics {
                 "gemma4_http_requests_total",
                 "HTTP requests by route and status code",
                 &["route", "status"],
+            )?,
+            lora_requests: counter_vec(
+                &r,
+                "gemma4_lora_requests_total",
+                "Generation requests run with each LoRA adapter",
+                &["adapter"],
             )?,
             finished: counter_vec(
                 &r,
@@ -417,7 +462,14 @@ impl Metrics {
             self.kv_block_size.set(s.kv_block_size as i64);
             self.kv_cache_bytes.set(e.kv_cache_bytes as i64);
             self.vllm.set(&s);
+            if !e.adapters.is_empty() {
+                self.vllm.set_adapters(&e.adapters);
+            }
             if let Ok(_lock) = self.mirror.lock() {
+                for a in &e.adapters {
+                    let c = self.lora_requests.with_label_values(&[a.name.as_str()]);
+                    c.inc_by(a.requests.saturating_sub(c.get()));
+                }
                 self.prefix_hits
                     .inc_by(s.prefix_cache_hits.saturating_sub(self.prefix_hits.get()));
                 self.prefix_hit_tokens.inc_by(
@@ -484,10 +536,29 @@ mod tests {
             },
             ..Default::default()
         };
+        let adapters = vec![
+            AdapterLoad {
+                name: "tone".into(),
+                running: 1,
+                waiting: 0,
+                requests: 4,
+            },
+            AdapterLoad {
+                name: "legal".into(),
+                running: 1,
+                waiting: 2,
+                requests: 3,
+            },
+            AdapterLoad {
+                name: "idle".into(),
+                ..AdapterLoad::default()
+            },
+        ];
         let text = m.render(
             Some(EngineSnapshot {
                 stats,
                 kv_cache_bytes: 1024,
+                adapters: adapters.clone(),
             }),
             1,
             true,
@@ -517,6 +588,9 @@ mod tests {
             "vllm:kv_cache_usage_perc{model_name=\"gemma4\"} 0.4",
             "vllm:gpu_cache_usage_perc{model_name=\"gemma4\"} 0.4",
             "vllm:cache_config_info{block_size=\"16\",model_name=\"gemma4\",num_gpu_blocks=\"10\"} 1",
+            "vllm:lora_requests_info{max_lora=\"3\",model_name=\"gemma4\",running_lora_adapters=\"tone,legal\",waiting_lora_adapters=\"legal\"} ",
+            "gemma4_lora_requests_total{adapter=\"tone\"} 4",
+            "gemma4_lora_requests_total{adapter=\"legal\"} 3",
         ] {
             assert!(text.contains(needle), "missing {needle} in\n{text}");
         }
@@ -525,11 +599,15 @@ mod tests {
             Some(EngineSnapshot {
                 stats,
                 kv_cache_bytes: 1024,
+                adapters,
             }),
             0,
             true,
         );
         assert!(text.contains("gemma4_prefix_cache_hits_total 5"));
+        assert!(text.contains("gemma4_lora_requests_total{adapter=\"tone\"} 4"));
+        // One current series: the labels of the last scrape only.
+        assert_eq!(text.matches("vllm:lora_requests_info{").count(), 1);
     }
 
     #[test]

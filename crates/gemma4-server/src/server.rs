@@ -287,6 +287,7 @@ impl AppState {
         let engine = self.model.get().map(|m| EngineSnapshot {
             stats: m.engine.stats(),
             kv_cache_bytes: m.engine.kv_plan().total_bytes,
+            adapters: m.engine.adapter_load(),
         });
         self.metrics
             .render(engine, self.active.count(), self.phase() == Phase::Ready)

@@ -67,6 +67,15 @@ fn each_adapter_answers_with_its_reference_tokens_on_every_front() {
         );
         texts.push(r.json()["response"].as_str().expect("text").to_string());
     }
+    // Four requests each, counted per adapter; nothing runs or waits now.
+    let metrics = server.get("/metrics").body;
+    for needle in [
+        "gemma4_lora_requests_total{adapter=\"adapter-a\"} 4",
+        "gemma4_lora_requests_total{adapter=\"adapter-b\"} 4",
+        "vllm:lora_requests_info{max_lora=\"2\",model_name=\"base\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"}",
+    ] {
+        assert!(metrics.contains(needle), "no {needle} in\n{metrics}");
+    }
     // The official clients, each naming the adapter as its model.
     let url = server.url();
     let prompt_ids = g["base"]["prompts"][0]["input_ids"].to_string();
