@@ -151,19 +151,7 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         speculative: drafting,
         ..EngineConfig::default()
     };
-    let mut adapters = args.lora.load(model.config(), None)?;
-    if let Some(rank) = args.lora_rank {
-        let name = format!("random-rank-{rank}");
-        adapters.push(gemma4_model::LoraAdapter::random(
-            &name,
-            model.config(),
-            rank,
-            args.seed,
-        )?);
-    }
-    if adapters.len() > 1 {
-        bail!("bench local times one LoRA adapter against the base model; give --lora once");
-    }
+    let adapters = adapters_to_time(&args, model.config())?;
     let adapter = adapters
         .first()
         .map(|a| (a.name().to_string(), a.max_rank(), a.bytes()));
@@ -176,9 +164,7 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         .context("cannot start the engine")?;
     let prompt = random_ids(args.seed, prompt_len, vocab);
     let bandwidth_before = args.bandwidth.then(measure_bandwidth);
-    let mut prompt_rates = Vec::new();
-    let mut gen_rates = Vec::new();
-    let mut adapter_rates = (Vec::new(), Vec::new());
+    let (mut base_rates, mut adapter_rates) = (Rates::default(), Rates::default());
     for rep in 0..=args.repetitions {
         let run = one_run(&engine, &prompt, args.n_gen.max(1), None)?;
         let with_adapter = match &adapter {
@@ -188,59 +174,33 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         if rep == 0 {
             continue; // warm-up: pages the weights in, sizes the buffers
         }
-        if let Some(a) = with_adapter {
-            adapter_rates.0.push(prompt_len as f64 / a.first_token_s);
-            if args.n_gen >= 2 {
-                adapter_rates.1.push((args.n_gen - 1) as f64 / a.decode_s);
-            }
-        }
         drafts.draft_tokens += run.drafts.draft_tokens;
         drafts.accepted_tokens += run.drafts.accepted_tokens;
-        prompt_rates.push(prompt_len as f64 / run.first_token_s);
-        if args.n_gen >= 2 {
-            gen_rates.push((args.n_gen - 1) as f64 / run.decode_s);
+        base_rates.add(&run, prompt_len, args.n_gen);
+        if let Some(a) = with_adapter {
+            adapter_rates.add(&a, prompt_len, args.n_gen);
         }
     }
-    let mut tests = Vec::new();
-    if args.n_prompt > 0 {
-        tests.push(figure(
-            format!("pp{}", args.n_prompt),
-            args.n_prompt,
-            prompt_rates,
-        ));
-    }
-    let mut roofline = None;
-    if args.n_gen >= 2 {
-        let tg = figure(format!("tg{}", args.n_gen), args.n_gen, gen_rates);
-        if let Some(before) = bandwidth_before {
+    let tests = base_rates.figures(&args);
+    let roofline = match (
+        bandwidth_before,
+        tests.iter().find(|t| t.test.starts_with("tg")),
+    ) {
+        (Some(before), Some(tg)) => {
             let after = measure_bandwidth();
             let bytes = report.resident_bytes;
             let roof = before.max(after) / bytes.max(1) as f64;
-            roofline = Some(Roofline {
+            Some(Roofline {
                 bandwidth_gb_s: [before / 1e9, after / 1e9],
                 bytes_per_token: bytes,
                 roofline_tok_s: roof,
                 fraction: tg.mean / roof,
-            });
+            })
         }
-        tests.push(tg);
-    }
+        _ => None,
+    };
     let adapter = adapter.map(|(name, max_rank, bytes)| {
-        let mut figures = Vec::new();
-        if args.n_prompt > 0 {
-            figures.push(figure(
-                format!("pp{}", args.n_prompt),
-                args.n_prompt,
-                adapter_rates.0,
-            ));
-        }
-        if args.n_gen >= 2 {
-            figures.push(figure(
-                format!("tg{}", args.n_gen),
-                args.n_gen,
-                adapter_rates.1,
-            ));
-        }
+        let figures = adapter_rates.figures(&args);
         let ratios = figures
             .iter()
             .zip(&tests)
@@ -282,6 +242,57 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
 }
 
 const MIB: f64 = 1024.0 * 1024.0;
+
+/// The LoRA adapter to time: `--lora`, or a random one of `--lora-rank`.
+fn adapters_to_time(
+    args: &LocalArgs,
+    cfg: &gemma4_model::TextConfig,
+) -> Result<Vec<gemma4_model::LoraAdapter>> {
+    let mut adapters = args.lora.load(cfg, None)?;
+    if let Some(rank) = args.lora_rank {
+        let name = format!("random-rank-{rank}");
+        adapters.push(gemma4_model::LoraAdapter::random(
+            &name, cfg, rank, args.seed,
+        )?);
+    }
+    if adapters.len() > 1 {
+        bail!("bench local times one LoRA adapter against the base model; give --lora once");
+    }
+    Ok(adapters)
+}
+
+/// Prompt and generation rates of the timed runs.
+#[derive(Default)]
+struct Rates {
+    prompt: Vec<f64>,
+    generation: Vec<f64>,
+}
+
+impl Rates {
+    fn add(&mut self, run: &Run, prompt_len: usize, n_gen: usize) {
+        self.prompt.push(prompt_len as f64 / run.first_token_s);
+        if n_gen >= 2 {
+            self.generation.push((n_gen - 1) as f64 / run.decode_s);
+        }
+    }
+
+    /// The tests `args` asks for: `pp` unless `-p 0`, `tg` from `-n 2`.
+    fn figures(self, args: &LocalArgs) -> Vec<Figure> {
+        let mut out = Vec::new();
+        if args.n_prompt > 0 {
+            let test = format!("pp{}", args.n_prompt);
+            out.push(figure(test, args.n_prompt, self.prompt));
+        }
+        if args.n_gen >= 2 {
+            out.push(figure(
+                format!("tg{}", args.n_gen),
+                args.n_gen,
+                self.generation,
+            ));
+        }
+        out
+    }
+}
 
 /// Bytes per second the kernels' threads read together (the buffer is
 /// freed before anything else runs).

@@ -14,7 +14,7 @@ use tokio::sync::oneshot;
 
 use crate::lora::LoraArgs;
 use crate::model_io::ModelArgs;
-use crate::serve::{init_logging, load, model_name, run_async, seconds, MediaArgs};
+use crate::serve::{init_logging, model_name, run_async, seconds, spawn_load, LoadArgs, MediaArgs};
 use crate::speculative::SpeculativeArgs;
 
 #[derive(clap::Args)]
@@ -89,22 +89,14 @@ async fn serve(args: Args) -> Result<ExitCode> {
     };
     let (tx, loaded) = oneshot::channel();
     let model_args = args.model.clone();
-    let speculative = args.speculative.clone();
-    let lora = args.lora.clone();
-    let served = server.config().served_model_name.clone();
-    std::thread::Builder::new()
-        .name("gemma4-load".into())
-        .spawn(move || {
-            let adapters = (&lora, served.as_str());
-            let _ = tx.send(load(
-                &model_args,
-                &media,
-                &speculative,
-                adapters,
-                engine_config,
-            ));
-        })
-        .context("cannot start the model-loading thread")?;
+    let what = LoadArgs {
+        model: model_args,
+        media,
+        speculative: args.speculative.clone(),
+        lora: args.lora.clone(),
+        served: server.config().served_model_name.clone(),
+    };
+    spawn_load(what, engine_config, tx)?;
     let ready = {
         let server = server.clone();
         async move {

@@ -377,22 +377,14 @@ async fn serve(args: Args) -> Result<ExitCode> {
         encoder_budget: args.encoder_budget.map(|n| n.max(1)),
         speculative: args.speculative.config()?,
     };
-    let speculative = args.speculative.clone();
-    let lora = args.lora.clone();
-    let served = server.config().served_model_name.clone();
-    std::thread::Builder::new()
-        .name("gemma4-load".into())
-        .spawn(move || {
-            let adapters = (&lora, served.as_str());
-            let _ = tx.send(load(
-                &model_args,
-                &media,
-                &speculative,
-                adapters,
-                engine_config,
-            ));
-        })
-        .context("cannot start the model-loading thread")?;
+    let what = LoadArgs {
+        model: model_args,
+        media,
+        speculative: args.speculative.clone(),
+        lora: args.lora.clone(),
+        served: server.config().served_model_name.clone(),
+    };
+    spawn_load(what, engine_config, tx)?;
     tokio::select! {
         loaded = rx => {
             let model = loaded.context("the model-loading thread failed")??;
@@ -489,15 +481,35 @@ fn model_info(checkpoint: &Path, family: &str) -> gemma4_server::ModelInfo {
     }
 }
 
-pub(crate) fn load(
-    model_args: &ModelArgs,
-    media: &MediaArgs,
-    speculative: &SpeculativeArgs,
-    (lora, served): (&LoraArgs, &str),
-    mut engine_config: EngineConfig,
-) -> Result<ModelContext> {
+/// What the loading thread loads: the model, its towers, its assistant and
+/// its LoRA adapters (`served`: the name requests give the model itself).
+pub(crate) struct LoadArgs {
+    pub model: ModelArgs,
+    pub media: MediaArgs,
+    pub speculative: SpeculativeArgs,
+    pub lora: LoraArgs,
+    pub served: String,
+}
+
+/// Loads the model on a thread of its own; the result goes to `tx`.
+pub(crate) fn spawn_load(
+    what: LoadArgs,
+    engine_config: EngineConfig,
+    tx: oneshot::Sender<Result<ModelContext>>,
+) -> Result<()> {
+    std::thread::Builder::new()
+        .name("gemma4-load".into())
+        .spawn(move || {
+            let _ = tx.send(load(&what, engine_config));
+        })
+        .context("cannot start the model-loading thread")?;
+    Ok(())
+}
+
+fn load(what: &LoadArgs, mut engine_config: EngineConfig) -> Result<ModelContext> {
+    let (model_args, media, speculative) = (&what.model, &what.media, &what.speculative);
     let loaded = model_args.load()?;
-    let adapters = lora.load(loaded.model.config(), Some(served))?;
+    let adapters = what.lora.load(loaded.model.config(), Some(&what.served))?;
     let checkpoint = loaded.path.clone();
     let (images, audio) = crate::model_io::load_media_encoders(
         &loaded.path,
