@@ -35,6 +35,18 @@ pub struct Args {
     speculative: SpeculativeArgs,
     #[command(flatten)]
     lora: LoraArgs,
+    /// Serve `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+    /// (vLLM's routes): clients with the API key may load adapters from
+    /// folders on this machine while the server runs.
+    #[arg(long)]
+    allow_runtime_lora: bool,
+    /// LoRA adapters held at once, at most (`--lora` ones and those loaded
+    /// at run time) [default: no limit].
+    #[arg(long, value_name = "N")]
+    max_loras: Option<usize>,
+    /// The largest rank a LoRA adapter may have [default: no limit].
+    #[arg(long, value_name = "R")]
+    max_lora_rank: Option<usize>,
     /// A llama.cpp multimodal projector file (`mmproj` GGUF: Gemma 4's vision
     /// and audio towers) to read images and audio with; it replaces any
     /// towers of the checkpoint.
@@ -282,6 +294,7 @@ async fn serve(args: Args) -> Result<ExitCode> {
         max_tool_calls: args.max_tool_calls,
         mcp: args.mcp.then(|| mcp_hosts(&args.mcp_allowed_hosts)),
         webui: !args.no_webui,
+        runtime_lora: args.allow_runtime_lora,
     };
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");
@@ -376,6 +389,8 @@ async fn serve(args: Args) -> Result<ExitCode> {
         kv_events,
         encoder_budget: args.encoder_budget.map(|n| n.max(1)),
         speculative: args.speculative.config()?,
+        max_loras: args.max_loras,
+        max_lora_rank: args.max_lora_rank,
     };
     let what = LoadArgs {
         model: model_args,

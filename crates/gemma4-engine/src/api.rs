@@ -255,6 +255,29 @@ pub enum SubmitError {
     Stopped,
 }
 
+/// Why a LoRA adapter could not be loaded or unloaded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdapterError {
+    #[error("a LoRA adapter named `{0}` is loaded already; unload it first")]
+    Exists(String),
+    #[error("no LoRA adapter named `{0}` is loaded")]
+    NotFound(String),
+    #[error("the LoRA adapter `{name}` has {requests} request(s) running or waiting; unload it when they end")]
+    InUse { name: String, requests: usize },
+    #[error("{held} LoRA adapters are loaded, the most the server holds (--max-loras); unload one first")]
+    Full { held: usize },
+    #[error("the LoRA adapter `{name}` has rank {rank}, above the largest allowed (--max-lora-rank {max})")]
+    RankTooHigh {
+        name: String,
+        rank: usize,
+        max: usize,
+    },
+    #[error("{0}")]
+    Load(String),
+    #[error("the engine has stopped")]
+    Stopped,
+}
+
 /// One LoRA adapter's requests, for `/metrics`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AdapterLoad {

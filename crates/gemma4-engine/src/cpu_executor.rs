@@ -82,6 +82,16 @@ impl PromptScoring {
 // attention that computes each position as a one-token step does.
 const _: () = assert!(MAX_SPECULATIVE_TOKENS < gemma4_model::IN_PLACE_MAX_QUERIES);
 
+/// What the engine learns of a LoRA adapter the executor holds.
+fn adapter_facts(id: u32, a: &LoraAdapter) -> AdapterFacts {
+    AdapterFacts {
+        id,
+        name: a.name().to_string(),
+        max_rank: a.max_rank(),
+        bytes: a.bytes(),
+    }
+}
+
 /// How long a step with nothing to run waits for an encoding to end.
 const ENCODER_WAIT: Duration = Duration::from_millis(10);
 
@@ -120,8 +130,8 @@ struct RequestState {
     /// For the assistant: how many tokens to draft after this step, from
     /// the target's final-norm row that predicted the last sampled token.
     assistant_turn: Option<(usize, Tensor)>,
-    /// Index of its LoRA adapter.
-    adapter: Option<usize>,
+    /// Id of its LoRA adapter.
+    adapter: Option<u32>,
 }
 
 /// The model's assistant and the target layers whose K/V it reads.
@@ -142,8 +152,8 @@ pub struct CpuExecutor {
     pool: Option<PagedKvPool>,
     requests: HashMap<u64, RequestState>,
     assistant: Option<AssistantDrafter>,
-    /// LoRA adapters, in [`ModelFacts::adapters`] order.
-    adapters: Vec<LoraAdapter>,
+    /// LoRA adapters by id.
+    adapters: Vec<(u32, LoraAdapter)>,
     /// Time the assistant has spent drafting.
     drafting: Duration,
     /// Steps whose batch failed and were run again sequence by sequence.
@@ -232,15 +242,9 @@ impl CpuExecutor {
                 )));
             }
         }
-        self.facts.adapters = adapters
-            .iter()
-            .map(|a| AdapterFacts {
-                name: a.name().to_string(),
-                max_rank: a.max_rank(),
-                bytes: a.bytes(),
-            })
-            .collect();
-        self.adapters = adapters;
+        let held: Vec<(u32, LoraAdapter)> = (1..).zip(adapters).collect();
+        self.facts.adapters = held.iter().map(|(id, a)| adapter_facts(*id, a)).collect();
+        self.adapters = held;
         Ok(self)
     }
 
@@ -737,7 +741,8 @@ impl CpuExecutor {
                 lora: requests
                     .get(&c.seq_id)
                     .and_then(|r| r.adapter)
-                    .and_then(|i| adapters.get(i)),
+                    .and_then(|id| adapters.iter().find(|(held, _)| *held == id))
+                    .map(|(_, a)| a),
             })
             .collect();
         let model = &self.model;
@@ -771,6 +776,38 @@ impl CpuExecutor {
 }
 
 impl Executor for CpuExecutor {
+    fn load_adapter(
+        &mut self,
+        id: u32,
+        name: &str,
+        path: &std::path::Path,
+    ) -> Result<AdapterFacts, ExecutorError> {
+        if self
+            .adapters
+            .iter()
+            .any(|(held, a)| *held == id || a.name() == name)
+        {
+            return Err(ExecutorError(format!(
+                "a LoRA adapter named `{name}` (or numbered {id}) is held already"
+            )));
+        }
+        let adapter = LoraAdapter::load(name, path, self.model.config())
+            .map_err(|e| ExecutorError(e.to_string()))?;
+        let facts = adapter_facts(id, &adapter);
+        self.adapters.push((id, adapter));
+        Ok(facts)
+    }
+
+    fn unload_adapter(&mut self, id: u32) -> Result<(), ExecutorError> {
+        let at = self
+            .adapters
+            .iter()
+            .position(|(held, _)| *held == id)
+            .ok_or_else(|| ExecutorError(format!("no LoRA adapter {id} is held")))?;
+        self.adapters.remove(at);
+        Ok(())
+    }
+
     fn model_facts(&self) -> &ModelFacts {
         &self.facts
     }

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
@@ -20,13 +21,15 @@ use gemma4_model::plan::group_pool_blocks;
 use gemma4_text::Tokenizer;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
+use crate::adapters::Adapters;
 use crate::api::{
-    AdapterLoad, EngineEvent, EngineStats, FinishReason, GenerationRequest, SubmitError, Usage,
+    AdapterError, AdapterLoad, EngineEvent, EngineStats, FinishReason, GenerationRequest,
+    SubmitError, Usage,
 };
 #[cfg(feature = "fault-injection")]
 use crate::executor::ScheduledChunk;
 use crate::executor::{Executor, KvLayout, NewRequest, SeqOutput, StepPlan};
-use crate::kv_manager::{AdapterKey, KvEvent, KvManager};
+use crate::kv_manager::{KvEvent, KvManager};
 use crate::limits::RequestLimits;
 use crate::media::MediaFacts;
 use crate::output_processor::{self, OutputMsg, StopNotice};
@@ -70,6 +73,11 @@ pub struct EngineConfig {
     /// Speculative decoding, for every request that does not ask to decode
     /// plainly.
     pub speculative: Option<SpeculativeConfig>,
+    /// LoRA adapters held at once, at most (those the executor starts
+    /// with and those loaded later); `None`: no limit.
+    pub max_loras: Option<usize>,
+    /// The largest rank a LoRA adapter may have; `None`: no limit.
+    pub max_lora_rank: Option<usize>,
 }
 
 /// Takes the [`KvEvent`]s of each engine step, in order. It runs on the
@@ -98,6 +106,8 @@ impl Default for EngineConfig {
             kv_events: None,
             encoder_budget: None,
             speculative: None,
+            max_loras: None,
+            max_lora_rank: None,
         }
     }
 }
@@ -115,6 +125,15 @@ enum Command {
     Submit(Box<Pending>),
     Cancel(u64),
     CancelAll,
+    LoadAdapter {
+        name: String,
+        path: PathBuf,
+        reply: mpsc::Sender<Result<(), AdapterError>>,
+    },
+    UnloadAdapter {
+        name: String,
+        reply: mpsc::Sender<Result<(), AdapterError>>,
+    },
 }
 
 struct Pending {
@@ -125,7 +144,7 @@ struct Pending {
 
 struct Shared {
     stats: Mutex<EngineStats>,
-    /// Per LoRA adapter, in the executor's order.
+    /// Per LoRA adapter held, as the engine thread last published them.
     adapters: Mutex<Vec<AdapterLoad>>,
     waiting: AtomicUsize,
     draining: AtomicBool,
@@ -238,6 +257,13 @@ impl EngineHandle {
 
     /// The engine's own defence; the server checks the same limits first to name the field.
     fn validate(&self, r: &GenerationRequest) -> Result<(), SubmitError> {
+        if let Some(name) = &r.adapter {
+            if !self.adapter_names().contains(name) {
+                return Err(SubmitError::Invalid(format!(
+                    "no LoRA adapter named `{name}` is loaded"
+                )));
+            }
+        }
         self.limits
             .check(r)
             .map_err(|e| SubmitError::Invalid(e.message))
@@ -259,7 +285,37 @@ impl EngineHandle {
         Ok(())
     }
 
-    /// Requests per LoRA adapter, in the executor's order.
+    /// The names of the LoRA adapters requests may choose now.
+    pub fn adapter_names(&self) -> Vec<String> {
+        self.adapter_load().into_iter().map(|a| a.name).collect()
+    }
+
+    /// Reads the LoRA adapter at `path` (a folder on this machine) and
+    /// serves it as `name`, between two steps. Blocks until it is held.
+    pub fn load_adapter(&self, name: &str, path: &std::path::Path) -> Result<(), AdapterError> {
+        let (reply, answer) = mpsc::channel();
+        let command = Command::LoadAdapter {
+            name: name.to_string(),
+            path: path.to_path_buf(),
+            reply,
+        };
+        self.tx.send(command).map_err(|_| AdapterError::Stopped)?;
+        answer.recv().unwrap_or(Err(AdapterError::Stopped))
+    }
+
+    /// Drops the LoRA adapter `name`; refused while requests run or wait
+    /// with it.
+    pub fn unload_adapter(&self, name: &str) -> Result<(), AdapterError> {
+        let (reply, answer) = mpsc::channel();
+        let command = Command::UnloadAdapter {
+            name: name.to_string(),
+            reply,
+        };
+        self.tx.send(command).map_err(|_| AdapterError::Stopped)?;
+        answer.recv().unwrap_or(Err(AdapterError::Stopped))
+    }
+
+    /// Requests per LoRA adapter held.
     pub fn adapter_load(&self) -> Vec<AdapterLoad> {
         self.shared
             .adapters
@@ -365,8 +421,9 @@ pub(crate) fn start_worker(
         hidden_size: facts.hidden_size,
         bidirectional_vision: facts.bidirectional_vision,
         media: facts.media.clone(),
-        adapters: facts.adapters.iter().map(|a| a.name.clone()).collect(),
     };
+    let adapters = Adapters::new(&facts.adapters, config.max_loras, config.max_lora_rank)
+        .map_err(|e| gemma4_model::ModelError::Input(e.to_string()))?;
     let groups = facts.kv_groups.clone();
     let bs = config.block_size.max(1);
     // Blocks per group: sized for max_num_seqs full-length sequences, or the memory budget.
@@ -432,16 +489,7 @@ pub(crate) fn start_worker(
             kv_block_size: bs,
             ..Default::default()
         }),
-        adapters: Mutex::new(
-            facts
-                .adapters
-                .iter()
-                .map(|a| AdapterLoad {
-                    name: a.name.clone(),
-                    ..AdapterLoad::default()
-                })
-                .collect(),
-        ),
+        adapters: Mutex::new(adapters.loads(std::iter::empty())),
         waiting: AtomicUsize::new(0),
         draining: AtomicBool::new(false),
         stopped: AtomicBool::new(false),
@@ -478,11 +526,7 @@ pub(crate) fn start_worker(
         kv_events: config.kv_events.clone(),
         speculative: config.speculative,
         speculation: DraftCounts::default(),
-        adapters: facts
-            .adapters
-            .iter()
-            .map(|a| a.name.as_str().into())
-            .collect(),
+        adapters,
         #[cfg(feature = "fault-injection")]
         fault,
     };
@@ -515,8 +559,8 @@ struct Live {
     /// Left the wait queue for the first time (later re-queues are preemptions).
     admitted: bool,
     speculation: DraftCounts,
-    /// Index of its LoRA adapter.
-    adapter: Option<usize>,
+    /// Id of its LoRA adapter.
+    adapter: Option<u32>,
 }
 
 struct Worker {
@@ -539,8 +583,8 @@ struct Worker {
     speculative: Option<SpeculativeConfig>,
     /// Drafted and accepted tokens over all requests.
     speculation: DraftCounts,
-    /// The executor's LoRA adapters by name, in its order.
-    adapters: Vec<Arc<str>>,
+    /// The LoRA adapters the executor holds.
+    adapters: Adapters,
     #[cfg(feature = "fault-injection")]
     fault: Option<crate::fault::FaultPlan>,
 }
@@ -672,11 +716,18 @@ impl Worker {
                     _ => Vec::new(),
                 };
                 let speculative = self.speculative.filter(|_| !params.plain_decoding);
-                // Checked on submission: the name is one of the executor's.
-                let adapter = request.adapter.as_deref().and_then(|name| {
-                    let index = self.adapters.iter().position(|a| &**a == name)?;
-                    Some((index, name))
-                });
+                // Checked on submission; unloaded since, the request fails.
+                let adapter = match request.adapter.as_deref() {
+                    Some(name) => match self.adapters.find(name) {
+                        Some(held) => Some(held.key.clone()),
+                        None => {
+                            let why = format!("the LoRA adapter `{name}` was unloaded");
+                            self.end(id, FinishReason::Error(why));
+                            return;
+                        }
+                    },
+                    None => None,
+                };
                 self.new_requests.push(NewRequest {
                     seq_id: id,
                     sampler: Sampler::new(request.params.clone(), &request.prompt_ids),
@@ -684,20 +735,13 @@ impl Worker {
                     prompt: request.prompt_ids.clone(),
                     prompt_logprobs: params.prompt_logprobs,
                     speculative,
-                    adapter: adapter.map(|(index, _)| index),
+                    adapter: adapter.as_ref().map(|k| k.id),
                 });
-                if let (Some(l), Some((index, _))) = (self.live.get_mut(&id), adapter) {
-                    l.adapter = Some(index);
-                    if let Ok(mut loads) = self.shared.adapters.lock() {
-                        if let Some(load) = loads.get_mut(index) {
-                            load.requests += 1;
-                        }
-                    }
+                if let (Some(l), Some(key)) = (self.live.get_mut(&id), &adapter) {
+                    l.adapter = Some(key.id);
+                    self.adapters.count_request(key.id);
                 }
-                let key = adapter.map(|(index, name)| AdapterKey {
-                    id: index as u32 + 1,
-                    name: name.into(),
-                });
+                let key = adapter;
                 let mut seq =
                     SeqState::new(id, request.prompt_ids, self.kv.empty_keyed(media, key));
                 seq.reuse_prefix = params.prompt_logprobs.is_none();
@@ -709,6 +753,18 @@ impl Worker {
                 self.scheduler.add(seq);
             }
             Command::Cancel(id) => self.end(id, FinishReason::Cancelled),
+            Command::LoadAdapter { name, path, reply } => {
+                let result = self.adapters.load(self.executor.as_mut(), &name, &path);
+                self.publish_adapters();
+                let _ = reply.send(result);
+            }
+            Command::UnloadAdapter { name, reply } => {
+                let live = &self.live;
+                let in_use = |id| live.values().filter(|l| l.adapter == Some(id)).count();
+                let result = self.adapters.unload(self.executor.as_mut(), &name, in_use);
+                self.publish_adapters();
+                let _ = reply.send(result);
+            }
             Command::CancelAll => {
                 let ids: Vec<u64> = self.live.keys().copied().collect();
                 for id in ids {
@@ -941,19 +997,18 @@ impl Worker {
             s.speculation = self.speculation;
             s.drafting_ns = executor.drafting_ns;
         }
-        if let Ok(mut loads) = self.shared.adapters.lock() {
-            for load in loads.iter_mut() {
-                load.running = 0;
-                load.waiting = 0;
-            }
-            for l in self.live.values() {
-                if let Some(load) = l.adapter.and_then(|i| loads.get_mut(i)) {
-                    match l.admitted {
-                        true => load.running += 1,
-                        false => load.waiting += 1,
-                    }
-                }
-            }
+        self.publish_adapters();
+    }
+
+    /// The held adapters and their requests, for the handle.
+    fn publish_adapters(&self) {
+        let live = self
+            .live
+            .values()
+            .filter_map(|l| l.adapter.map(|id| (id, l.admitted)));
+        let loads = self.adapters.loads(live);
+        if let Ok(mut shared) = self.shared.adapters.lock() {
+            *shared = loads;
         }
     }
 }

@@ -45,13 +45,16 @@ pub struct ModelFacts {
     /// Whether it runs the model's assistant, which drafts for requests
     /// that speculate with [`DraftMethod::Assistant`](crate::DraftMethod::Assistant).
     pub assistant: bool,
-    /// The LoRA adapters it holds; a request names one by its index here.
+    /// The LoRA adapters it holds from the start; a request names one by
+    /// its id.
     pub adapters: Vec<AdapterFacts>,
 }
 
 /// A LoRA adapter an executor holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdapterFacts {
+    /// Never reused while the executor runs (vLLM's `lora_int_id`, from 1).
+    pub id: u32,
     pub name: String,
     /// The largest rank of its modules.
     pub max_rank: usize,
@@ -80,8 +83,8 @@ pub struct NewRequest {
     pub prompt_logprobs: Option<usize>,
     /// How the sequence drafts tokens for speculative decoding, if it does.
     pub speculative: Option<SpeculativeConfig>,
-    /// The LoRA adapter it runs with: an index into [`ModelFacts::adapters`].
-    pub adapter: Option<usize>,
+    /// The id of the LoRA adapter it runs with.
+    pub adapter: Option<u32>,
 }
 
 /// How one group's block table changed since the executor last saw it.
@@ -234,6 +237,25 @@ pub trait Executor: Send {
     /// are under way waits a moment for one to end.
     fn execute(&mut self, plan: StepPlan) -> StepOutput;
     fn stats(&self) -> ExecutorStats;
+    /// Reads the LoRA adapter at `path` (a folder on this machine) and
+    /// holds it under `id` and `name`, between two steps.
+    fn load_adapter(
+        &mut self,
+        id: u32,
+        name: &str,
+        path: &std::path::Path,
+    ) -> Result<AdapterFacts, ExecutorError> {
+        let _ = (id, path);
+        Err(ExecutorError(format!(
+            "this executor cannot load LoRA adapters (`{name}`)"
+        )))
+    }
+    /// Drops adapter `id`; no request that runs with it remains.
+    fn unload_adapter(&mut self, id: u32) -> Result<(), ExecutorError> {
+        Err(ExecutorError(format!(
+            "this executor holds no LoRA adapter {id}"
+        )))
+    }
 }
 
 impl<E: Executor + ?Sized> Executor for Box<E> {
@@ -248,6 +270,17 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
     }
     fn stats(&self) -> ExecutorStats {
         (**self).stats()
+    }
+    fn load_adapter(
+        &mut self,
+        id: u32,
+        name: &str,
+        path: &std::path::Path,
+    ) -> Result<AdapterFacts, ExecutorError> {
+        (**self).load_adapter(id, name, path)
+    }
+    fn unload_adapter(&mut self, id: u32) -> Result<(), ExecutorError> {
+        (**self).unload_adapter(id)
     }
 }
 

@@ -9,6 +9,7 @@
 //! requests that fail alone get the error) and reports a panic it cannot
 //! recover from through [`EngineHandle::health`].
 
+mod adapters;
 pub mod api;
 pub mod block_hash;
 pub mod cpu_executor;
@@ -27,8 +28,9 @@ pub mod speculative;
 pub mod threaded_executor;
 
 pub use api::{
-    AdapterLoad, ConstraintFactory, EngineEvent, EngineStats, FinishReason, GenerationRequest,
-    SamplingParams, SubmitError, ThinkingBudget, TokenConstraint, TokenLogprob, Usage,
+    AdapterError, AdapterLoad, ConstraintFactory, EngineEvent, EngineStats, FinishReason,
+    GenerationRequest, SamplingParams, SubmitError, ThinkingBudget, TokenConstraint, TokenLogprob,
+    Usage,
 };
 #[cfg(feature = "fault-injection")]
 pub use cpu_executor::start_with_fault;

@@ -21,8 +21,6 @@ pub enum RequestPart {
     LogitBias,
     /// The prompt's images, clips and videos.
     Media,
-    /// The adapter the request names.
-    Adapter,
 }
 
 /// A request over a limit: which part, and why.
@@ -67,8 +65,6 @@ pub struct RequestLimits {
     /// Images attend within themselves, so each must run in one step.
     pub bidirectional_vision: bool,
     pub media: MediaFacts,
-    /// The names of the LoRA adapters requests may choose.
-    pub adapters: Vec<String>,
 }
 
 impl RequestLimits {
@@ -119,14 +115,6 @@ impl RequestLimits {
         self.check_ids(RequestPart::LogitBias, &biased)?;
         check_stop_strings(&r.params.stop_strings)
             .map_err(|e| LimitError::new(RequestPart::StopStrings, e))?;
-        if let Some(name) = &r.adapter {
-            if !self.adapters.contains(name) {
-                return Err(LimitError::new(
-                    RequestPart::Adapter,
-                    format!("no LoRA adapter named `{name}` is loaded"),
-                ));
-            }
-        }
         self.check_media(r)
     }
 
@@ -202,7 +190,6 @@ mod tests {
             hidden_size: 8,
             bidirectional_vision: false,
             media: MediaFacts::default(),
-            adapters: Vec::new(),
         }
     }
 

@@ -5,22 +5,27 @@
 //! run through it equal to a direct run shows that the plans carry all an
 //! executor needs.
 
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use crate::executor::{
-    EncodeRequest, EncodedItem, Executor, ExecutorError, ExecutorStats, KvLayout, ModelFacts,
-    SeqOutput, StepOutput, StepPlan,
+    AdapterFacts, EncodeRequest, EncodedItem, Executor, ExecutorError, ExecutorStats, KvLayout,
+    ModelFacts, SeqOutput, StepOutput, StepPlan,
 };
 
 enum Request {
     Allocate(KvLayout),
     Step(StepPlan),
+    LoadAdapter(u32, String, PathBuf),
+    UnloadAdapter(u32),
 }
 
 enum Reply {
     Allocated(Result<usize, ExecutorError>),
     Stepped(StepOutput, ExecutorStats),
+    AdapterLoaded(Result<AdapterFacts, ExecutorError>),
+    AdapterUnloaded(Result<(), ExecutorError>),
 }
 
 /// Runs an inner executor on its own thread.
@@ -49,6 +54,12 @@ impl ThreadedExecutor {
                         Request::Step(plan) => {
                             let out = inner.execute(plan);
                             Reply::Stepped(out, inner.stats())
+                        }
+                        Request::LoadAdapter(id, name, path) => {
+                            Reply::AdapterLoaded(inner.load_adapter(id, &name, &path))
+                        }
+                        Request::UnloadAdapter(id) => {
+                            Reply::AdapterUnloaded(inner.unload_adapter(id))
                         }
                     };
                     if outbox.send(reply).is_err() {
@@ -130,6 +141,29 @@ impl Executor for ThreadedExecutor {
 
     fn stats(&self) -> ExecutorStats {
         self.stats
+    }
+
+    fn load_adapter(
+        &mut self,
+        id: u32,
+        name: &str,
+        path: &Path,
+    ) -> Result<AdapterFacts, ExecutorError> {
+        match self.call(Request::LoadAdapter(
+            id,
+            name.to_string(),
+            path.to_path_buf(),
+        )) {
+            Some(Reply::AdapterLoaded(result)) => result,
+            _ => Err(ExecutorError("the executor thread has stopped".into())),
+        }
+    }
+
+    fn unload_adapter(&mut self, id: u32) -> Result<(), ExecutorError> {
+        match self.call(Request::UnloadAdapter(id)) {
+            Some(Reply::AdapterUnloaded(result)) => result,
+            _ => Err(ExecutorError("the executor thread has stopped".into())),
+        }
     }
 }
 

@@ -6,7 +6,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use gemma4_engine::{
-    CpuExecutor, EngineConfig, EngineHandle, GenerationRequest, SamplingParams, SubmitError,
+    AdapterError, CpuExecutor, EngineConfig, EngineEvent, EngineHandle, GenerationRequest,
+    SamplingParams, SubmitError,
 };
 use gemma4_model::lora_golden::LoraGolden;
 use gemma4_model::{load_hf_dir, LoraAdapter};
@@ -124,4 +125,100 @@ fn two_adapters_with_one_name_are_refused() {
     let refused = CpuExecutor::new(model).with_adapters(vec![a, b]);
     let why = refused.err().expect("refused").to_string();
     assert!(why.contains("same"), "{why}");
+}
+
+/// Adapters loaded and unloaded while the engine runs: within
+/// `max_loras`, never under a live request, and a name loaded again
+/// with other weights never adopts the blocks of the earlier ones.
+#[test]
+fn adapters_load_and_unload_at_run_time() {
+    let dir = fixture("e-style");
+    let golden = LoraGolden::read(&dir.join("golden.json")).expect("golden");
+    let model = load_hf_dir(&dir.join("target")).expect("target");
+    let first = LoraAdapter::load("a", &dir.join("adapter-a"), model.config()).unwrap();
+    let executor = CpuExecutor::new(model).with_adapters(vec![first]).unwrap();
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir.join("target")).expect("tokenizer"));
+    let engine = start_executor_on(
+        SEAMS[1],
+        executor,
+        tokenizer,
+        EngineConfig {
+            max_model_len: 128,
+            block_size: 4,
+            max_loras: Some(2),
+            ..EngineConfig::default()
+        },
+    );
+    let (a, b) = (&golden.adapters[0], &golden.adapters[1]);
+    let long = &b.prompts[2];
+    let run = |adapter: &str, ids: &[u32], n: usize| {
+        engine
+            .submit(request(ids, n, Some(adapter)))
+            .expect("submit")
+            .blocking_finish()
+            .expect("finished")
+            .0
+    };
+    let bad = engine.load_adapter("d", &dir.join("target"));
+    assert!(
+        matches!(&bad, Err(AdapterError::Load(why)) if why.contains("adapter_config.json")),
+        "{bad:?}"
+    );
+    engine
+        .load_adapter("b", &dir.join("adapter-b"))
+        .expect("load b");
+    assert_eq!(engine.adapter_names(), ["a", "b"]);
+    assert_eq!(run("b", &long.input_ids, 16), long.greedy_ids);
+    assert!(matches!(
+        engine.load_adapter("c", &dir.join("adapter-a")),
+        Err(AdapterError::Full { held: 2 })
+    ));
+    assert!(matches!(
+        engine.load_adapter("b", &dir.join("adapter-a")),
+        Err(AdapterError::Exists(_))
+    ));
+    // Live: a request that has produced its first token of many.
+    let mut live = engine
+        .submit(request(&long.input_ids, 30, Some("b")))
+        .expect("submit");
+    assert!(matches!(
+        live.blocking_next(),
+        Some(EngineEvent::Token { .. })
+    ));
+    match engine.unload_adapter("b") {
+        Err(AdapterError::InUse { requests: 1, .. }) => {}
+        other => panic!("unloaded under a live request: {other:?}"),
+    }
+    drop(live); // cancels it, before the next command
+    engine.unload_adapter("b").expect("unload b");
+    assert!(matches!(
+        engine.submit(request(&long.input_ids, 4, Some("b"))),
+        Err(SubmitError::Invalid(_))
+    ));
+    // The name again, with adapter-a's weights: adapter-a's tokens, though
+    // the prompt's blocks under the first `b` are still cached.
+    engine
+        .load_adapter("b", &dir.join("adapter-a"))
+        .expect("load b again");
+    assert_eq!(run("b", &long.input_ids, 16), a.prompts[2].greedy_ids);
+}
+
+#[test]
+fn an_adapter_above_the_rank_limit_is_refused_at_start() {
+    let dir = fixture("e-style");
+    let model = load_hf_dir(&dir.join("target")).expect("target");
+    let a = LoraAdapter::load("a", &dir.join("adapter-a"), model.config()).unwrap();
+    let executor = CpuExecutor::new(model).with_adapters(vec![a]).unwrap();
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir.join("target")).expect("tokenizer"));
+    let config = EngineConfig {
+        max_model_len: 128,
+        max_lora_rank: Some(4),
+        ..EngineConfig::default()
+    };
+    let refused = gemma4_engine::start_with(Box::new(executor), tokenizer, config);
+    let why = refused.err().expect("refused").to_string();
+    assert!(
+        why.contains("rank 8") && why.contains("--max-lora-rank 4"),
+        "{why}"
+    );
 }

@@ -45,7 +45,6 @@ pub fn limit_error(e: LimitError, prompt_param: &str) -> ApiError {
         RequestPart::StopTokenIds => "stop_token_ids",
         RequestPart::StopStrings => "stop",
         RequestPart::LogitBias => "logit_bias",
-        RequestPart::Adapter => "model",
     };
     let message = match e.part {
         RequestPart::Prompt | RequestPart::MaxTokens => e.message,
@@ -101,7 +100,6 @@ mod tests {
             hidden_size: 8,
             bidirectional_vision: false,
             media: Default::default(),
-            adapters: Vec::new(),
         }
     }
 

@@ -34,6 +34,8 @@ pub struct ServerConfig {
     pub mcp: Option<crate::mcp::AllowedHosts>,
     /// Serve the chat page at `/`.
     pub webui: bool,
+    /// Serve `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
+    pub runtime_lora: bool,
 }
 
 impl Default for ServerConfig {
@@ -53,6 +55,7 @@ impl Default for ServerConfig {
             max_tool_calls: 16,
             mcp: None,
             webui: true,
+            runtime_lora: false,
         }
     }
 }

@@ -45,6 +45,12 @@ impl ApiError {
         Self::new(StatusCode::NOT_FOUND, "invalid_request_error", message)
     }
 
+    /// 409: the request conflicts with what the server is doing (an
+    /// adapter unloaded while requests use it).
+    pub fn conflict(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::CONFLICT, "invalid_request_error", message)
+    }
+
     /// 405: a known route called with the wrong method.
     pub fn method_not_allowed(message: impl Into<String>) -> Self {
         Self::new(

@@ -41,6 +41,7 @@ mod front;
 pub mod generation;
 pub mod grammar;
 pub mod kv_events;
+pub mod lora_admin;
 pub mod mcp;
 pub mod media;
 pub mod metrics;

@@ -6,8 +6,9 @@
 //! | `POST /v1/responses` | key | the Responses API, whole or streamed: reasoning, message and function-call items |
 //! | `POST /v1/completions` | key | plain-text completion |
 //! | `POST /v1/chat/completions/render`, `POST /v1/completions/render` | key | the prompt token ids (and media placeholders) a request would run, without running it |
-//! | `GET /v1/models` | key | the served model |
-//! | `GET /v1/models/{id}` | key | the served model's card; 404 for any other id |
+//! | `GET /v1/models` | key | the served model, then its LoRA adapters |
+//! | `GET /v1/models/{id}` | key | the served model's or an adapter's card; 404 for any other id |
+//! | `POST /v1/load_lora_adapter`, `POST /v1/unload_lora_adapter` | key | with `--allow-runtime-lora`: an adapter loaded or dropped ([`crate::lora_admin`]) |
 //! | `POST /tokenize` | key | `{prompt}` or `{messages}` → `{tokens, count, max_model_len}` |
 //! | `POST /detokenize` | key | `{tokens}` → `{prompt}` |
 //! | `POST /generate` | key | `{"prompt", …}` → `{"response", "token_ids", "usage"}` |
@@ -35,6 +36,7 @@ use crate::drain::ActiveGuard;
 use crate::error::ApiError;
 use crate::front::{self, OpenAiJob};
 use crate::generation::{fold_to_end, Generation};
+use crate::lora_admin;
 use crate::ollama;
 use crate::openai::fold::{Format, PromptOutput, ReplyFold};
 use crate::openai::request::Streaming;
@@ -51,8 +53,10 @@ use crate::sse::{self, StreamMeta};
 use crate::tokenize;
 use crate::webui;
 
-const ROUTES: [&str; 26] = [
+const ROUTES: [&str; 28] = [
     "/v1/chat/completions",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     "/mcp",
     "/",
     "/webui/app.js",
@@ -79,7 +83,7 @@ const ROUTES: [&str; 26] = [
     "/ready",
     "/metrics",
 ];
-const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/messages, POST /v1/messages/count_tokens, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, POST /generate, Ollama's POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, GET /health, GET /ready, GET /metrics, the chat page at GET / (unless --no-webui), and MCP at /mcp when started with --mcp";
+const ROUTE_LIST: &str = "POST /v1/chat/completions, POST /v1/responses, POST /v1/completions, POST /v1/messages, POST /v1/messages/count_tokens, POST /v1/chat/completions/render, POST /v1/completions/render, GET /v1/models, GET /v1/models/{id}, POST /tokenize, POST /detokenize, GET /tokenizer_info, POST /generate, Ollama's POST /api/chat, POST /api/generate, GET /api/tags, POST /api/show, GET /api/ps, GET /api/version, GET /health, GET /ready, GET /metrics, the chat page at GET / (unless --no-webui), MCP at /mcp when started with --mcp, and POST /v1/load_lora_adapter and /v1/unload_lora_adapter when started with --allow-runtime-lora";
 
 pub fn router(state: Arc<AppState>) -> Router {
     let mut keyed = Router::new()
@@ -101,7 +105,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/tokenizer_info", get(tokenize::tokenizer_info))
-        .route("/generate", post(generate));
+        .route("/generate", post(generate))
+        .route("/v1/load_lora_adapter", post(lora_admin::load))
+        .route("/v1/unload_lora_adapter", post(lora_admin::unload));
     let mut open = Router::new()
         .route("/health", get(health))
         .route("/ready", get(ready))
@@ -203,7 +209,7 @@ fn served_cards(state: &AppState) -> Result<Vec<ModelCard>, ApiError> {
         max_model_len: model.max_model_len(),
     };
     let mut cards = vec![card(served, None)];
-    for name in &model.engine.limits().adapters {
+    for name in &model.engine.adapter_names() {
         cards.push(card(name, Some(served)));
     }
     Ok(cards)
@@ -262,7 +268,7 @@ pub(crate) fn check_model_name(
 fn adapter_names(state: &AppState) -> Vec<String> {
     state
         .model()
-        .map(|m| m.engine.limits().adapters.clone())
+        .map(|m| m.engine.adapter_names())
         .unwrap_or_default()
 }
 

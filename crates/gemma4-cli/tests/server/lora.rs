@@ -153,3 +153,72 @@ fn an_adapter_for_another_model_is_refused_at_load_naming_the_module() {
         "{stderr}"
     );
 }
+
+#[test]
+fn adapters_load_and_unload_through_vllms_routes() {
+    let dir = lora_fixture("e-style");
+    let g = golden("e-style");
+    let b = &g["adapters"][1];
+    let prompt = &b["prompts"][0];
+    // Off unless the server is started with the flag.
+    let off = ServerProc::start(&dir.join("target"), &[], &[]);
+    let r = off.post(
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "b", "lora_path": dir.join("adapter-b")}),
+    );
+    assert_eq!(r.status, 404, "{}", r.body);
+    assert!(r.body.contains("--allow-runtime-lora"), "{}", r.body);
+    drop(off);
+    let server = ServerProc::start(
+        &dir.join("target"),
+        &[
+            "--served-model-name",
+            "base",
+            "--allow-runtime-lora",
+            "--max-loras",
+            "1",
+        ],
+        &[],
+    );
+    let generate = |model: &str| {
+        server.post(
+            "/generate",
+            &json!({"model": model, "prompt": prompt["input_ids"], "max_tokens": 16,
+                    "temperature": 0, "ignore_eos": true}),
+        )
+    };
+    assert_eq!(generate("b").status, 404);
+    let r = server.post(
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "b", "lora_path": dir.join("adapter-b")}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.body, "Success: LoRA adapter 'b' added successfully.");
+    let models = server.get("/v1/models").json();
+    assert_eq!(models["data"][1]["id"], "b");
+    assert_eq!(models["data"][1]["parent"], "base");
+    let r = generate("b");
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(ids(&r.json()["token_ids"]), ids(&prompt["greedy_ids"]));
+    // Refusals: a second adapter past --max-loras, a folder without one.
+    let r = server.post(
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "a", "lora_path": dir.join("adapter-a")}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("--max-loras"), "{}", r.body);
+    let r = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "nope"}));
+    assert_eq!(r.status, 404, "{}", r.body);
+    let r = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "b"}));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(generate("b").status, 404);
+    let r = server.post(
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "t", "lora_path": dir.join("target")}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("adapter_config.json"), "{}", r.body);
+    let r = server.post("/v1/load_lora_adapter", &json!({"lora_name": "x"}));
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(r.body.contains("lora_path"), "{}", r.body);
+}

@@ -171,7 +171,7 @@ impl McpServer {
         };
         // The served model, then its LoRA adapters.
         let mut models = vec![entry(name, None)];
-        for adapter in &model.engine.limits().adapters {
+        for adapter in &model.engine.adapter_names() {
             models.push(entry(adapter, Some(name)));
         }
         json!({"models": models})

@@ -406,7 +406,7 @@ pub async fn tags(State(state): State<Arc<AppState>>) -> Result<Json<Value>, Oll
     let model = loaded(&state)?;
     let served = &state.config.served_model_name;
     let mut models = vec![model_entry(&state, &model)];
-    for name in &model.engine.limits().adapters {
+    for name in &model.engine.adapter_names() {
         models.push(named_entry(name, Some(served), &model));
     }
     Ok(Json(json!({"models": models})))
