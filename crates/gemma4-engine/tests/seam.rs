@@ -11,6 +11,7 @@ const BEHIND_THE_SEAM: &[&str] = &["candle_core", "candle", "Tensor", "Gemma4"];
 
 /// Engine files in front of the seam.
 const ENGINE_FRONT: &[&str] = &[
+    "adapters.rs",
     "api.rs",
     "block_hash.rs",
     "engine.rs",
