@@ -95,8 +95,9 @@ pub struct LoraModule {
 }
 
 /// Activation rows up to which a module's products run on the calling
-/// thread: a decode step's low-rank products are a few thousand
-/// multiply-adds each, less than waking the pool costs.
+/// thread: a decode row's low-rank products are tens of thousands of
+/// multiply-adds per module (rank 16 on E2B), less than waking the pool
+/// costs twice (docs/serving.md has the measurement).
 const INLINE_ROWS: usize = 8;
 
 impl LoraModule {
