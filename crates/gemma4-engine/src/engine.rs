@@ -741,9 +741,8 @@ impl Worker {
                     l.adapter = Some(key.id);
                     self.adapters.count_request(key.id);
                 }
-                let key = adapter;
                 let mut seq =
-                    SeqState::new(id, request.prompt_ids, self.kv.empty_keyed(media, key));
+                    SeqState::new(id, request.prompt_ids, self.kv.empty_keyed(media, adapter));
                 seq.reuse_prefix = params.prompt_logprobs.is_none();
                 seq.whole_spans = whole_spans;
                 if let Some(soft) = soft {

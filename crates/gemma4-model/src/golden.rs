@@ -217,7 +217,7 @@ pub fn verify_prompt(model: &Gemma4, p: &GoldenPrompt, tol: f32) -> Result<Promp
     })
 }
 
-fn nan_safe_diff(a: f32, b: f32) -> f32 {
+pub(crate) fn nan_safe_diff(a: f32, b: f32) -> f32 {
     let d = (a - b).abs();
     if d.is_nan() {
         f32::INFINITY

@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 use crate::error::{ModelError, Result};
 use crate::gemma4::{BatchSeq, Gemma4, LogitsFor};
-use crate::golden::{argmax, PromptReport};
+use crate::golden::{argmax, nan_safe_diff, PromptReport};
 use crate::lora::LoraAdapter;
 use crate::safetensors_store::SafetensorsStore;
 use crate::KvStore;
@@ -198,8 +198,7 @@ fn max_row_diff(ours: &[Vec<f32>], gold: &[Vec<f32>]) -> Result<f32> {
             )));
         }
         for (x, y) in a.iter().zip(b) {
-            let d = (x - y).abs();
-            max = max.max(if d.is_nan() { f32::INFINITY } else { d });
+            max = max.max(nan_safe_diff(*x, *y));
         }
     }
     Ok(max)
