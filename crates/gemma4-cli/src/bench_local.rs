@@ -8,10 +8,18 @@
 //! tokens. Prompt speed is `p` over the time to the first token; generation
 //! speed is `n - 1` over the time from the first token to the last.
 //!
+//! With `--streams N` each repetition submits N such requests at once and
+//! the rates are theirs together: prompt speed is `N · p` over the time
+//! until every stream has its first token; generation speed counts the
+//! tokens of every stream while all N are generating (from the last first
+//! token to the first last one) over that time.
+//!
 //! With a LoRA adapter (`--lora`, or `--lora-rank R` for a random one on
-//! every projection) each repetition runs the request twice, without and
-//! with the adapter, in turn, and the report gives the adapter's rates
-//! beside the base model's and their ratio.
+//! every projection) each repetition runs the requests twice, without and
+//! with adapters, in turn, and the report gives the adapters' rates beside
+//! the base model's and their ratio. Several streams take one adapter
+//! each where there are as many (`--lora` once per stream; `--lora-rank`
+//! makes one per stream), else all take the one.
 
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -21,6 +29,7 @@ use anyhow::{bail, Context, Result};
 use gemma4_engine::{
     DraftCounts, EngineConfig, EngineEvent, FinishReason, GenerationRequest, SamplingParams,
 };
+use gemma4_kernels::float::FloatType;
 use serde::Serialize;
 
 use crate::lora::LoraArgs;
@@ -33,13 +42,20 @@ pub struct LocalArgs {
     model: ModelArgs,
     #[command(flatten)]
     speculative: SpeculativeArgs,
-    /// A LoRA adapter to time against the base model (one).
+    /// A LoRA adapter to time against the base model: once, or once per
+    /// stream.
     #[command(flatten)]
     lora: LoraArgs,
-    /// Time a random LoRA adapter of this rank on every projection against
-    /// the base model.
+    /// Time random LoRA adapters of this rank on every projection (one per
+    /// stream) against the base model.
     #[arg(long, value_name = "R", conflicts_with = "lora")]
     lora_rank: Option<usize>,
+    /// The element type of `--lora-rank`'s factors (`f32`, `bf16`, `f16`).
+    #[arg(long, value_name = "TYPE", default_value = "bf16", value_parser = parse_float_type)]
+    lora_type: FloatType,
+    /// Requests run at once in each repetition; rates are theirs together.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    streams: usize,
     /// Prompt tokens per repetition (0 skips the prompt test; one token still starts generation).
     #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
     n_prompt: usize,
@@ -113,11 +129,13 @@ struct LocalReport {
     adapter: Option<AdapterFigures>,
 }
 
-/// A LoRA adapter's rates beside the base model's.
+/// The LoRA adapters' rates beside the base model's.
 #[derive(Serialize)]
 struct AdapterFigures {
+    /// The adapters' names, comma-separated.
     name: String,
     max_rank: usize,
+    /// The adapters' bytes together.
     bytes: usize,
     tests: Vec<Figure>,
     /// Per test, the adapter's mean rate over the base model's.
@@ -127,6 +145,9 @@ struct AdapterFigures {
 pub fn run(args: LocalArgs) -> Result<ExitCode> {
     if args.repetitions == 0 {
         bail!("-r must be at least 1");
+    }
+    if args.streams == 0 {
+        bail!("--streams must be at least 1");
     }
     if args.n_prompt == 0 && args.n_gen == 0 {
         bail!("nothing to measure: -p and -n are both 0");
@@ -144,7 +165,7 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
     let drafting = args.speculative.config()?;
     let mut drafts = DraftCounts::default();
     let config = EngineConfig {
-        max_num_seqs: 1,
+        max_num_seqs: args.streams,
         max_model_len: prompt_len + args.n_gen + 1,
         max_batch_tokens: prompt_len,
         prefix_caching: false,
@@ -152,9 +173,17 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         ..EngineConfig::default()
     };
     let adapters = adapters_to_time(&args, model.config())?;
-    let adapter = adapters
-        .first()
-        .map(|a| (a.name().to_string(), a.max_rank(), a.bytes()));
+    let adapter = (!adapters.is_empty()).then(|| {
+        let names: Vec<&str> = adapters.iter().map(|a| a.name()).collect();
+        let max_rank = adapters.iter().map(|a| a.max_rank()).max().unwrap_or(0);
+        let bytes = adapters.iter().map(|a| a.bytes()).sum::<usize>();
+        (names.join(", "), max_rank, bytes)
+    });
+    // Stream i's adapter: the i-th, or the one.
+    let stream_adapters: Vec<Option<String>> = (0..args.streams)
+        .map(|i| (!adapters.is_empty()).then(|| adapters[i % adapters.len()].name().to_string()))
+        .collect();
+    let base_streams = vec![None; args.streams];
     let executor = args
         .speculative
         .executor(model, args.model.policy())?
@@ -166,9 +195,14 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
     let bandwidth_before = args.bandwidth.then(measure_bandwidth);
     let (mut base_rates, mut adapter_rates) = (Rates::default(), Rates::default());
     for rep in 0..=args.repetitions {
-        let run = one_run(&engine, &prompt, args.n_gen.max(1), None)?;
+        let run = run_streams(&engine, &prompt, args.n_gen.max(1), &base_streams)?;
         let with_adapter = match &adapter {
-            Some((name, ..)) => Some(one_run(&engine, &prompt, args.n_gen.max(1), Some(name))?),
+            Some(_) => Some(run_streams(
+                &engine,
+                &prompt,
+                args.n_gen.max(1),
+                &stream_adapters,
+            )?),
             None => None,
         };
         if rep == 0 {
@@ -176,9 +210,9 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         }
         drafts.draft_tokens += run.drafts.draft_tokens;
         drafts.accepted_tokens += run.drafts.accepted_tokens;
-        base_rates.add(&run, prompt_len, args.n_gen);
+        base_rates.add(&run, prompt_len * args.streams);
         if let Some(a) = with_adapter {
-            adapter_rates.add(&a, prompt_len, args.n_gen);
+            adapter_rates.add(&a, prompt_len * args.streams);
         }
     }
     let tests = base_rates.figures(&args);
@@ -243,22 +277,41 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
 
 const MIB: f64 = 1024.0 * 1024.0;
 
-/// The LoRA adapter to time: `--lora`, or a random one of `--lora-rank`.
+/// The LoRA adapters to time: `--lora`, or random ones of `--lora-rank`
+/// (one per stream, each from its own seed).
 fn adapters_to_time(
     args: &LocalArgs,
     cfg: &gemma4_model::TextConfig,
 ) -> Result<Vec<gemma4_model::LoraAdapter>> {
     let mut adapters = args.lora.load(cfg, None)?;
     if let Some(rank) = args.lora_rank {
-        let name = format!("random-rank-{rank}");
-        adapters.push(gemma4_model::LoraAdapter::random(
-            &name, cfg, rank, args.seed,
-        )?);
+        for i in 0..args.streams {
+            let ty = args.lora_type;
+            let name = match args.streams {
+                1 => format!("random-{}-rank-{rank}", ty.name()),
+                _ => format!("random-{}-rank-{rank}-{}", ty.name(), i + 1),
+            };
+            let seed = args.seed.wrapping_add(i as u64);
+            adapters.push(gemma4_model::LoraAdapter::random(
+                &name, cfg, rank, ty, seed,
+            )?);
+        }
     }
-    if adapters.len() > 1 {
-        bail!("bench local times one LoRA adapter against the base model; give --lora once");
+    if adapters.len() > 1 && adapters.len() != args.streams {
+        bail!(
+            "{} LoRA adapters for {} streams: give --lora once (every stream takes it) or once per stream",
+            adapters.len(),
+            args.streams
+        );
     }
     Ok(adapters)
+}
+
+fn parse_float_type(s: &str) -> Result<FloatType, String> {
+    [FloatType::F32, FloatType::Bf16, FloatType::F16]
+        .into_iter()
+        .find(|t| t.name() == s)
+        .ok_or_else(|| format!("`{s}` is not f32, bf16 or f16"))
 }
 
 /// Prompt and generation rates of the timed runs.
@@ -269,26 +322,32 @@ struct Rates {
 }
 
 impl Rates {
-    fn add(&mut self, run: &Run, prompt_len: usize, n_gen: usize) {
-        self.prompt.push(prompt_len as f64 / run.first_token_s);
-        if n_gen >= 2 {
-            self.generation.push((n_gen - 1) as f64 / run.decode_s);
+    /// One repetition's rates: `prompt_tokens` (every stream's) over the
+    /// time to the last first token, and the tokens generated while every
+    /// stream was generating over that time.
+    fn add(&mut self, run: &Run, prompt_tokens: usize) {
+        self.prompt.push(prompt_tokens as f64 / run.first_token_s);
+        if run.decode_tokens > 0 {
+            self.generation
+                .push(run.decode_tokens as f64 / run.decode_s);
         }
     }
 
-    /// The tests `args` asks for: `pp` unless `-p 0`, `tg` from `-n 2`.
+    /// The tests `args` asks for: `pp` unless `-p 0`, `tg` from `-n 2`;
+    /// named `pp512`, or `pp512x4` for four streams.
     fn figures(self, args: &LocalArgs) -> Vec<Figure> {
+        let streams = match args.streams {
+            1 => String::new(),
+            n => format!("x{n}"),
+        };
         let mut out = Vec::new();
         if args.n_prompt > 0 {
-            let test = format!("pp{}", args.n_prompt);
+            let test = format!("pp{}{streams}", args.n_prompt);
             out.push(figure(test, args.n_prompt, self.prompt));
         }
         if args.n_gen >= 2 {
-            out.push(figure(
-                format!("tg{}", args.n_gen),
-                args.n_gen,
-                self.generation,
-            ));
+            let test = format!("tg{}{streams}", args.n_gen);
+            out.push(figure(test, args.n_gen, self.generation));
         }
         out
     }
@@ -302,45 +361,97 @@ fn measure_bandwidth() -> f64 {
 
 struct Run {
     drafts: DraftCounts,
+    /// Until every stream's first token.
     first_token_s: f64,
+    /// Tokens of every stream while all were generating, and that time.
+    decode_tokens: usize,
     decode_s: f64,
 }
 
-/// One request: the prompt, then `n` greedy tokens (end-of-sequence
-/// ignored), with the LoRA adapter `adapter` if one is named.
-fn one_run(
+/// One request per entry of `adapters` (its LoRA adapter, if it names
+/// one), submitted together: the prompt, then `n` greedy tokens each
+/// (end-of-sequence ignored).
+fn run_streams(
     engine: &gemma4_engine::EngineHandle,
     prompt: &[u32],
     n: usize,
-    adapter: Option<&str>,
+    adapters: &[Option<String>],
 ) -> Result<Run> {
-    let request = GenerationRequest {
-        prompt_ids: prompt.to_vec(),
-        params: SamplingParams {
-            temperature: 0.0,
-            max_tokens: n,
-            ..SamplingParams::default()
-        },
-        deadline: None,
-        soft_prompt: None,
-        reading: Default::default(),
-        adapter: adapter.map(str::to_string),
-    };
     let t0 = Instant::now();
-    let mut stream = engine
-        .submit(request)
-        .context("the engine refused the request")?;
-    let (mut first, mut last, mut count) = (None, t0, 0usize);
+    let streams = adapters
+        .iter()
+        .map(|adapter| {
+            let request = GenerationRequest {
+                prompt_ids: prompt.to_vec(),
+                params: SamplingParams {
+                    temperature: 0.0,
+                    max_tokens: n,
+                    ..SamplingParams::default()
+                },
+                deadline: None,
+                soft_prompt: None,
+                reading: Default::default(),
+                adapter: adapter.clone(),
+            };
+            engine
+                .submit(request)
+                .context("the engine refused the request")
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let read: Vec<Result<StreamTimes>> = std::thread::scope(|scope| {
+        let readers: Vec<_> = streams
+            .into_iter()
+            .map(|stream| scope.spawn(move || read_stream(stream, n)))
+            .collect();
+        readers
+            .into_iter()
+            .map(|r| {
+                r.join()
+                    .unwrap_or_else(|_| bail!("a stream's reader panicked"))
+            })
+            .collect()
+    });
+    let read = read.into_iter().collect::<Result<Vec<_>>>()?;
+    let mut drafts = DraftCounts::default();
+    for r in &read {
+        drafts.draft_tokens += r.drafts.draft_tokens;
+        drafts.accepted_tokens += r.drafts.accepted_tokens;
+    }
+    // Each stream has `n ≥ 1` token times (`read_stream` checks).
+    let all_started = read.iter().map(|r| r.tokens[0]).max().unwrap_or(t0);
+    let first_done = read.iter().map(|r| r.tokens[n - 1]).min().unwrap_or(t0);
+    let decode_tokens = read
+        .iter()
+        .flat_map(|r| &r.tokens)
+        .filter(|&&t| t > all_started && t <= first_done)
+        .count();
+    if n >= 2 && decode_tokens == 0 {
+        bail!("the streams never generated together: raise -n");
+    }
+    Ok(Run {
+        first_token_s: (all_started - t0).as_secs_f64(),
+        decode_tokens,
+        decode_s: (first_done - all_started)
+            .as_secs_f64()
+            .max(f64::MIN_POSITIVE),
+        drafts,
+    })
+}
+
+/// When each of a request's tokens arrived.
+struct StreamTimes {
+    tokens: Vec<Instant>,
+    drafts: DraftCounts,
+}
+
+/// Reads one request's events to its end; it must give `n` tokens.
+fn read_stream(mut stream: gemma4_engine::RequestStream, n: usize) -> Result<StreamTimes> {
+    let mut tokens = Vec::with_capacity(n);
     let mut drafts = DraftCounts::default();
     while let Some(event) = stream.blocking_next() {
         match event {
             EngineEvent::PromptLogprobs(_) => {}
-            EngineEvent::Token { .. } => {
-                let now = Instant::now();
-                first.get_or_insert(now);
-                last = now;
-                count += 1;
-            }
+            EngineEvent::Token { .. } => tokens.push(Instant::now()),
             EngineEvent::Finished { reason, usage, .. } => {
                 drafts = usage.speculation;
                 if let FinishReason::Error(e) = reason {
@@ -350,17 +461,10 @@ fn one_run(
             }
         }
     }
-    let Some(first) = first else {
-        bail!("the request produced no token");
-    };
-    if count != n {
-        bail!("the request produced {count} of {n} tokens");
+    if tokens.len() != n {
+        bail!("the request produced {} of {n} tokens", tokens.len());
     }
-    Ok(Run {
-        first_token_s: (first - t0).as_secs_f64(),
-        decode_s: (last - first).as_secs_f64().max(f64::MIN_POSITIVE),
-        drafts,
-    })
+    Ok(StreamTimes { tokens, drafts })
 }
 
 /// `n` token ids drawn uniformly from `0..vocab` (a fixed generator, so runs
@@ -406,7 +510,7 @@ fn print_table(r: &LocalReport) {
     }
     if let Some(a) = &r.adapter {
         println!(
-            "LoRA adapter {} (rank {}, {:.1} MiB), timed in turn with the base model:",
+            "LoRA adapters {} (rank {}, {:.1} MiB in all), timed in turn with the base model:",
             a.name,
             a.max_rank,
             a.bytes as f64 / MIB

@@ -9,8 +9,9 @@ use gemma4_model::{LoraAdapter, TextConfig};
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct LoraArgs {
     /// A LoRA adapter: a PEFT folder (`adapter_config.json` and
-    /// `adapter_model.safetensors`), as `NAME=PATH` or a bare `PATH` (named
-    /// after its folder). Repeatable; requests choose one by its name as
+    /// `adapter_model.safetensors`) or a llama.cpp GGUF LoRA file, as
+    /// `NAME=PATH` or a bare `PATH` (named after its folder, or its file
+    /// without `.gguf`). Repeatable; requests choose one by its name as
     /// their `model`.
     #[arg(long = "lora", value_name = "[NAME=]PATH")]
     pub lora: Vec<String>,
@@ -26,8 +27,13 @@ impl LoraArgs {
                     Some((name, path)) => (name.to_string(), PathBuf::from(path)),
                     None => {
                         let path = PathBuf::from(spec);
-                        let name = path
-                            .file_name()
+                        // A folder's name, or a GGUF file's without `.gguf`.
+                        let name = if path.is_file() {
+                            path.file_stem()
+                        } else {
+                            path.file_name()
+                        };
+                        let name = name
                             .and_then(|n| n.to_str())
                             .map(str::to_string)
                             .with_context(|| {

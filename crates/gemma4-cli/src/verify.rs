@@ -29,9 +29,9 @@ pub struct Args {
     /// by round.
     #[arg(long, value_name = "DIR")]
     draft_model: Option<PathBuf>,
-    /// A LoRA adapter (PEFT folder) to check against a golden file of the
+    /// A LoRA adapter (PEFT folder or GGUF LoRA file) to check against a golden file of the
     /// LoRA oracle (its run for that adapter; without it, the base run).
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "PATH")]
     lora: Option<PathBuf>,
 }
 

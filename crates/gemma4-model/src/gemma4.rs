@@ -703,19 +703,7 @@ impl Step<'_> {
                 None => groups.push((module, rows.collect())),
             }
         }
-        let n = x.dim(0)?;
-        let mut y = y;
-        for (module, rows) in groups {
-            if rows.len() == n {
-                // Every row (rows are distinct and in range): no gather.
-                y = (y + module.delta(x)?)?;
-            } else {
-                let index = ids_tensor(&rows, x.device())?;
-                let delta = module.delta(&x.index_select(&index, 0)?)?;
-                y = y.index_add(&index, &delta, 0)?;
-            }
-        }
-        Ok(y)
+        crate::lora::add_terms(&groups, x, y)
     }
 }
 

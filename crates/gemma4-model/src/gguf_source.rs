@@ -71,6 +71,11 @@ impl GgufSource {
         &self.content.metadata
     }
 
+    /// Every tensor's GGUF name, in no particular order.
+    pub(crate) fn tensor_names(&self) -> impl Iterator<Item = &str> {
+        self.content.tensor_infos.keys().map(String::as_str)
+    }
+
     /// A tensor's row-major shape, if the file has it.
     pub(crate) fn dims(&self, gguf_name: &str) -> Option<Vec<usize>> {
         self.content

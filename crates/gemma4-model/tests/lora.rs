@@ -1,7 +1,8 @@
 //! LoRA adapters against PEFT's float32 reference (`tests/fixtures/lora`):
 //! every adapter of both targets, bf16 and f32 files, whole and chunked
-//! prompts, several sequences with different adapters in one batch, and
-//! adapters that do not fit the model refused with the module named.
+//! prompts, several sequences with different adapters in one batch, the
+//! adapters merged into the weights, and adapters that do not fit the
+//! model refused with the module named.
 
 use std::path::{Path, PathBuf};
 
@@ -193,6 +194,134 @@ fn sequences_with_different_adapters_share_a_batch() {
                 &format!("{target}/{run}/prompt{i} step 1"),
             );
         }
+    }
+}
+
+/// An adapter merged into the weights (`W + s·B·A` in f32, as PEFT's
+/// `merge_and_unload` merges it) gives PEFT's adapted tokens and logits,
+/// the same as applying it unmerged.
+#[test]
+fn a_merged_adapter_gives_the_same_tokens() {
+    for target in TARGETS {
+        let dir = fixture(target);
+        let (golden, reference) = golden(target);
+        let base = load_hf_dir(&dir.join("target")).expect("target");
+        for a in &golden.adapters {
+            let folder = dir.join(&a.folder);
+            let adapter = LoraAdapter::load(&a.name, &folder, base.config()).expect("adapter");
+            let tag = format!("{target}-{}", a.name);
+            let merged_dir = merged_checkpoint(&dir.join("target"), &folder, &adapter, &tag);
+            let merged = load_hf_dir(&merged_dir).expect("merged checkpoint");
+            for (i, p) in a.prompts.iter().enumerate() {
+                let rows = reference.rows(&a.name, i, "logits").expect("logits");
+                let steps = reference
+                    .rows(&a.name, i, "greedy_step_logits")
+                    .expect("steps");
+                let r =
+                    verify_lora_prompt(&merged, None, p, (&rows, &steps), None, DEFAULT_TOLERANCE)
+                        .expect("verify");
+                println!(
+                    "{target}/{} merged/{}: max diff {:.2e}",
+                    a.name, p.name, r.max_abs_logit_diff
+                );
+                assert_eq!(r.generated_ids, p.greedy_ids, "{tag}/{}", p.name);
+                assert!(
+                    r.max_abs_logit_diff <= DEFAULT_TOLERANCE,
+                    "{tag}/{}: logits off by {}",
+                    p.name,
+                    r.max_abs_logit_diff
+                );
+            }
+            std::fs::remove_dir_all(&merged_dir).ok();
+        }
+    }
+}
+
+/// A copy of the checkpoint `target` whose adapted projections are
+/// `W + s·B·A` in f32 (`s` the adapter's scaling of that module), every
+/// other tensor as stored.
+fn merged_checkpoint(target: &Path, folder: &Path, adapter: &LoraAdapter, tag: &str) -> PathBuf {
+    let out = std::env::temp_dir().join(format!("gemma4-merged-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&out).unwrap();
+    for entry in std::fs::read_dir(target).unwrap() {
+        let path = entry.unwrap().path();
+        if path.file_name().unwrap() != "model.safetensors" {
+            std::fs::copy(&path, out.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let factors_bytes = std::fs::read(folder.join("adapter_model.safetensors")).unwrap();
+    let factors = safetensors::SafeTensors::deserialize(&factors_bytes).unwrap();
+    let weights_bytes = std::fs::read(target.join("model.safetensors")).unwrap();
+    let weights = safetensors::SafeTensors::deserialize(&weights_bytes).unwrap();
+    let mut merged: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut kept = Vec::new();
+    for (name, view) in weights.tensors() {
+        let module = adapted_module(&name).and_then(|(l, p)| adapter.module(l, p));
+        let (Some(module), Some(stem)) = (module, name.strip_suffix(".weight")) else {
+            kept.push((name, view));
+            continue;
+        };
+        let a = f32_values(
+            &factors
+                .tensor(&format!("base_model.model.{stem}.lora_A.weight"))
+                .unwrap(),
+        );
+        let b = f32_values(
+            &factors
+                .tensor(&format!("base_model.model.{stem}.lora_B.weight"))
+                .unwrap(),
+        );
+        let (out_dim, in_dim) = (view.shape()[0], view.shape()[1]);
+        let (rank, s) = (module.rank(), module.scale() as f32);
+        let w = f32_values(&view);
+        let values: Vec<u8> = (0..out_dim * in_dim)
+            .flat_map(|idx| {
+                let (o, i) = (idx / in_dim, idx % in_dim);
+                let ba: f32 = (0..rank).map(|k| b[o * rank + k] * a[k * in_dim + i]).sum();
+                (w[idx] + s * ba).to_le_bytes()
+            })
+            .collect();
+        merged.push((name, vec![out_dim, in_dim], values));
+    }
+    assert_eq!(
+        merged.len(),
+        adapter.modules().count(),
+        "{tag}: every adapted module merged"
+    );
+    let mut views: Vec<(String, safetensors::tensor::TensorView<'_>)> = kept;
+    for (name, shape, bytes) in &merged {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                .unwrap();
+        views.push((name.clone(), view));
+    }
+    safetensors::serialize_to_file(views, None, &out.join("model.safetensors")).unwrap();
+    out
+}
+
+/// `(layer, projection)` of a checkpoint's projection weight.
+fn adapted_module(name: &str) -> Option<(usize, Projection)> {
+    let rest = name.strip_prefix("model.language_model.layers.")?;
+    let (layer, module) = rest.split_once('.')?;
+    let proj = Projection::ALL
+        .into_iter()
+        .find(|p| module.ends_with(&format!("{}.weight", p.name())))?;
+    Some((layer.parse().ok()?, proj))
+}
+
+fn f32_values(view: &safetensors::tensor::TensorView<'_>) -> Vec<f32> {
+    match view.dtype() {
+        safetensors::Dtype::BF16 => view
+            .data()
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect(),
+        safetensors::Dtype::F32 => view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+        other => panic!("unexpected {other:?}"),
     }
 }
 

@@ -1,5 +1,5 @@
 //! vLLM's routes for LoRA adapters at run time: `POST /v1/load_lora_adapter`
-//! (`{"lora_name", "lora_path"}`: a PEFT folder on the server's machine)
+//! (`{"lora_name", "lora_path"}`: a PEFT folder or a GGUF LoRA file on the server's machine)
 //! and `POST /v1/unload_lora_adapter` (`{"lora_name"}`), answered as vLLM
 //! answers them (plain text on success). Served only when the server was
 //! started with `--allow-runtime-lora`, since they read files the server
