@@ -37,7 +37,7 @@ pub fn verify(
             let Some(entry) = golden.adapter_for(dir) else {
                 let known: Vec<&str> = golden.adapters.iter().map(|a| a.folder.as_str()).collect();
                 bail!(
-                    "{} has no run for the adapter folder {}; its adapters are {}",
+                    "{} has no run for the adapter {}; its adapters are {}",
                     golden_path.display(),
                     dir.display(),
                     known.join(", ")

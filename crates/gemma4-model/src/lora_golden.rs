@@ -67,9 +67,14 @@ impl LoraGolden {
         })
     }
 
-    /// The adapter whose bf16 or f32 folder is `folder` (its last name).
+    /// The adapter whose bf16 or f32 folder is `folder` (its last name, or
+    /// a GGUF file named after it).
     pub fn adapter_for(&self, folder: &Path) -> Option<&GoldenAdapter> {
-        let last = folder.file_name()?.to_str()?;
+        // A GGUF file converted from a folder carries the folder's name.
+        let last = match folder.extension() {
+            Some(e) if e == "gguf" => folder.file_stem()?.to_str()?,
+            _ => folder.file_name()?.to_str()?,
+        };
         self.adapters
             .iter()
             .find(|a| a.folder == last || a.folder_f32 == last)

@@ -108,6 +108,118 @@ fn scalings_are_the_ones_peft_used() {
     }
 }
 
+/// llama.cpp's GGUF LoRA files, written by its `convert_lora_to_gguf.py`
+/// from the PEFT folders: where the file keeps PEFT's scaling (`alpha / r`
+/// without rsLoRA or patterns) they give PEFT's tokens and logits, in bf16
+/// and f32; otherwise the scaling is llama.cpp's, `alpha / r` per module.
+#[test]
+fn gguf_adapters_match_peft_where_they_keep_its_scaling() {
+    for (target, file) in [
+        ("e-style", "adapter-a.gguf"),
+        ("dense-k-eq-v", "adapter-a-f32.gguf"),
+    ] {
+        let dir = fixture(target);
+        let model = load_hf_dir(&dir.join("target")).expect("target");
+        let (golden, reference) = golden(target);
+        let a = &golden.adapters[0];
+        let path = dir.join("gguf").join(file);
+        let adapter = LoraAdapter::load(&a.name, &path, model.config()).expect("gguf adapter");
+        let peft = LoraAdapter::load(&a.name, &dir.join(&a.folder), model.config()).unwrap();
+        assert_eq!(
+            adapter.modules().count(),
+            peft.modules().count(),
+            "{target}"
+        );
+        for (layer, proj, m) in adapter.modules() {
+            let p = peft.module(layer, proj).expect("the same modules");
+            assert_eq!(
+                (m.rank(), m.scale()),
+                (p.rank(), p.scale()),
+                "{layer} {proj:?}"
+            );
+        }
+        for (i, p) in a.prompts.iter().enumerate() {
+            let rows = reference.rows(&a.name, i, "logits").expect("logits");
+            let steps = reference
+                .rows(&a.name, i, "greedy_step_logits")
+                .expect("steps");
+            for chunk in [None, Some(3)] {
+                let r = verify_lora_prompt(
+                    &model,
+                    Some(&adapter),
+                    p,
+                    (&rows, &steps),
+                    chunk,
+                    DEFAULT_TOLERANCE,
+                )
+                .expect("verify");
+                assert_eq!(r.generated_ids, p.greedy_ids, "{target}/{file}/{}", p.name);
+                assert!(
+                    r.max_abs_logit_diff <= DEFAULT_TOLERANCE,
+                    "{target}/{file}/{}: logits off by {}",
+                    p.name,
+                    r.max_abs_logit_diff
+                );
+            }
+        }
+    }
+    // rsLoRA and the alpha pattern are not in the file: llama.cpp scales
+    // every module by `adapter.lora.alpha` (8) over its own rank.
+    for target in TARGETS {
+        let dir = fixture(target);
+        let model = load_hf_dir(&dir.join("target")).expect("target");
+        let path = dir.join("gguf/adapter-b.gguf");
+        let adapter = LoraAdapter::load("b", &path, model.config()).expect("gguf adapter");
+        assert!(adapter.modules().count() > 0);
+        for (layer, proj, m) in adapter.modules() {
+            assert_eq!(
+                m.scale(),
+                8.0 / m.rank() as f64,
+                "{target}: {layer} {proj:?}"
+            );
+        }
+    }
+    // The converter's q8_0: lora_a in Q8_0 blocks (widened to f32 at
+    // load), lora_b (8 columns, less than a block) in f16.
+    let dir = fixture("e-style");
+    let model = load_hf_dir(&dir.join("target")).expect("target");
+    let q8 = LoraAdapter::load("q8", &dir.join("gguf/adapter-a-q8_0.gguf"), model.config())
+        .expect("q8_0 adapter");
+    let bf16 = LoraAdapter::load("a", &dir.join("gguf/adapter-a.gguf"), model.config()).unwrap();
+    assert_eq!(q8.modules().count(), bf16.modules().count());
+    assert!(q8.bytes() > bf16.bytes(), "A held as f32");
+}
+
+/// What is not a GGUF LoRA file for this model is refused, naming why.
+#[test]
+fn gguf_files_that_are_not_adapters_for_the_model_are_refused() {
+    let dir = fixture("e-style");
+    let model = load_hf_dir(&dir.join("target")).expect("target");
+    let refuse = |path: &Path| -> String {
+        LoraAdapter::load("x", path, model.config())
+            .map(|_| ())
+            .expect_err("must be refused")
+            .to_string()
+    };
+    let fixtures = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures");
+    let mmproj = refuse(&fixtures.join("vision/e-audio-mmproj.gguf"));
+    assert!(mmproj.contains("not a LoRA adapter"), "{mmproj}");
+    let other = refuse(&fixture("dense-k-eq-v").join("gguf/adapter-a-f32.gguf"));
+    assert!(
+        other.contains("adapter-a-f32.gguf")
+            && other.contains("model.language_model.layers.")
+            && other.contains("another model"),
+        "{other}"
+    );
+    let truncated =
+        std::env::temp_dir().join(format!("gemma4-lora-cut-{}.gguf", std::process::id()));
+    let bytes = std::fs::read(dir.join("gguf/adapter-a.gguf")).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 2]).unwrap();
+    let cut = refuse(&truncated);
+    std::fs::remove_file(&truncated).ok();
+    assert!(cut.contains("gemma4-lora-cut-"), "{cut}");
+}
+
 /// Several sequences in one step, each with its own adapter or none: each
 /// gets its own run's logits, the base product shared and each adapter's
 /// term added to its rows only.
