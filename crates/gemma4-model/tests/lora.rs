@@ -27,6 +27,39 @@ fn golden(target: &str) -> (LoraGolden, ReferenceLogits) {
     )
 }
 
+/// Every prompt of `run` with `adapter` (none: the model as it is), whole
+/// and in the `chunks` given: PEFT's greedy tokens, logits within the
+/// tolerance.
+fn check_prompts(
+    model: &gemma4_model::Gemma4,
+    adapter: Option<&LoraAdapter>,
+    reference: &ReferenceLogits,
+    (run, prompts): (&str, &[gemma4_model::lora_golden::LoraGoldenPrompt]),
+    chunks: &[Option<usize>],
+    what: &str,
+) {
+    for (i, p) in prompts.iter().enumerate() {
+        let rows = reference.rows(run, i, "logits").expect("logits");
+        let steps = reference.rows(run, i, "greedy_step_logits").expect("steps");
+        for &chunk in chunks {
+            let r =
+                verify_lora_prompt(model, adapter, p, (&rows, &steps), chunk, DEFAULT_TOLERANCE)
+                    .expect("verify");
+            println!(
+                "{what}/{}/{} chunk {chunk:?}: max diff {:.2e}, match {}",
+                run, p.name, r.max_abs_logit_diff, r.seq_match
+            );
+            assert_eq!(r.generated_ids, p.greedy_ids, "{what}/{run}/{}", p.name);
+            assert!(
+                r.max_abs_logit_diff <= DEFAULT_TOLERANCE,
+                "{what}/{run}/{}: logits off by {}",
+                p.name,
+                r.max_abs_logit_diff
+            );
+        }
+    }
+}
+
 #[test]
 fn every_adapter_matches_peft_whole_and_chunked() {
     for target in TARGETS {
@@ -43,32 +76,15 @@ fn every_adapter_matches_peft_whole_and_chunked() {
             }
         }
         for (run, adapter, prompts) in &runs {
-            for (i, p) in prompts.iter().enumerate() {
-                let rows = reference.rows(run, i, "logits").expect("logits");
-                let steps = reference.rows(run, i, "greedy_step_logits").expect("steps");
-                for chunk in [None, Some(3)] {
-                    let r = verify_lora_prompt(
-                        &model,
-                        adapter.as_ref(),
-                        p,
-                        (&rows, &steps),
-                        chunk,
-                        DEFAULT_TOLERANCE,
-                    )
-                    .expect("verify");
-                    println!(
-                        "{target}/{run}/{} chunk {chunk:?}: max diff {:.2e}, match {}",
-                        p.name, r.max_abs_logit_diff, r.seq_match
-                    );
-                    assert_eq!(r.generated_ids, p.greedy_ids, "{target}/{run}/{}", p.name);
-                    assert!(
-                        r.max_abs_logit_diff <= DEFAULT_TOLERANCE,
-                        "{target}/{run}/{}: logits off by {}",
-                        p.name,
-                        r.max_abs_logit_diff
-                    );
-                }
-            }
+            let chunks = [None, Some(3)];
+            check_prompts(
+                &model,
+                adapter.as_ref(),
+                &reference,
+                (run.as_str(), prompts.as_slice()),
+                &chunks,
+                target,
+            );
         }
     }
 }
@@ -138,30 +154,10 @@ fn gguf_adapters_match_peft_where_they_keep_its_scaling() {
                 "{layer} {proj:?}"
             );
         }
-        for (i, p) in a.prompts.iter().enumerate() {
-            let rows = reference.rows(&a.name, i, "logits").expect("logits");
-            let steps = reference
-                .rows(&a.name, i, "greedy_step_logits")
-                .expect("steps");
-            for chunk in [None, Some(3)] {
-                let r = verify_lora_prompt(
-                    &model,
-                    Some(&adapter),
-                    p,
-                    (&rows, &steps),
-                    chunk,
-                    DEFAULT_TOLERANCE,
-                )
-                .expect("verify");
-                assert_eq!(r.generated_ids, p.greedy_ids, "{target}/{file}/{}", p.name);
-                assert!(
-                    r.max_abs_logit_diff <= DEFAULT_TOLERANCE,
-                    "{target}/{file}/{}: logits off by {}",
-                    p.name,
-                    r.max_abs_logit_diff
-                );
-            }
-        }
+        let what = format!("{target}/{file}");
+        let chunks = [None, Some(3)];
+        let run = (a.name.as_str(), a.prompts.as_slice());
+        check_prompts(&model, Some(&adapter), &reference, run, &chunks, &what);
     }
     // rsLoRA and the alpha pattern are not in the file: llama.cpp scales
     // every module by `adapter.lora.alpha` (8) over its own rank.
@@ -324,26 +320,9 @@ fn a_merged_adapter_gives_the_same_tokens() {
             let tag = format!("{target}-{}", a.name);
             let merged_dir = merged_checkpoint(&dir.join("target"), &folder, &adapter, &tag);
             let merged = load_hf_dir(&merged_dir).expect("merged checkpoint");
-            for (i, p) in a.prompts.iter().enumerate() {
-                let rows = reference.rows(&a.name, i, "logits").expect("logits");
-                let steps = reference
-                    .rows(&a.name, i, "greedy_step_logits")
-                    .expect("steps");
-                let r =
-                    verify_lora_prompt(&merged, None, p, (&rows, &steps), None, DEFAULT_TOLERANCE)
-                        .expect("verify");
-                println!(
-                    "{target}/{} merged/{}: max diff {:.2e}",
-                    a.name, p.name, r.max_abs_logit_diff
-                );
-                assert_eq!(r.generated_ids, p.greedy_ids, "{tag}/{}", p.name);
-                assert!(
-                    r.max_abs_logit_diff <= DEFAULT_TOLERANCE,
-                    "{tag}/{}: logits off by {}",
-                    p.name,
-                    r.max_abs_logit_diff
-                );
-            }
+            let run = (a.name.as_str(), a.prompts.as_slice());
+            let what = format!("{target} merged");
+            check_prompts(&merged, None, &reference, run, &[None], &what);
             std::fs::remove_dir_all(&merged_dir).ok();
         }
     }

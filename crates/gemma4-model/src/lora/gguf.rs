@@ -174,11 +174,7 @@ fn parse_name(name: &str) -> std::result::Result<(usize, Projection, bool), Stri
             return Ok((layer, proj, is_a));
         }
         if matrix.contains("exps") || matrix.starts_with("ffn_gate_inp") {
-            return Err(
-                "adapts the mixture of experts, which LoRA adapters cannot change here \
-                 (only the attention and dense MLP projections)"
-                    .into(),
-            );
+            return Err(super::EXPERTS_REFUSED.into());
         }
     }
     if base.starts_with("token_embd") || base.starts_with("output") {

@@ -558,6 +558,10 @@ struct Factor {
 /// `(layer, projection)`: `(lora_A, lora_B)`.
 type Halves = HashMap<(usize, Projection), (Option<StoredFactor>, Option<StoredFactor>)>;
 
+/// Why an adapter that changes the experts is refused.
+const EXPERTS_REFUSED: &str = "adapts the mixture of experts, which LoRA adapters cannot change \
+     here (only the attention and dense MLP projections)";
+
 /// An adapter file's factors, before they are checked against the model.
 struct ReadAdapter {
     /// What [`LoraAdapter::path`] reports.

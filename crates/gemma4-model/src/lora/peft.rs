@@ -85,11 +85,7 @@ fn parse_name(name: &str) -> std::result::Result<(usize, Projection, bool), Stri
         }
     }
     if module.contains("experts") || module.contains("router") {
-        return Err(
-            "adapts the mixture of experts, which LoRA adapters cannot change here \
-             (only the attention and dense MLP projections)"
-                .into(),
-        );
+        return Err(super::EXPERTS_REFUSED.into());
     }
     Err(
         "adapts a module that cannot be adapted: only the text decoder's \
