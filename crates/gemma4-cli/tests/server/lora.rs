@@ -212,6 +212,34 @@ fn adapters_load_and_unload_through_vllms_routes() {
     let r = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "b"}));
     assert_eq!(r.status, 200, "{}", r.body);
     assert_eq!(generate("b").status, 404);
+    // A GGUF that is not a LoRA adapter is a 400 naming the file; llama.cpp's
+    // GGUF LoRA file of adapter a loads and gives a's reference tokens.
+    let mmproj = dir.join("../../vision/e-audio-mmproj.gguf");
+    let r = server.post(
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "m", "lora_path": mmproj}),
+    );
+    assert_eq!(r.status, 400, "{}", r.body);
+    assert!(
+        r.body.contains("e-audio-mmproj.gguf") && r.body.contains("not a LoRA adapter"),
+        "{}",
+        r.body
+    );
+    let r = server.post(
+        "/v1/load_lora_adapter",
+        &json!({"lora_name": "a", "lora_path": dir.join("gguf/adapter-a.gguf")}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    let a = &g["adapters"][0]["prompts"][0];
+    let r = server.post(
+        "/generate",
+        &json!({"model": "a", "prompt": a["input_ids"], "max_tokens": 16,
+                "temperature": 0, "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(ids(&r.json()["token_ids"]), ids(&a["greedy_ids"]));
+    let r = server.post("/v1/unload_lora_adapter", &json!({"lora_name": "a"}));
+    assert_eq!(r.status, 200, "{}", r.body);
     let r = server.post(
         "/v1/load_lora_adapter",
         &json!({"lora_name": "t", "lora_path": dir.join("target")}),
