@@ -5,11 +5,10 @@
 //! the adapter).
 
 use std::collections::HashSet;
-use std::path::Path;
 use std::sync::Arc;
 
 use crate::api::{AdapterError, AdapterLoad};
-use crate::executor::{AdapterFacts, Executor};
+use crate::executor::{AdapterFacts, Executor, ReadAdapter};
 use crate::kv_manager::AdapterKey;
 
 /// One adapter the executor holds.
@@ -69,12 +68,13 @@ impl Adapters {
         }
     }
 
-    /// Reads the adapter at `path` into the executor under `name`.
+    /// Hands `adapter` (read by the executor's reader) to the executor
+    /// under `name`.
     pub fn load(
         &mut self,
         executor: &mut dyn Executor,
         name: &str,
-        path: &Path,
+        adapter: ReadAdapter,
     ) -> Result<(), AdapterError> {
         if self.find(name).is_some() {
             return Err(AdapterError::Exists(name.to_string()));
@@ -83,7 +83,7 @@ impl Adapters {
         let id = self.next_id;
         self.next_id += 1;
         let facts = executor
-            .load_adapter(id, name, path)
+            .load_adapter(id, name, adapter)
             .map_err(|e| AdapterError::Load(e.0))?;
         if let Err(e) = self.admit(&facts) {
             // Over the rank limit: the executor lets it go again.

@@ -27,8 +27,9 @@ use crate::api::TokenConstraint;
 use crate::encoders::EncoderThread;
 use crate::engine::{start_with, EngineConfig, EngineHandle};
 use crate::executor::{
-    AdapterFacts, DraftOutcome, EncodeRequest, EncodedItem, Executor, ExecutorError, ExecutorStats,
-    KvLayout, ModelFacts, ScheduledChunk, SeqOutput, StepOutput, StepPlan,
+    AdapterFacts, AdapterReader, DraftOutcome, EncodeRequest, EncodedItem, Executor, ExecutorError,
+    ExecutorStats, KvLayout, ModelFacts, ReadAdapter, ScheduledChunk, SeqOutput, StepOutput,
+    StepPlan,
 };
 use crate::media::{EncoderInput, MediaFacts, SoftPrompt, SoftWindow};
 use crate::panic_message;
@@ -776,11 +777,20 @@ impl CpuExecutor {
 }
 
 impl Executor for CpuExecutor {
+    fn adapter_reader(&self) -> Option<AdapterReader> {
+        let config = Arc::new(self.model.config().clone());
+        Some(Arc::new(move |name: &str, path: &std::path::Path| {
+            LoraAdapter::load(name, path, &config)
+                .map(|adapter| ReadAdapter(Box::new(adapter)))
+                .map_err(|e| ExecutorError(e.to_string()))
+        }))
+    }
+
     fn load_adapter(
         &mut self,
         id: u32,
         name: &str,
-        path: &std::path::Path,
+        adapter: ReadAdapter,
     ) -> Result<AdapterFacts, ExecutorError> {
         if self
             .adapters
@@ -791,10 +801,19 @@ impl Executor for CpuExecutor {
                 "a LoRA adapter named `{name}` (or numbered {id}) is held already"
             )));
         }
-        let adapter = LoraAdapter::load(name, path, self.model.config())
-            .map_err(|e| ExecutorError(e.to_string()))?;
+        let adapter = adapter.0.downcast::<LoraAdapter>().map_err(|_| {
+            ExecutorError(format!(
+                "`{name}` was not read by this executor's adapter reader"
+            ))
+        })?;
+        if adapter.name() != name {
+            return Err(ExecutorError(format!(
+                "the adapter read as `{}` cannot be held as `{name}`",
+                adapter.name()
+            )));
+        }
         let facts = adapter_facts(id, &adapter);
-        self.adapters.push((id, adapter));
+        self.adapters.push((id, *adapter));
         Ok(facts)
     }
 

@@ -10,7 +10,6 @@
 
 use std::collections::HashMap;
 use std::panic::{self, AssertUnwindSafe};
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
@@ -28,7 +27,9 @@ use crate::api::{
 };
 #[cfg(feature = "fault-injection")]
 use crate::executor::ScheduledChunk;
-use crate::executor::{Executor, KvLayout, NewRequest, SeqOutput, StepPlan};
+use crate::executor::{
+    AdapterReader, Executor, KvLayout, NewRequest, ReadAdapter, SeqOutput, StepPlan,
+};
 use crate::kv_manager::{KvEvent, KvManager};
 use crate::limits::RequestLimits;
 use crate::media::MediaFacts;
@@ -127,7 +128,7 @@ enum Command {
     CancelAll,
     LoadAdapter {
         name: String,
-        path: PathBuf,
+        adapter: ReadAdapter,
         reply: mpsc::Sender<Result<(), AdapterError>>,
     },
     UnloadAdapter {
@@ -163,6 +164,8 @@ pub struct EngineHandle {
     tokenizer: Arc<Tokenizer>,
     limits: Arc<RequestLimits>,
     kv_plan: Arc<KvPlanReport>,
+    /// The executor's, which reads adapters on the caller's thread.
+    adapter_reader: Option<AdapterReader>,
 }
 
 /// Events of one request. Dropping it cancels the request.
@@ -290,13 +293,25 @@ impl EngineHandle {
         self.adapter_load().into_iter().map(|a| a.name).collect()
     }
 
-    /// Reads the LoRA adapter at `path` (a folder on this machine) and
-    /// serves it as `name`, between two steps. Blocks until it is held.
+    /// Reads the LoRA adapter at `path` (a PEFT folder or a GGUF LoRA file
+    /// on this machine) on the calling thread, then serves it as `name`
+    /// from the next step on. Blocks until it is held.
     pub fn load_adapter(&self, name: &str, path: &std::path::Path) -> Result<(), AdapterError> {
+        let Some(read) = &self.adapter_reader else {
+            return Err(AdapterError::Load(format!(
+                "this executor cannot load LoRA adapters (`{name}`)"
+            )));
+        };
+        // Known names fail before the file is read; the engine thread
+        // checks again, and checks the limits, when it takes the adapter.
+        if self.adapter_names().iter().any(|n| n == name) {
+            return Err(AdapterError::Exists(name.to_string()));
+        }
+        let adapter = read(name, path).map_err(|e| AdapterError::Load(e.0))?;
         let (reply, answer) = mpsc::channel();
         let command = Command::LoadAdapter {
             name: name.to_string(),
-            path: path.to_path_buf(),
+            adapter,
             reply,
         };
         self.tx.send(command).map_err(|_| AdapterError::Stopped)?;
@@ -510,6 +525,7 @@ pub(crate) fn start_worker(
     let output = output_processor::spawn(tokenizer.clone(), stops_tx).map_err(|e| {
         gemma4_model::ModelError::Input(format!("cannot start the output thread: {e}"))
     })?;
+    let adapter_reader = executor.adapter_reader();
     let mut worker = Worker {
         executor,
         kv,
@@ -543,6 +559,7 @@ pub(crate) fn start_worker(
         tokenizer,
         limits: Arc::new(request_limits),
         kv_plan: Arc::new(kv_plan),
+        adapter_reader,
     })
 }
 
@@ -752,8 +769,12 @@ impl Worker {
                 self.scheduler.add(seq);
             }
             Command::Cancel(id) => self.end(id, FinishReason::Cancelled),
-            Command::LoadAdapter { name, path, reply } => {
-                let result = self.adapters.load(self.executor.as_mut(), &name, &path);
+            Command::LoadAdapter {
+                name,
+                adapter,
+                reply,
+            } => {
+                let result = self.adapters.load(self.executor.as_mut(), &name, adapter);
                 self.publish_adapters();
                 let _ = reply.send(result);
             }

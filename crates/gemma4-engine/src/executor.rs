@@ -225,6 +225,22 @@ pub struct ExecutorStats {
 #[error("{0}")]
 pub struct ExecutorError(pub String);
 
+/// A LoRA adapter read from its file by an executor's
+/// [`AdapterReader`], not yet held: opaque to the engine, which hands it
+/// back to the executor that read it.
+pub struct ReadAdapter(pub Box<dyn std::any::Any + Send>);
+
+impl std::fmt::Debug for ReadAdapter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReadAdapter")
+    }
+}
+
+/// Reads the LoRA adapter `name` at a path (a PEFT folder or a GGUF LoRA
+/// file on this machine) for an executor's model.
+pub type AdapterReader =
+    Arc<dyn Fn(&str, &std::path::Path) -> Result<ReadAdapter, ExecutorError> + Send + Sync>;
+
 /// Runs the steps the engine plans. One executor serves one engine; the
 /// engine calls it from its own thread, one step at a time.
 pub trait Executor: Send {
@@ -237,15 +253,21 @@ pub trait Executor: Send {
     /// are under way waits a moment for one to end.
     fn execute(&mut self, plan: StepPlan) -> StepOutput;
     fn stats(&self) -> ExecutorStats;
-    /// Reads the LoRA adapter at `path` (a folder on this machine) and
-    /// holds it under `id` and `name`, between two steps.
+    /// What reads LoRA adapters from their files for this executor's
+    /// model, on any thread (the engine calls it on the caller's, so a
+    /// large file never pauses the steps); `None`: it loads none.
+    fn adapter_reader(&self) -> Option<AdapterReader> {
+        None
+    }
+    /// Holds `adapter` (what [`Executor::adapter_reader`] read) under `id`
+    /// and `name`, between two steps.
     fn load_adapter(
         &mut self,
         id: u32,
         name: &str,
-        path: &std::path::Path,
+        adapter: ReadAdapter,
     ) -> Result<AdapterFacts, ExecutorError> {
-        let _ = (id, path);
+        let _ = (id, adapter);
         Err(ExecutorError(format!(
             "this executor cannot load LoRA adapters (`{name}`)"
         )))
@@ -271,13 +293,16 @@ impl<E: Executor + ?Sized> Executor for Box<E> {
     fn stats(&self) -> ExecutorStats {
         (**self).stats()
     }
+    fn adapter_reader(&self) -> Option<AdapterReader> {
+        (**self).adapter_reader()
+    }
     fn load_adapter(
         &mut self,
         id: u32,
         name: &str,
-        path: &std::path::Path,
+        adapter: ReadAdapter,
     ) -> Result<AdapterFacts, ExecutorError> {
-        (**self).load_adapter(id, name, path)
+        (**self).load_adapter(id, name, adapter)
     }
     fn unload_adapter(&mut self, id: u32) -> Result<(), ExecutorError> {
         (**self).unload_adapter(id)

@@ -39,7 +39,7 @@ pub use engine::{
     start_with, EngineConfig, EngineHandle, KvEventSink, KvPlanReport, RequestStream,
     DEFAULT_ADMIT_PROMPT_TOKENS,
 };
-pub use executor::{AdapterFacts, Executor};
+pub use executor::{AdapterFacts, AdapterReader, Executor, ReadAdapter};
 pub use gemma4_text::{OutputEvent, Reading};
 pub use kv_manager::{AdapterKey, KvEvent};
 pub use limits::{LimitError, RequestLimits, RequestPart, MAX_STOP_STRINGS, MAX_STOP_STRING_BYTES};

@@ -5,19 +5,18 @@
 //! run through it equal to a direct run shows that the plans carry all an
 //! executor needs.
 
-use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 
 use crate::executor::{
-    AdapterFacts, EncodeRequest, EncodedItem, Executor, ExecutorError, ExecutorStats, KvLayout,
-    ModelFacts, SeqOutput, StepOutput, StepPlan,
+    AdapterFacts, AdapterReader, EncodeRequest, EncodedItem, Executor, ExecutorError,
+    ExecutorStats, KvLayout, ModelFacts, ReadAdapter, SeqOutput, StepOutput, StepPlan,
 };
 
 enum Request {
     Allocate(KvLayout),
     Step(StepPlan),
-    LoadAdapter(u32, String, PathBuf),
+    LoadAdapter(u32, String, ReadAdapter),
     UnloadAdapter(u32),
 }
 
@@ -31,6 +30,8 @@ enum Reply {
 /// Runs an inner executor on its own thread.
 pub struct ThreadedExecutor {
     facts: ModelFacts,
+    /// The inner executor's, which reads on any thread.
+    adapter_reader: Option<AdapterReader>,
     requests: Option<mpsc::Sender<Request>>,
     replies: mpsc::Receiver<Reply>,
     stats: ExecutorStats,
@@ -43,6 +44,7 @@ impl ThreadedExecutor {
     /// Moves `inner` to a new thread and talks to it by messages only.
     pub fn spawn<E: Executor + 'static>(mut inner: E) -> Result<Self, ExecutorError> {
         let facts = inner.model_facts().clone();
+        let adapter_reader = inner.adapter_reader();
         let (requests, inbox) = mpsc::channel::<Request>();
         let (outbox, replies) = mpsc::channel();
         let thread = std::thread::Builder::new()
@@ -55,8 +57,8 @@ impl ThreadedExecutor {
                             let out = inner.execute(plan);
                             Reply::Stepped(out, inner.stats())
                         }
-                        Request::LoadAdapter(id, name, path) => {
-                            Reply::AdapterLoaded(inner.load_adapter(id, &name, &path))
+                        Request::LoadAdapter(id, name, adapter) => {
+                            Reply::AdapterLoaded(inner.load_adapter(id, &name, adapter))
                         }
                         Request::UnloadAdapter(id) => {
                             Reply::AdapterUnloaded(inner.unload_adapter(id))
@@ -70,6 +72,7 @@ impl ThreadedExecutor {
             .map_err(|e| ExecutorError(format!("cannot start the executor thread: {e}")))?;
         Ok(Self {
             facts,
+            adapter_reader,
             requests: Some(requests),
             replies,
             stats: ExecutorStats::default(),
@@ -143,17 +146,17 @@ impl Executor for ThreadedExecutor {
         self.stats
     }
 
+    fn adapter_reader(&self) -> Option<AdapterReader> {
+        self.adapter_reader.clone()
+    }
+
     fn load_adapter(
         &mut self,
         id: u32,
         name: &str,
-        path: &Path,
+        adapter: ReadAdapter,
     ) -> Result<AdapterFacts, ExecutorError> {
-        match self.call(Request::LoadAdapter(
-            id,
-            name.to_string(),
-            path.to_path_buf(),
-        )) {
+        match self.call(Request::LoadAdapter(id, name.to_string(), adapter)) {
             Some(Reply::AdapterLoaded(result)) => result,
             _ => Err(ExecutorError("the executor thread has stopped".into())),
         }

@@ -5,16 +5,20 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use gemma4_engine::executor::{
+    ExecutorError, ExecutorStats, KvLayout, ModelFacts, StepOutput, StepPlan,
+};
 use gemma4_engine::{
-    AdapterError, CpuExecutor, EngineConfig, EngineEvent, EngineHandle, GenerationRequest,
-    SamplingParams, SubmitError,
+    start_with, AdapterError, AdapterFacts, AdapterReader, CpuExecutor, EngineConfig, EngineEvent,
+    EngineHandle, Executor, GenerationRequest, ReadAdapter, SamplingParams, SubmitError,
+    ThreadedExecutor,
 };
 use gemma4_model::lora_golden::LoraGolden;
 use gemma4_model::{load_hf_dir, LoraAdapter};
 use gemma4_text::Tokenizer;
 
 mod support;
-use support::{start_executor_on, SEAMS};
+use support::{start_executor_on, Seam, SEAMS};
 
 fn fixture(target: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -220,5 +224,93 @@ fn an_adapter_above_the_rank_limit_is_refused_at_start() {
     assert!(
         why.contains("rank 8") && why.contains("--max-lora-rank 4"),
         "{why}"
+    );
+}
+
+/// A CPU executor whose adapter reader notes the thread each read runs on.
+struct ReadsNoted {
+    inner: CpuExecutor,
+    threads: Arc<std::sync::Mutex<Vec<Option<String>>>>,
+}
+
+impl Executor for ReadsNoted {
+    fn model_facts(&self) -> &ModelFacts {
+        self.inner.model_facts()
+    }
+    fn allocate_kv(&mut self, layout: &KvLayout) -> Result<usize, ExecutorError> {
+        self.inner.allocate_kv(layout)
+    }
+    fn execute(&mut self, plan: StepPlan) -> StepOutput {
+        self.inner.execute(plan)
+    }
+    fn stats(&self) -> ExecutorStats {
+        self.inner.stats()
+    }
+    fn adapter_reader(&self) -> Option<AdapterReader> {
+        let read = self.inner.adapter_reader()?;
+        let threads = self.threads.clone();
+        Some(Arc::new(move |name: &str, path: &std::path::Path| {
+            let thread = std::thread::current().name().map(str::to_string);
+            threads.lock().unwrap().push(thread);
+            read(name, path)
+        }))
+    }
+    fn load_adapter(
+        &mut self,
+        id: u32,
+        name: &str,
+        adapter: ReadAdapter,
+    ) -> Result<AdapterFacts, ExecutorError> {
+        self.inner.load_adapter(id, name, adapter)
+    }
+    fn unload_adapter(&mut self, id: u32) -> Result<(), ExecutorError> {
+        self.inner.unload_adapter(id)
+    }
+}
+
+/// A runtime load reads the adapter's file on the thread that asks for
+/// it, not on the engine's or the executor's, so the steps of running
+/// requests never wait on the file.
+#[test]
+fn an_adapter_file_is_read_on_the_callers_thread() {
+    let dir = fixture("e-style");
+    let golden = LoraGolden::read(&dir.join("golden.json")).expect("golden");
+    let threads = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir.join("target")).expect("tokenizer"));
+    for seam in SEAMS {
+        let executor = ReadsNoted {
+            inner: CpuExecutor::new(load_hf_dir(&dir.join("target")).expect("target")),
+            threads: threads.clone(),
+        };
+        let executor: Box<dyn Executor> = match seam {
+            Seam::Direct => Box::new(executor),
+            Seam::Threaded => Box::new(ThreadedExecutor::spawn(executor).expect("thread")),
+        };
+        let config = EngineConfig {
+            max_model_len: 128,
+            block_size: 4,
+            ..EngineConfig::default()
+        };
+        let engine = start_with(executor, tokenizer.clone(), config).expect("engine");
+        let loader = std::thread::Builder::new()
+            .name("the-caller".into())
+            .spawn({
+                let engine = engine.clone();
+                let path = dir.join("gguf/adapter-a.gguf");
+                move || engine.load_adapter("a", &path)
+            })
+            .unwrap();
+        loader.join().unwrap().expect("load a");
+        let a = &golden.adapters[0].prompts[0];
+        let (out, _) = engine
+            .submit(request(&a.input_ids, 16, Some("a")))
+            .expect("submit")
+            .blocking_finish()
+            .expect("finished");
+        assert_eq!(out, a.greedy_ids, "{seam:?}");
+    }
+    assert_eq!(
+        *threads.lock().unwrap(),
+        vec![Some("the-caller".to_string()); 2]
     );
 }
