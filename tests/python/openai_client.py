@@ -164,6 +164,11 @@ def scenario_queue(args):
     """More simultaneous requests than running slots plus queue places."""
     c = client(args)
     start = threading.Barrier(args.count)
+    if args.wait_for_go:
+        # The caller fills the server only once this process is ready, so
+        # the burst lands within milliseconds of its word.
+        print("ready", flush=True)
+        sys.stdin.readline()
 
     def run(_):
         start.wait()
@@ -608,6 +613,7 @@ def main():
     p.add_argument("--video", action="append", default=[], help="animated GIF path, repeatable (images scenario)")
     p.add_argument("--audio", action="append", default=[], help="WAV, MP3 or FLAC path, repeatable (images scenario)")
     p.add_argument("--count", type=int, default=4, help="simultaneous requests (queue scenario)")
+    p.add_argument("--wait-for-go", action="store_true", help="print `ready`, then wait for a line on stdin (queue scenario)")
     p.add_argument("--budget", type=int, default=12, help="thinking_token_budget (protocol scenario)")
     p.add_argument("--ban", type=int, action="append", default=[], help="token id to ban (protocol scenario)")
     args = p.parse_args()

@@ -454,6 +454,18 @@ pub fn openai_client(base_url: &str, args: &[&str]) -> Option<Value> {
 /// prints, or `None` (with a message) when one of `modules` cannot be
 /// imported outside CI (in CI that fails the test).
 pub fn python_script(script: &str, modules: &[&str], args: &[&str]) -> Option<Value> {
+    let py = importable(script, modules)?;
+    let out = Command::new(&py)
+        .arg(root().join("tests/python").join(script))
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
+    Some(script_report(script, out))
+}
+
+/// The interpreter, when it can import `modules`; otherwise `None` with a
+/// message outside CI (in CI that fails the test).
+fn importable(script: &str, modules: &[&str]) -> Option<String> {
     let py = python();
     let imports = format!("import {}", modules.join(", "));
     let importable = Command::new(&py)
@@ -471,11 +483,65 @@ pub fn python_script(script: &str, modules: &[&str], args: &[&str]) -> Option<Va
         eprintln!("SKIPPED {script} checks: {msg}");
         return None;
     }
-    let out = Command::new(&py)
+    Some(py)
+}
+
+/// An `openai_client.py` run started ahead of its burst: the interpreter has
+/// started, imported the client and said `ready`, and sends its requests
+/// when [`ArmedClient::go`] writes a line, so they reach the server within
+/// milliseconds of that call rather than after an interpreter's start.
+pub struct ArmedClient {
+    child: Child,
+    stdout: BufReader<std::process::ChildStdout>,
+}
+
+/// Starts `openai_client.py` with `--wait-for-go` and waits for its `ready`.
+pub fn armed_openai_client(base_url: &str, args: &[&str]) -> Option<ArmedClient> {
+    let script = "openai_client.py";
+    let py = importable(script, &["openai"])?;
+    let mut child = Command::new(&py)
         .arg(root().join("tests/python").join(script))
+        .args(["--base-url", &format!("{base_url}/v1"), "--wait-for-go"])
         .args(args)
-        .output()
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap_or_else(|e| panic!("cannot run {script}: {e}"));
+    let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+    let mut line = String::new();
+    stdout
+        .read_line(&mut line)
+        .expect("read the client's first line");
+    if line.trim() != "ready" {
+        let out = child.wait_with_output().expect("wait for the client");
+        panic!(
+            "{script} did not say ready ({}): {line}\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Some(ArmedClient { child, stdout })
+}
+
+impl ArmedClient {
+    /// Lets the client send and returns the JSON object it prints.
+    pub fn go(mut self) -> Value {
+        let mut stdin = self.child.stdin.take().expect("piped stdin");
+        stdin.write_all(b"go\n").expect("tell the client to go");
+        drop(stdin);
+        let mut rest = Vec::new();
+        self.stdout
+            .read_to_end(&mut rest)
+            .expect("read the client's report");
+        let mut out = self.child.wait_with_output().expect("wait for the client");
+        out.stdout = rest;
+        script_report("openai_client.py", out)
+    }
+}
+
+/// The JSON object a client script printed, after checking it succeeded.
+fn script_report(script: &str, out: std::process::Output) -> Value {
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -483,10 +549,8 @@ pub fn python_script(script: &str, modules: &[&str], args: &[&str]) -> Option<Va
         "{script} failed ({}):\n{stderr}\n{stdout}",
         out.status
     );
-    Some(
-        serde_json::from_str(stdout.trim())
-            .unwrap_or_else(|e| panic!("{script} output is not JSON ({e}): {stdout}\n{stderr}")),
-    )
+    serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("{script} output is not JSON ({e}): {stdout}\n{stderr}"))
 }
 
 /// Checks the OpenAI error shape and returns the error object.

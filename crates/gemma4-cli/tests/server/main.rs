@@ -24,7 +24,8 @@ mod webui;
 use std::time::{Duration, Instant};
 
 use harness::{
-    fixture, golden, openai_client, openai_error, python_script, request, EventStream, ServerProc,
+    armed_openai_client, fixture, golden, openai_client, openai_error, python_script, request,
+    EventStream, ServerProc,
 };
 use serde_json::{json, Value};
 
@@ -289,15 +290,10 @@ fn full_queue_answers_429_with_retry_after() {
         &["--max-num-seqs", "1", "--max-queue", "1"],
         &[],
     );
-    // The one running slot and the one queue place taken by long requests,
-    // seen taken, so every request the client sends finds the queue full.
-    let long = json!({"prompt": "Hello world", "max_tokens": 4000, "temperature": 0, "ignore_eos": true, "stream": true});
-    let mut running = EventStream::open(server.port, "/v1/completions", &long);
-    assert!(running.next_data().is_some());
-    server.wait_metric("gemma4_running_sequences", 1.0, Duration::from_secs(5));
-    let queued = EventStream::open(server.port, "/v1/completions", &long);
-    server.wait_metric("gemma4_queue_depth", 1.0, Duration::from_secs(5));
-    let Some(out) = openai_client(
+    // The client is started and ready before the server is filled, so its
+    // burst lands while the two long requests (about two seconds each on a
+    // fast machine) still hold the one running slot and the one queue place.
+    let Some(client) = armed_openai_client(
         &server.url(),
         &[
             "--scenario",
@@ -312,6 +308,18 @@ fn full_queue_answers_429_with_retry_after() {
     ) else {
         return;
     };
+    let long = json!({"prompt": "Hello world", "max_tokens": 4000, "temperature": 0, "ignore_eos": true, "stream": true});
+    let mut running = EventStream::open(server.port, "/v1/completions", &long);
+    assert!(running.next_data().is_some());
+    server.wait_metric("gemma4_running_sequences", 1.0, Duration::from_secs(5));
+    let queued = EventStream::open(server.port, "/v1/completions", &long);
+    server.wait_metric("gemma4_queue_depth", 1.0, Duration::from_secs(5));
+    let out = client.go();
+    assert_eq!(
+        server.metric("gemma4_queue_depth"),
+        1.0,
+        "the long request left the queue before the burst was answered"
+    );
     let outcomes = out["outcomes"].as_array().expect("outcomes");
     let limited: Vec<&Value> = outcomes.iter().filter(|o| o["status"] == 429).collect();
     assert_eq!(limited.len(), 6, "all refused while full: {outcomes:?}");
