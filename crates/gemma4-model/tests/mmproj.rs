@@ -14,9 +14,10 @@
 //! that file and the one `tools/make_mmproj_fixture.py` committed
 //! (`unified-mmproj.gguf`) are held to its image and audio soft tokens.
 //!
+//! Both fixtures are also held as llama.cpp's own converter writes them
+//! (`convert_hf_to_gguf.py --mmproj`, f16: `tests/fixtures/llamacpp/mmproj`).
 //! `GEMMA4_MMPROJ_FILE` (`GEMMA4_UNIFIED_MMPROJ_FILE`) may name another
-//! mmproj of the E-style (12B) fixture, made by llama.cpp's own converter,
-//! say, to hold to the same goldens.
+//! mmproj of the E-style (12B) fixture, to hold to the same goldens.
 
 mod common;
 
@@ -210,6 +211,13 @@ fn write_unified_mmproj(dir: &Path) -> PathBuf {
     write_gguf("unified", &meta, &tensors)
 }
 
+/// The fixture's mmproj as llama.cpp's converter wrote it.
+fn llama_cpp_mmproj(variant: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../tests/fixtures/llamacpp/mmproj")
+        .join(format!("{variant}-f16.gguf"))
+}
+
 fn golden(dir: &Path, name: &str) -> Vec<f32> {
     let bytes = std::fs::read(dir.join("golden_tensors.safetensors")).expect("goldens");
     tensor(&bytes, name).1
@@ -235,7 +243,7 @@ fn check(mmproj: &Path) {
         // As from the safetensors checkpoint: the fixture's bf16 weights are
         // exact in f16 too.
         assert_close(
-            &format!("mmproj image {i}"),
+            &format!("{}: image {i}", mmproj.display()),
             &ours,
             &golden(&dir, &format!("features.{i}")),
         );
@@ -252,7 +260,11 @@ fn check(mmproj: &Path) {
         .unwrap()
         .to_vec1()
         .unwrap();
-    assert_close("mmproj audio 0", &ours, &golden(&dir, "audio_features.0"));
+    assert_close(
+        &format!("{}: audio 0", mmproj.display()),
+        &ours,
+        &golden(&dir, "audio_features.0"),
+    );
 }
 
 /// Soft tokens against the reference's: f32 against f32, within 1e-4 of
@@ -271,6 +283,7 @@ fn towers_from_an_mmproj_file_match_the_reference() {
     let path = write_mmproj(&vision_dir().join("e-audio"));
     check(&path);
     let _ = std::fs::remove_file(path);
+    check(&llama_cpp_mmproj("e-audio"));
     if let Some(other) = std::env::var_os("GEMMA4_MMPROJ_FILE") {
         check(Path::new(&other));
     }
@@ -327,6 +340,7 @@ fn the_12b_embedders_from_an_mmproj_file_match_the_reference() {
     let _ = std::fs::remove_file(path);
     // The same layout written by `tools/make_mmproj_fixture.py`.
     check_unified(&vision_dir().join("unified-mmproj.gguf"));
+    check_unified(&llama_cpp_mmproj("unified"));
     if let Some(other) = std::env::var_os("GEMMA4_UNIFIED_MMPROJ_FILE") {
         check_unified(Path::new(&other));
     }
