@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use gemma4_model::golden::{argmax, verify_prompt, GoldenPrompt, DEFAULT_TOLERANCE};
-use gemma4_model::{load, Gemma4, LoadPolicy, LogitsFor};
+use gemma4_model::{load, Gemma4, LoadPolicy, LogitsFor, Quant};
 use serde::Deserialize;
 
 const VARIANTS: [&str; 3] = ["e-style", "dense-k-eq-v", "moe"];
@@ -182,6 +182,45 @@ impl std::fmt::Display for Closeness {
     }
 }
 
+/// llama.cpp on a file, fed a reference's greedy ids: its KL to that
+/// reference and its top token at each step.
+struct LlamaCpp {
+    step_kl: Vec<f64>,
+    step_argmax: Vec<u32>,
+}
+
+impl LlamaCpp {
+    fn read(v: &serde_json::Value) -> Self {
+        let field = |k: &str| v[k].clone();
+        LlamaCpp {
+            step_kl: serde_json::from_value(field("step_kl")).expect("step_kl"),
+            step_argmax: serde_json::from_value(field("step_argmax")).expect("step_argmax"),
+        }
+    }
+}
+
+/// Our teacher-forced `rows` beside llama.cpp's, against the `reference`
+/// rows of prompt `p`.
+fn closeness(
+    rows: &[Vec<f32>],
+    p: &GoldenPrompt,
+    reference: &[Vec<f32>],
+    llama: &LlamaCpp,
+) -> Closeness {
+    let mut sums = Closeness::default();
+    for (step, row) in rows.iter().enumerate() {
+        let id = p.greedy.generated_ids[step];
+        sums += Closeness {
+            rows: 1,
+            kl: kl(&reference[step], row),
+            llama_cpp_kl: llama.step_kl[step],
+            top1: usize::from(argmax(row).0 == id),
+            llama_cpp_top1: usize::from(llama.step_argmax[step] == id),
+        };
+    }
+    sums
+}
+
 /// One file in the default mode, every greedy step teacher-forced: its
 /// closeness to the reference beside llama.cpp's, and the check that a
 /// clear reference choice is kept.
@@ -189,29 +228,20 @@ fn default_mode_on(variant: &str, kind: &str, f: &FileGolden) -> Closeness {
     let model = model(variant, &f.file, false);
     let mut sums = Closeness::default();
     for ((p, margins), raw) in f.prompts().iter().zip(&f.prompts) {
-        let reference = reference_rows(variant, kind, &p.name);
-        let field = |k: &str| raw["llama_cpp"][k].clone();
-        let llama_kl: Vec<f64> = serde_json::from_value(field("step_kl")).expect("step_kl");
-        let llama_argmax: Vec<u32> =
-            serde_json::from_value(field("step_argmax")).expect("step_argmax");
-        for (step, row) in forced_rows(&model, p).iter().enumerate() {
-            let id = p.greedy.generated_ids[step];
-            let ours = argmax(row).0;
+        let rows = forced_rows(&model, p);
+        for (step, row) in rows.iter().enumerate() {
             if margins[step] > CLEAR_MARGIN {
                 assert_eq!(
-                    ours, id,
+                    argmax(row).0,
+                    p.greedy.generated_ids[step],
                     "{variant} {kind} `{}` step {step}: the reference's margin is {}",
-                    p.name, margins[step]
+                    p.name,
+                    margins[step]
                 );
             }
-            sums += Closeness {
-                rows: 1,
-                kl: kl(&reference[step], row),
-                llama_cpp_kl: llama_kl[step],
-                top1: usize::from(ours == id),
-                llama_cpp_top1: usize::from(llama_argmax[step] == id),
-            };
         }
+        let reference = reference_rows(variant, kind, &p.name);
+        sums += closeness(&rows, p, &reference, &LlamaCpp::read(&raw["llama_cpp"]));
     }
     sums
 }
@@ -242,4 +272,55 @@ fn default_mode_is_as_close_to_the_reference_as_llama_cpp_on_the_same_files() {
         quantized.kl <= KL_OVER_LLAMA_CPP_ALL * quantized.llama_cpp_kl,
         "{quantized} is not within {KL_OVER_LLAMA_CPP_ALL}x llama.cpp's"
     );
+}
+
+/// How much larger than llama.cpp's our quantized-on-load mean KL may be.
+/// Measured on an Intel Xeon with AVX-512: 1.08 for int8 against Q8_0
+/// (one scale per row against one per 32 values), 1.14 for q4 against
+/// Q4_0. q4 puts every weight on the level Q4_0 does, but breaks exact
+/// ties (0.1% of bf16 weights) away from zero where ggml breaks them
+/// upwards; rounding them ggml's way moved these tiny models' figure from
+/// 0.314 to 0.29, with e-style's getting worse: the bound is for that
+/// noise, not for a coarser grid.
+const ON_LOAD_OVER_LLAMA_CPP: f64 = 1.5;
+
+/// `--quant int8` and `--quant q4` on the oracle checkpoint (bf16, quantized
+/// on load), in the default mode, beside llama.cpp on its Q8_0 and Q4_0
+/// files of the same weights, both against the float weights' reference
+/// (the F16 file's, which is the oracle's within 6e-6) with its greedy ids
+/// fed back at every step.
+#[test]
+fn quantized_on_load_is_as_close_to_the_float_reference_as_llama_cpps_files() {
+    let oracle = |v: &str| {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../../tests/fixtures/oracle")
+            .join(v)
+    };
+    for (quant, kind) in [(Quant::Int8, "Q8_0"), (Quant::Q4, "Q4_0")] {
+        let mut all = Closeness::default();
+        for variant in VARIANTS {
+            let golden = golden(variant);
+            let policy = LoadPolicy {
+                quant,
+                ..LoadPolicy::default()
+            };
+            let model = load(&oracle(variant), policy).expect("load");
+            let float = &golden.files["F16"];
+            let theirs = &golden.files[kind];
+            let mut sums = Closeness::default();
+            for ((p, _), raw) in float.prompts().iter().zip(&theirs.prompts) {
+                let reference = reference_rows(variant, "F16", &p.name);
+                let llama = LlamaCpp::read(&raw["llama_cpp_vs_float"]);
+                sums += closeness(&forced_rows(&model, p), p, &reference, &llama);
+            }
+            println!("{variant} {} vs {kind}: {sums}", quant.name());
+            all += sums;
+        }
+        println!("{} vs {kind}, all variants: {all}", quant.name());
+        assert!(
+            all.kl <= ON_LOAD_OVER_LLAMA_CPP * all.llama_cpp_kl,
+            "{} vs {kind}: {all} is not within {ON_LOAD_OVER_LLAMA_CPP}x llama.cpp's",
+            quant.name()
+        );
+    }
 }
