@@ -1,8 +1,8 @@
 //! What quantization on load costs, against the Hugging Face float32
 //! reference: top-1 agreement and mean KL divergence over every prompt
 //! position of every oracle fixture, for each `--quant` mode. Prints the
-//! table that docs/quantization.md reports and holds each mode to a floor
-//! just under what it measures.
+//! table that docs/quantization.md reports and holds each mode to bounds a
+//! stated margin from what it measures.
 
 use std::path::PathBuf;
 
@@ -89,17 +89,22 @@ fn measure(variant: &str, quant: Quant, exact: bool) -> (usize, usize, f64) {
 #[test]
 fn quantized_loads_stay_close_to_the_reference() {
     // (mode, exact activations, minimum top-1 agreement, maximum mean KL)
-    // over all fixtures: what each mode measures (docs/quantization.md),
-    // rounded to the printed precision. Without `exact` the quantized
-    // matrices take the integer kernels (activations rounded to 8 bits per
-    // block). The fixtures' random weights give near-ties that quantization
-    // noise flips far more often than trained weights do.
+    // over all fixtures. Measured on an Intel Xeon with AVX-512 VNNI
+    // (docs/quantization.md): int8 94.1% / 7.77e-3 with f32 activations,
+    // 91.9% / 1.19e-2 without; q4 44.5% / 0.524 and 44.7% / 0.529. The
+    // fixtures' random weights give near-ties that ulp-sized changes flip:
+    // summing in another order moved int8 by a position of 577, breaking
+    // q4's exact ties upwards instead of away from zero moved it from 44.7%
+    // to 44.4% and 0.529 to 0.516. So each bound keeps a margin of about 2
+    // points of agreement and a quarter of the KL; that llama.cpp's own
+    // Q8_0 and Q4_0 files of these weights are no closer is held by
+    // `llamacpp_files.rs`.
     let floors = [
         (Quant::AsStored, false, 1.0, 1e-9),
-        (Quant::Int8, true, 0.94, 8e-3),
-        (Quant::Int8, false, 0.915, 1.2e-2),
-        (Quant::Q4, true, 0.44, 0.53),
-        (Quant::Q4, false, 0.447, 0.53),
+        (Quant::Int8, true, 0.92, 1.0e-2),
+        (Quant::Int8, false, 0.90, 1.5e-2),
+        (Quant::Q4, true, 0.42, 0.66),
+        (Quant::Q4, false, 0.42, 0.66),
     ];
     println!("| mode | positions | top-1 agreement | mean KL (nats) |");
     println!("|---|---:|---:|---:|");
