@@ -154,13 +154,16 @@ fn prompt_logprobs_are_refused_where_they_are_not_served() {
 /// lm-evaluation-harness's `local-completions` scores the committed
 /// multiple-choice task (tests/lm_eval) through the server, tokenizing
 /// through it too; the real demo weights pick the right capital. Each
-/// choice's log-likelihood is the one the server gives the same tokens.
+/// choice's log-likelihood is the one the server gives the same tokens, and
+/// the one the same harness's `hf` model gives on transformers' float32 run
+/// over the same weights (`tests/lm_eval/capitals_reference.json`), within
+/// the oracle's tolerance: the server runs `--exact`.
 #[test]
 fn lm_evaluation_harness_scores_a_task_through_the_server() {
     let Some(gguf) = crate::harness::demo_gguf("the lm-evaluation-harness run") else {
         return;
     };
-    let server = ServerProc::start(&gguf, &["--max-num-seqs", "2"], &[]);
+    let server = ServerProc::start(&gguf, &["--max-num-seqs", "2", "--exact"], &[]);
     let model = server.get("/v1/models").json()["data"][0]["id"]
         .as_str()
         .expect("model id")
@@ -192,10 +195,34 @@ fn lm_evaluation_harness_scores_a_task_through_the_server() {
         assert_eq!(scores.len(), 4, "{doc}");
         assert!(scores.iter().all(|s| s.is_finite() && *s < 0.0), "{doc}");
     }
-    // Chance is a quarter; the demo model misses none with a margin of
-    // at least 0.9 nats (measured), so one miss is room for other CPUs.
-    let acc = number(&report["acc"]);
-    assert!(acc >= 0.875, "accuracy {acc}: {report}");
+    // The reference's scores, document by document (5.9e-5 apart at most,
+    // measured; the oracle's logit tolerance is 1e-3), and so its accuracy.
+    let path = crate::harness::root().join("tests/lm_eval/capitals_reference.json");
+    let text = std::fs::read_to_string(&path).expect("the hf reference");
+    let reference: Value = serde_json::from_str(&text).expect("reference JSON");
+    let want = reference["docs"].as_array().expect("reference docs");
+    assert_eq!(want.len(), docs.len());
+    for (doc, want) in docs.iter().zip(want) {
+        assert_eq!(doc["question"], want["question"]);
+        for (ours, theirs) in doc["loglikelihoods"]
+            .as_array()
+            .expect("scores")
+            .iter()
+            .zip(want["loglikelihoods"].as_array().expect("reference scores"))
+        {
+            let (ours, theirs) = (number(ours), number(theirs));
+            assert!(
+                (ours - theirs).abs() <= 1e-3,
+                "{}: {ours} against the reference's {theirs}",
+                doc["question"]
+            );
+        }
+    }
+    assert_eq!(
+        number(&report["acc"]),
+        number(&reference["acc"]),
+        "{report}"
+    );
 
     // The harness's score of the first document's answer is the server's
     // own: the sum of the answer's token log-probabilities after the question.
