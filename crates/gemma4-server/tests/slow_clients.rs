@@ -161,6 +161,22 @@ fn refused_once_full(port: u16, request: &str) -> String {
     }
 }
 
+/// Sends `request` until the server serves it instead of refusing it for
+/// the connection cap, giving up after 10 s; also returns how many times it
+/// was refused first.
+fn served_once_free(port: u16, request: &str) -> (String, usize) {
+    let started = Instant::now();
+    let mut refused = 0;
+    loop {
+        let reply = exchange(port, request);
+        if !reply.contains("--max-connections") || started.elapsed() > Duration::from_secs(10) {
+            return (reply, refused);
+        }
+        refused += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Sends `request` on a new connection and reads until the server closes it.
 fn exchange(port: u16, request: &str) -> String {
     let mut s = connect(port);
@@ -169,7 +185,7 @@ fn exchange(port: u16, request: &str) -> String {
     let started = Instant::now();
     while !closed_by_server(&mut s, &mut raw) {
         assert!(
-            started.elapsed() < Duration::from_secs(2),
+            started.elapsed() < Duration::from_secs(10),
             "no answer to {request:?}"
         );
     }
@@ -206,23 +222,26 @@ async fn connections_past_the_cap_get_503_and_the_cap_frees_up() {
         let refused = refused_once_full(port, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n");
         assert_eq!(status(refused.as_bytes()), Some(503), "{refused}");
         assert!(refused.contains("--max-connections"), "{refused}");
-        // Idle connections pass their header deadline and make room.
-        std::thread::sleep(HEADER_TIMEOUT + Duration::from_millis(300));
-        let later = exchange(
+        // Idle connections pass their header deadline and make room: asked
+        // again until they have (a loaded machine may close them late).
+        std::thread::sleep(HEADER_TIMEOUT);
+        let (later, refused_meanwhile) = served_once_free(
             port,
             "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
         );
         assert!(!later.contains("--max-connections"), "{later}");
-        // Refused: the request off the probes' list and the socket past the
-        // reserve; the probes served on the reserve are not counted.
+        // Refused: the request off the probes' list, the socket past the
+        // reserve and any knock before the idle ones were closed; the probes
+        // served on the reserve are not counted.
         let metrics = exchange(
             port,
             "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
         );
-        assert!(
-            metrics.contains("\ngemma4_refused_connections_total 2\n"),
-            "{metrics}"
+        let want = format!(
+            "\ngemma4_refused_connections_total {}\n",
+            2 + refused_meanwhile
         );
+        assert!(metrics.contains(&want), "{want:?} in {metrics}");
         drop((idle, reserve));
     })
     .await
