@@ -9,7 +9,10 @@ use std::path::PathBuf;
 use gemma4_model::golden::{
     demo_gguf_for_tests as demo_gguf, greedy, verify_prompt, Golden, DEFAULT_TOLERANCE,
 };
-use gemma4_model::{load, Gemma4, LoadPolicy, LogitsFor};
+use gemma4_model::{load, Gemma4, LoadPolicy};
+
+mod divergence;
+use divergence::{forced_rows, log_softmax};
 
 fn golden() -> Golden {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -319,12 +322,6 @@ fn hugging_face_gemma3_layout_matches_the_reference() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let sum: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
-    row.iter().map(|&x| x as f64 - max - sum.ln()).collect()
-}
-
 /// KL from the reference to `row` over the reference's top tokens at that
 /// step (`ids`, log-probabilities `reference`) and the rest of the
 /// vocabulary lumped together, as `make_demo.py` measured llama.cpp.
@@ -373,14 +370,8 @@ fn default_mode_is_as_close_to_the_reference_as_llama_cpp_on_the_demo_file() {
             serde_json::from_value(p["llama_cpp"]["step_kl"].clone()).expect("kl");
         let llama_argmax: Vec<u32> =
             serde_json::from_value(p["llama_cpp"]["step_argmax"].clone()).expect("argmax");
-        let mut cache = model.new_cache();
-        let row =
-            |t: candle_core::Tensor| t.squeeze(0).and_then(|r| r.to_vec1::<f32>()).expect("row");
-        let mut logits = row(model
-            .forward(&input, &mut cache, LogitsFor::Last, None)
-            .expect("prompt"));
-        for step in 0..ids.len() {
-            let chosen = gemma4_model::golden::argmax(&logits).0;
+        for (step, logits) in forced_rows(&model, &input, &ids).iter().enumerate() {
+            let chosen = gemma4_model::golden::argmax(logits).0;
             if margins[step] > CLEAR_MARGIN {
                 assert_eq!(
                     chosen, ids[step],
@@ -388,16 +379,11 @@ fn default_mode_is_as_close_to_the_reference_as_llama_cpp_on_the_demo_file() {
                     p["name"], margins[step]
                 );
             }
-            ours += coarse_kl(&top_lp[step], &top_ids[step], &logits);
+            ours += coarse_kl(&top_lp[step], &top_ids[step], logits);
             theirs += llama_kl[step];
             top1 += usize::from(chosen == ids[step]);
             llama_top1 += usize::from(llama_argmax[step] == ids[step]);
             rows += 1;
-            if step + 1 < ids.len() {
-                logits = row(model
-                    .forward(&[ids[step]], &mut cache, LogitsFor::Last, None)
-                    .expect("step"));
-            }
         }
     }
     let n = rows as f64;

@@ -8,8 +8,11 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use gemma4_model::golden::{argmax, verify_prompt, GoldenPrompt, DEFAULT_TOLERANCE};
-use gemma4_model::{load, Gemma4, LoadPolicy, LogitsFor, Quant};
+use gemma4_model::{load, Gemma4, LoadPolicy, Quant};
 use serde::Deserialize;
+
+mod divergence;
+use divergence::{forced_rows, kl};
 
 const VARIANTS: [&str; 3] = ["e-style", "dense-k-eq-v", "moe"];
 
@@ -88,34 +91,6 @@ fn every_file_in_exact_mode_gives_the_reference_logits_and_ids() {
             }
         }
     }
-}
-
-/// Our logits at the last prompt position and at each greedy step, with the
-/// reference's greedy ids fed back (teacher forcing), so every step is
-/// compared with the reference's own however an earlier one went.
-fn forced_rows(model: &Gemma4, p: &GoldenPrompt) -> Vec<Vec<f32>> {
-    let mut cache = model.new_cache();
-    let row = |t: candle_core::Tensor| t.squeeze(0).and_then(|r| r.to_vec1::<f32>()).expect("row");
-    let prompt = model.forward(&p.input_ids, &mut cache, LogitsFor::Last, None);
-    let mut rows = vec![row(prompt.expect("prompt"))];
-    let ids = &p.greedy.generated_ids;
-    for &id in &ids[..ids.len() - 1] {
-        let step = model.forward(&[id], &mut cache, LogitsFor::Last, None);
-        rows.push(row(step.expect("step")));
-    }
-    rows
-}
-
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let sum: f64 = row.iter().map(|&x| (x as f64 - max).exp()).sum();
-    row.iter().map(|&x| x as f64 - max - sum.ln()).collect()
-}
-
-/// KL(reference ‖ ours) of one row, in nats.
-fn kl(reference: &[f32], ours: &[f32]) -> f64 {
-    let (p, q) = (log_softmax(reference), log_softmax(ours));
-    p.iter().zip(&q).map(|(a, b)| a.exp() * (a - b)).sum()
 }
 
 /// The reference's logits at every greedy step (`step_logits.safetensors`).
@@ -228,7 +203,7 @@ fn default_mode_on(variant: &str, kind: &str, f: &FileGolden) -> Closeness {
     let model = model(variant, &f.file, false);
     let mut sums = Closeness::default();
     for ((p, margins), raw) in f.prompts().iter().zip(&f.prompts) {
-        let rows = forced_rows(&model, p);
+        let rows = forced_rows(&model, &p.input_ids, &p.greedy.generated_ids);
         for (step, row) in rows.iter().enumerate() {
             if margins[step] > CLEAR_MARGIN {
                 assert_eq!(
@@ -311,7 +286,12 @@ fn quantized_on_load_is_as_close_to_the_float_reference_as_llama_cpps_files() {
             for ((p, _), raw) in float.prompts().iter().zip(&theirs.prompts) {
                 let reference = reference_rows(variant, "F16", &p.name);
                 let llama = LlamaCpp::read(&raw["llama_cpp_vs_float"]);
-                sums += closeness(&forced_rows(&model, p), p, &reference, &llama);
+                sums += closeness(
+                    &forced_rows(&model, &p.input_ids, &p.greedy.generated_ids),
+                    p,
+                    &reference,
+                    &llama,
+                );
             }
             println!("{variant} {} vs {kind}: {sums}", quant.name());
             all += sums;

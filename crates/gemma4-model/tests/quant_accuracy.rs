@@ -10,18 +10,14 @@ use gemma4_model::golden::Golden;
 use gemma4_model::safetensors_store::SafetensorsStore;
 use gemma4_model::{load, LoadPolicy, LogitsFor, Quant};
 
+mod divergence;
+
 const VARIANTS: &[&str] = &["e-style", "dense-k-eq-v", "moe", "unified"];
 
 fn fixture(variant: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../tests/fixtures/oracle")
         .join(variant)
-}
-
-fn log_softmax(row: &[f32]) -> Vec<f64> {
-    let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
-    let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
-    row.iter().map(|&v| v as f64 - max - sum.ln()).collect()
 }
 
 fn argmax(row: &[f32]) -> usize {
@@ -75,12 +71,7 @@ fn measure(variant: &str, quant: Quant, exact: bool) -> (usize, usize, f64) {
         for (w, g) in want.iter().zip(&got) {
             positions += 1;
             agree += usize::from(argmax(w) == argmax(g));
-            let (lw, lg) = (log_softmax(w), log_softmax(g));
-            kl += lw
-                .iter()
-                .zip(&lg)
-                .map(|(a, b)| a.exp() * (a - b))
-                .sum::<f64>();
+            kl += divergence::kl(w, g);
         }
     }
     (positions, agree, kl)
