@@ -138,7 +138,8 @@ struct AdapterFigures {
     /// The adapters' bytes together.
     bytes: usize,
     tests: Vec<Figure>,
-    /// Per test, the adapter's mean rate over the base model's.
+    /// Per test, the adapter's rate over the base model's
+    /// ([`paired_ratio`]).
     ratios: Vec<f64>,
 }
 
@@ -238,7 +239,7 @@ pub fn run(args: LocalArgs) -> Result<ExitCode> {
         let ratios = figures
             .iter()
             .zip(&tests)
-            .map(|(a, b)| a.mean / b.mean)
+            .map(|(a, b)| paired_ratio(&a.samples, &b.samples))
             .collect();
         AdapterFigures {
             name,
@@ -481,6 +482,20 @@ fn random_ids(seed: u64, n: usize, vocab: usize) -> Vec<u32> {
             (x % vocab.max(1) as u64) as u32
         })
         .collect()
+}
+
+/// The median over repetitions of `a`'s rate over `b`'s in the same
+/// repetition: each pair ran back to back, so a machine whose speed drifts
+/// (a busy neighbour, a clock change) moves both, and one disturbed pair
+/// does not move the median.
+fn paired_ratio(a: &[f64], b: &[f64]) -> f64 {
+    let mut ratios: Vec<f64> = a.iter().zip(b).map(|(a, b)| a / b).collect();
+    ratios.sort_by(f64::total_cmp);
+    match ratios.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => ratios[n / 2],
+        n => (ratios[n / 2 - 1] + ratios[n / 2]) / 2.0,
+    }
 }
 
 fn figure(test: String, tokens: usize, samples: Vec<f64>) -> Figure {

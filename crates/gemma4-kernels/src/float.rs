@@ -150,45 +150,6 @@ multiversion!(
 );
 
 #[inline(always)]
-fn add_scaled_f32_body(out: &mut [f32], s: f32, w: &[u8]) {
-    for (o, b) in out.iter_mut().zip(w.chunks_exact(4)) {
-        *o += s * f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    }
-}
-
-multiversion!(
-    /// `out[i] += s · w[i]` with `w` as little-endian f32 bytes.
-    pub fn add_scaled_f32(out: &mut [f32], s: f32, w: &[u8]) => add_scaled_f32_body
-);
-
-#[inline(always)]
-fn add_scaled_bf16_body(out: &mut [f32], s: f32, w: &[u8]) {
-    for (o, b) in out.iter_mut().zip(w.chunks_exact(2)) {
-        *o += s * bf16_bits(b);
-    }
-}
-
-multiversion!(
-    /// `out[i] += s · w[i]` with `w` as little-endian bf16 bytes.
-    pub fn add_scaled_bf16(out: &mut [f32], s: f32, w: &[u8]) => add_scaled_bf16_body
-);
-
-/// `out[i] += s · w[i]` with `w` as `ty`'s little-endian bytes, one
-/// product and one add per value (no fused multiply-add), the same
-/// arithmetic whatever the instruction set.
-pub fn add_scaled(ty: FloatType, out: &mut [f32], s: f32, w: &[u8]) {
-    match ty {
-        FloatType::F32 => add_scaled_f32(out, s, w),
-        FloatType::Bf16 => add_scaled_bf16(out, s, w),
-        FloatType::F16 => {
-            for (o, b) in out.iter_mut().zip(w.chunks_exact(2)) {
-                *o += s * f16::from_le_bytes([b[0], b[1]]).to_f32();
-            }
-        }
-    }
-}
-
-#[inline(always)]
 fn dot_f32_body(x: &[f32], w: &[f32]) -> f32 {
     let mut acc = [0f32; LANES];
     let (xc, wc) = (x.chunks_exact(LANES), w.chunks_exact(LANES));
@@ -432,28 +393,6 @@ mod tests {
             // Odd sizes exercise the remainders and a partial last tile.
             check_matmul(&matrix(ty, 131, 77));
             check_matmul(&matrix(ty, 8, 256));
-        }
-    }
-
-    #[test]
-    fn scaled_rows_add_value_by_value_at_every_length() {
-        for ty in [FloatType::F32, FloatType::Bf16, FloatType::F16] {
-            for len in [0, 1, 15, 16, 17, 33, 64, 129] {
-                let m = matrix(ty, 1, len);
-                let mut widened = vec![0f32; len];
-                m.dequantize_rows(0..1, &mut widened);
-                let start = values(len, 5, 2.0);
-                let mut out = start.clone();
-                add_scaled(ty, &mut out, -0.37, m.row_bytes(0));
-                // One rounding for the product, one for the sum: no FMA.
-                for ((o, s), w) in out.iter().zip(&start).zip(&widened) {
-                    assert_eq!(
-                        o.to_bits(),
-                        (s + -0.37 * w).to_bits(),
-                        "{ty:?} length {len}"
-                    );
-                }
-            }
         }
     }
 

@@ -43,6 +43,7 @@ pub mod kquant_x8;
 pub mod legacy;
 pub mod norm;
 mod order;
+pub mod panel;
 pub mod pool;
 pub mod q4;
 pub mod q8_0;

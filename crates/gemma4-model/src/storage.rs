@@ -164,6 +164,47 @@ pub fn with_f32_values<R>(x: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> 
     Ok(f(&values))
 }
 
+/// `f` of the values of `y` in row-major order, changed in place, when
+/// `y` is a contiguous f32 tensor on the CPU (as our products' outputs
+/// are); `None`, with `f` not run, for any other.
+///
+/// Only for a tensor nothing else holds: a clone shares the values.
+pub fn with_f32_values_mut<R>(y: &Tensor, f: impl FnOnce(&mut [f32]) -> R) -> Result<Option<R>> {
+    let op = InPlace {
+        f: std::cell::Cell::new(Some(f)),
+        out: std::cell::Cell::new(None),
+    };
+    y.inplace_op1(&op)?;
+    Ok(op.out.into_inner())
+}
+
+/// [`with_f32_values_mut`]'s pass over the storage.
+struct InPlace<F, R> {
+    f: std::cell::Cell<Option<F>>,
+    out: std::cell::Cell<Option<R>>,
+}
+
+impl<F: FnOnce(&mut [f32]) -> R, R> candle_core::InplaceOp1 for InPlace<F, R> {
+    fn name(&self) -> &'static str {
+        "in-place f32 values"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &mut CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        if let (CpuStorage::F32(values), Some((start, end))) =
+            (storage, layout.contiguous_offsets())
+        {
+            if let Some(f) = self.f.take() {
+                self.out.set(Some(f(&mut values[start..end])));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A linear layer computed by our kernels (`gemma4-kernels`) over any [`WeightMatrix`].
 #[derive(Debug, Clone)]
 pub struct KernelLinear {

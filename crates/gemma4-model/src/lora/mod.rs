@@ -20,13 +20,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::Tensor;
-use gemma4_kernels::float::{add_scaled, widen, FloatMatrix, FloatType};
+use gemma4_kernels::float::{FloatMatrix, FloatType};
+use gemma4_kernels::panel::{PanelMatrix, PANEL};
 use gemma4_kernels::Bytes;
 use gemma4_kernels::WeightMatrix;
 
 use crate::config::{KvSource, TextConfig};
 use crate::error::{ModelError, Result};
-use crate::storage::{with_f32_values, KernelLinear, Linear};
+use crate::storage::{with_f32_values, with_f32_values_mut, KernelLinear, Linear};
 
 /// The projections an adapter may change, in the order a layer runs them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -86,9 +87,9 @@ impl Projection {
 pub struct LoraModule {
     /// `[r, in]`.
     a: Factor,
-    /// `lora_B` transposed, `[r, out]`: `B (A x)` is then `r` scaled rows
-    /// added up, each read once in order.
-    b_t: StoredFactor,
+    /// `lora_B` transposed, `[r, out]`, in column panels: `B (A x)` is
+    /// then `r` scaled rows added up, a slice of outputs at a time.
+    b_t: PanelMatrix,
     scale: f64,
     rank: usize,
 }
@@ -117,26 +118,26 @@ impl LoraModule {
     /// matrix products over the pool; the scaling is applied to the
     /// `[n, r]` product.
     fn delta_product(&self, x: &Tensor) -> Result<Tensor> {
-        let [rank, out] = self.b_t.shape;
+        let (rank, out) = (self.b_t.rows(), self.b_t.cols());
         let low = (self.a.linear.forward(x)? * self.scale)?;
-        let mut b_t = vec![0f32; rank * out];
-        widen(self.b_t.ty, self.b_t.bytes.as_slice(), &mut b_t);
-        let b_t = Tensor::from_vec(b_t, (rank, out), x.device())?;
+        let b_t = Tensor::from_vec(self.b_t.to_f32_rows(), (rank, out), x.device())?;
         Ok(low.matmul(&b_t)?)
     }
 
     /// Adds `Σ_k low[k] · s · Bᵀ[k, cols]` into `out` (`cols` starting at
-    /// `from`): Bᵀ's rows read in order, the same sums in the same order
-    /// however the columns are split.
+    /// `from`): the same sums in the same order however the columns are
+    /// split.
     fn expand_into(&self, low: &[f32], from: usize, out: &mut [f32]) {
-        let [_, cols] = self.b_t.shape;
-        let size = self.b_t.ty.size();
         let scale = self.scale as f32;
-        let bytes = self.b_t.bytes.as_slice();
-        for (k, l) in low.iter().enumerate() {
-            let start = (k * cols + from) * size;
-            let row = &bytes[start..start + out.len() * size];
-            add_scaled(self.b_t.ty, out, l * scale, row);
+        let mut coeffs = [0f32; 64];
+        if low.len() <= coeffs.len() {
+            for (c, l) in coeffs.iter_mut().zip(low) {
+                *c = l * scale;
+            }
+            self.b_t.add_combination(&coeffs[..low.len()], from, out);
+        } else {
+            let coeffs: Vec<f32> = low.iter().map(|l| l * scale).collect();
+            self.b_t.add_combination(&coeffs, from, out);
         }
     }
 }
@@ -150,6 +151,9 @@ pub type ModuleRows<'a> = (&'a LoraModule, Vec<u32>);
 /// group at most. Groups of a few rows (decode) share one split over the
 /// pool: the `[rows, r]` products of every group, then every group's rows
 /// of `y` in column slices. Larger groups run as matrix products.
+///
+/// `y`'s values may be changed in place: it must be a tensor nothing
+/// else holds (a product's fresh output).
 pub fn add_terms(groups: &[ModuleRows<'_>], x: &Tensor, y: Tensor) -> Result<Tensor> {
     let n = x.dim(0)?;
     let mut y = y;
@@ -172,6 +176,11 @@ pub fn add_terms(groups: &[ModuleRows<'_>], x: &Tensor, y: Tensor) -> Result<Ten
     }
     let lows = with_f32_values(&x.contiguous()?, |xs| shrink(&few, xs))??;
     let (rows, cols) = y.dims2()?;
+    // The base product's own values, changed in place where they can be.
+    if let Some(done) = with_f32_values_mut(&y, |values| expand(&few, &lows, values, cols))? {
+        done?;
+        return Ok(y);
+    }
     let mut values = y.flatten_all()?.to_vec1::<f32>()?;
     expand(&few, &lows, &mut values, cols)?;
     Ok(Tensor::from_vec(values, (rows, cols), x.device())?)
@@ -232,21 +241,22 @@ fn shrink(groups: &[&ModuleRows<'_>], xs: &[f32]) -> Result<Vec<Vec<f32>>> {
 }
 
 /// Adds every group's term to its rows of `y` (`cols` values each):
-/// tasks are column slices of single rows.
+/// tasks are column slices of single rows, whole panels of `Bᵀ`.
 fn expand(groups: &[&ModuleRows<'_>], lows: &[Vec<f32>], y: &mut [f32], cols: usize) -> Result<()> {
     let pool = gemma4_kernels::pool::global();
     let rows: usize = groups.iter().map(|(_, r)| r.len()).sum();
     let width = (rows * cols)
         .div_ceil(4 * pool.threads())
         .max(MIN_EXPAND_WIDTH)
+        .next_multiple_of(PANEL)
         .min(cols.max(1));
     let mut y_rows: Vec<Option<&mut [f32]>> = y.chunks_exact_mut(cols.max(1)).map(Some).collect();
     let (mut parts, mut tasks) = (Vec::new(), Vec::new());
     for (g, (module, rows)) in groups.iter().enumerate() {
-        if module.b_t.shape[1] != cols {
+        if module.b_t.cols() != cols {
             return Err(ModelError::Input(format!(
                 "a LoRA module of {} outputs applied to a product of {cols}",
-                module.b_t.shape[1]
+                module.b_t.cols()
             )));
         }
         for (t, &r) in rows.iter().enumerate() {
@@ -341,7 +351,7 @@ impl LoraAdapter {
                 .unwrap_or_default();
             layers[layer][slot] = Some(LoraModule {
                 a: a.factor()?,
-                b_t: b.transposed(),
+                b_t: b.transposed_panels()?,
                 scale,
                 rank,
             });
@@ -393,7 +403,7 @@ impl LoraAdapter {
                 bytes += a.bytes.len() + b.bytes.len();
                 *slot = Some(LoraModule {
                     a: a.factor()?,
-                    b_t: b.transposed(),
+                    b_t: b.transposed_panels()?,
                     scale: 2.0,
                     rank,
                 });
@@ -512,8 +522,9 @@ impl StoredFactor {
         }
     }
 
-    /// The `[cols, rows]` transpose, in the same element type.
-    fn transposed(self) -> Self {
+    /// The `[cols, rows]` transpose, in the same element type, in column
+    /// panels.
+    fn transposed_panels(self) -> Result<PanelMatrix> {
         let [rows, cols] = self.shape;
         let size = self.ty.size();
         let src = self.bytes.as_slice();
@@ -525,11 +536,9 @@ impl StoredFactor {
                 out[to..to + size].copy_from_slice(&src[from..from + size]);
             }
         }
-        Self {
-            bytes: Bytes::from_vec(out),
-            ty: self.ty,
-            shape: [cols, rows],
-        }
+        PanelMatrix::from_row_major(&out, self.ty, cols, rows).ok_or_else(|| {
+            ModelError::Input(format!("a LoRA factor's bytes are not [{rows}, {cols}]"))
+        })
     }
 
     fn factor(self) -> Result<Factor> {
