@@ -369,21 +369,10 @@ unsafe fn dot_f16_f16c(x: &[f32], w: &[u8]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{check_matmul, values};
+    use crate::testing::{check_matmul, encode_floats, values};
 
     fn matrix(ty: FloatType, rows: usize, cols: usize) -> FloatMatrix {
-        let v = values(rows * cols, 3, 0.5);
-        let bytes: Vec<u8> = match ty {
-            FloatType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            FloatType::Bf16 => v
-                .iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                .collect(),
-            FloatType::F16 => v
-                .iter()
-                .flat_map(|x| f16::from_f32(*x).to_le_bytes())
-                .collect(),
-        };
+        let bytes = encode_floats(ty, &values(rows * cols, 3, 0.5));
         FloatMatrix::new(Bytes::from_vec(bytes), ty, rows, cols).expect("shape")
     }
 

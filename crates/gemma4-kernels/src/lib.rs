@@ -583,6 +583,22 @@ pub(crate) mod testing {
             .collect()
     }
 
+    /// `v` as little-endian values of `ty`, rounded to nearest.
+    pub fn encode_floats(ty: crate::float::FloatType, v: &[f32]) -> Vec<u8> {
+        use crate::float::FloatType;
+        match ty {
+            FloatType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            FloatType::Bf16 => v
+                .iter()
+                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
+                .collect(),
+            FloatType::F16 => v
+                .iter()
+                .flat_map(|x| half::f16::from_f32(*x).to_le_bytes())
+                .collect(),
+        }
+    }
+
     /// `blocks` random blocks of `bytes` bytes whose f16 fields (at
     /// `halves` within each block) are sane scales.
     pub fn random_blocks(blocks: usize, bytes: usize, halves: &[usize], seed: u64) -> Vec<u8> {

@@ -231,29 +231,7 @@ fn add_panels_f16(out: &mut [f32], coeffs: &[f32], bytes: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(n: usize, seed: u32, scale: f32) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                let h = (i as u32).wrapping_add(seed).wrapping_mul(2_654_435_761) >> 8;
-                (h as f32 / (1u32 << 24) as f32 - 0.5) * scale
-            })
-            .collect()
-    }
-
-    fn encode(ty: FloatType, v: &[f32]) -> Vec<u8> {
-        match ty {
-            FloatType::F32 => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            FloatType::Bf16 => v
-                .iter()
-                .flat_map(|x| half::bf16::from_f32(*x).to_le_bytes())
-                .collect(),
-            FloatType::F16 => v
-                .iter()
-                .flat_map(|x| f16::from_f32(*x).to_le_bytes())
-                .collect(),
-        }
-    }
+    use crate::testing::{encode_floats as encode, values};
 
     #[test]
     fn combinations_equal_row_by_row_sums_for_any_split() {
