@@ -1,7 +1,7 @@
 """Drives the server's Anthropic Messages routes with the official `anthropic`
 SDK and prints what the SDK parsed as one JSON object on stdout.
 
-    python anthropic_client.py --base-url http://127.0.0.1:PORT --model M \
+    python anthropic_client.py --base-url http://127.0.0.1:PORT --model M --scenario S \
         --prompt "Weather in Paris?" --max-tokens 40 [--ban ID ...] [--api-key K]
 
 Every reply is parsed by the SDK's own types; a reply they reject raises.
@@ -184,8 +184,25 @@ def scenario_agent(args):
     return {"turns": turns, "called": called}
 
 
+# `--speculative-decoding`: the extension field as `extra_body` sends it (`on` leaves it out).
+SPECULATIVE = {"on": {}, "off": {"speculative_decoding": False}, "bad": {"speculative_decoding": "no"}}
+
+
+def scenario_one_turn(args):
+    """One greedy turn, `--speculative-decoding` in `extra_body`; a 400 as the SDK's error."""
+    extra = {"temperature": 0, **SPECULATIVE[args.speculative_decoding]}
+    try:
+        m = client(args).messages.create(model=args.model, max_tokens=args.max_tokens,
+                                          messages=[{"role": "user", "content": args.prompt}],
+                                          extra_body=extra)
+    except anthropic.BadRequestError as e:
+        return {"error": {"status": e.status_code, "body": e.body}}
+    return {"text": "".join(b.text for b in m.content if b.type == "text"),
+            "output_tokens": m.usage.output_tokens}
+
+
 SCENARIOS = {"messages": scenario_messages, "agent": scenario_agent, "round_trip": scenario_round_trip, "errors": scenario_errors,
-             "image": scenario_image}
+             "image": scenario_image, "one_turn": scenario_one_turn}
 
 
 def main():
@@ -199,6 +216,8 @@ def main():
     p.add_argument("--ban", action="append", default=[])
     p.add_argument("--api-key")
     p.add_argument("--image", action="append", default=[], help="PNG path, repeatable (image scenario)")
+    p.add_argument("--speculative-decoding", choices=sorted(SPECULATIVE), default="on",
+                   help="one_turn scenario: drafting left on, turned off, or a value that is not a boolean")
     args = p.parse_args()
     print(json.dumps(SCENARIOS[args.scenario](args)))
 

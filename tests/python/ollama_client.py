@@ -12,6 +12,10 @@ import json
 import ollama
 
 
+# `--speculative-decoding`: the extension option (`on` leaves it out).
+SPECULATIVE = {"on": {}, "off": {"speculative_decoding": False}, "bad": {"speculative_decoding": "no"}}
+
+
 def merged(chunks, key):
     """A streamed chat's message field, joined across its chunks."""
     return "".join(getattr(c.message, key) or "" for c in chunks)
@@ -38,8 +42,19 @@ def main():
     p.add_argument("--prompt", default="Weather in Paris?")
     p.add_argument("--max-tokens", type=int, default=24)
     p.add_argument("--image", action="append", default=[], help="image path: only a chat turn with these")
+    p.add_argument("--speculative-decoding", choices=sorted(SPECULATIVE),
+                   help="only one greedy chat turn, drafting left on, turned off in `options`, or a bad value")
     args = p.parse_args()
     c = ollama.Client(host=args.host)
+    if args.speculative_decoding:
+        options = {"temperature": 0, "num_predict": args.max_tokens, **SPECULATIVE[args.speculative_decoding]}
+        try:
+            r = c.chat(model=args.model, messages=[{"role": "user", "content": args.prompt}], options=options)
+        except ollama.ResponseError as e:
+            print(json.dumps({"error": {"status": e.status_code, "error": e.error}}))
+            return
+        print(json.dumps({"text": r.message.content, "eval_count": r.eval_count}))
+        return
     if args.image:
         kw = {"model": args.model, "options": {"temperature": 0, "num_predict": args.max_tokens},
               "messages": [{"role": "user", "content": args.prompt, "images": args.image}]}

@@ -1,24 +1,28 @@
 //! `serve --speculative ngram` and `--speculative assistant`: drafts never
 //! change what is served (the oracle's greedy ids, whole and streamed
-//! alike), and `/metrics` counts them under vLLM's names.
+//! alike), `/metrics` counts them under vLLM's names, and a request on any
+//! API can turn them off.
 
 use serde_json::json;
 
-use super::harness::{fixture, golden, openai_error, EventStream, ServerProc};
+use super::harness::{fixture, golden, openai_error, python_script, EventStream, ServerProc};
 use super::{generate_ids, golden_ids, ids};
+
+/// N-gram drafting that finds a match wherever the last token occurred
+/// before, so the tiny fixtures draft often.
+const NGRAM: [&str; 6] = [
+    "--speculative",
+    "ngram",
+    "--ngram-min",
+    "1",
+    "--ngram-max",
+    "3",
+];
 
 #[test]
 fn drafting_keeps_the_oracle_output_and_counts_drafts() {
-    let drafting = [
-        "--speculative",
-        "ngram",
-        "--ngram-min",
-        "1",
-        "--ngram-max",
-        "3",
-    ];
     for variant in ["e-style", "moe"] {
-        let server = ServerProc::start(&fixture(variant), &drafting, &[]);
+        let server = ServerProc::start(&fixture(variant), &NGRAM, &[]);
         let g = golden(variant);
         for p in g["prompts"].as_array().expect("prompts") {
             let expected = golden_ids(p);
@@ -65,6 +69,63 @@ fn drafting_keeps_the_oracle_output_and_counts_drafts() {
         let r = server.post("/v1/completions", &bad);
         assert_eq!(r.status, 400, "{}", r.body);
         assert_eq!(openai_error(&r)["param"], "speculative_decoding");
+    }
+}
+
+/// Anthropic's and Ollama's routes turn drafting off per request as the
+/// OpenAI routes do, through their official clients (`extra_body` in the
+/// anthropic SDK, `options` in Ollama's): the same greedy reply with
+/// nothing drafted, where the same turn with drafting on drafts; a value
+/// that is not a boolean is a 400 in the API's shape naming the field.
+#[test]
+fn anthropic_and_ollama_requests_turn_drafting_off() {
+    let server = ServerProc::start(&fixture("e-style"), &NGRAM, &[]);
+    let drafted = || server.metric("vllm:spec_decode_num_draft_tokens_total");
+    let url = server.url();
+    // One greedy turn through a client script, its own arguments first.
+    let turn = |script: &str, module: &str, own: &[&str], setting: &str| {
+        let mut args = own.to_vec();
+        args.extend(["--model", "e-style", "--prompt", "Tell me about the sea."]);
+        args.extend(["--max-tokens", "24", "--speculative-decoding", setting]);
+        python_script(script, &[module], &args)
+    };
+    let anthropic = |setting: &str| {
+        let own = ["--base-url", &url, "--scenario", "one_turn"];
+        turn("anthropic_client.py", "anthropic", &own, setting)
+    };
+    let ollama = |setting: &str| turn("ollama_client.py", "ollama", &["--host", &url], setting);
+    type Client<'a> = &'a dyn Fn(&str) -> Option<serde_json::Value>;
+    for (api, run) in [("anthropic", &anthropic as Client), ("ollama", &ollama)] {
+        let before = drafted();
+        let Some(off) = run("off") else {
+            return;
+        };
+        assert!(off.get("error").is_none(), "{api}: {off}");
+        assert_eq!(
+            drafted(),
+            before,
+            "{api}: a request with drafting off drafted"
+        );
+        let on = run("on").expect("the client ran once");
+        assert!(
+            drafted() > before,
+            "{api}: the same turn with drafting on drafted nothing"
+        );
+        assert_eq!(on["text"], off["text"], "{api}");
+        let bad = run("bad").expect("the client ran once");
+        assert_eq!(bad["error"]["status"], 400, "{api}: {bad}");
+        let message = match api {
+            "anthropic" => &bad["error"]["body"]["error"]["message"],
+            _ => &bad["error"]["error"],
+        };
+        let field = match api {
+            "anthropic" => "`speculative_decoding`",
+            _ => "`options.speculative_decoding`",
+        };
+        assert!(
+            message.as_str().is_some_and(|m| m.contains(field)),
+            "{api}: {bad}"
+        );
     }
 }
 

@@ -194,6 +194,7 @@ fn chat_fields(f: &Fields) -> Result<(Fields, Vec<Option<usize>>), ApiError> {
         "top_p",
         "top_k",
         "stream",
+        "speculative_decoding",
     ] {
         if let Some(v) = f.get(key) {
             body.insert(key.into(), v.clone());

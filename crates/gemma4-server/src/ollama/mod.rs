@@ -89,6 +89,7 @@ fn ollama_name(name: &str, route: Route) -> String {
         ("stop", "options.stop"),
         ("presence_penalty", "options.presence_penalty"),
         ("frequency_penalty", "options.frequency_penalty"),
+        ("speculative_decoding", "options.speculative_decoding"),
         ("response_format", "format"),
         ("chat_template_kwargs", "think"),
     ];
@@ -235,6 +236,7 @@ fn sampling_options(
         ("repeat_penalty", "repetition_penalty"),
         ("presence_penalty", "presence_penalty"),
         ("frequency_penalty", "frequency_penalty"),
+        ("speculative_decoding", "speculative_decoding"),
     ];
     for (ollama, chat) in renamed {
         if let Some(v) = options.get(ollama).filter(|v| !v.is_null()) {
