@@ -61,15 +61,6 @@ impl PanelMatrix {
         self.cols
     }
 
-    pub fn ty(&self) -> FloatType {
-        self.ty
-    }
-
-    /// The bytes held: the same count as the row-major values.
-    pub fn byte_len(&self) -> usize {
-        self.bytes.len()
-    }
-
     /// The values widened to f32, row-major (`[rows, cols]`).
     pub fn to_f32_rows(&self) -> Vec<f32> {
         let mut out = vec![0f32; self.rows * self.cols];
